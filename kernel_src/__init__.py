@@ -1,0 +1,65 @@
+"""sparse_k: the compute core of hf_sparse_attention (also the Hugging Face kernel-hub module).
+
+Pattern configurations, block and token layouts, the exact reference, the PyTorch path and the
+GPU kernels. Imports only torch (and triton, where kernels are used); relative imports only.
+"""
+
+from .api import available_backends, register_backend, sparse_attention
+from .config import DEFAULT_SPARSE_CONFIG, pattern_for_layer, pattern_to_config, validate_sparse_config
+from .block_layout import BlockLayout, build_block_layout, clear_layout_cache
+from .geometry import RowGeometry, row_geometry
+from .patterns import (
+    DSA,
+    BigBird,
+    BlockDiagonal,
+    Dense,
+    Dilated,
+    L2Aligned,
+    Pattern,
+    SlidingWindow,
+    SparseK,
+    Streaming,
+    available_patterns,
+    get_pattern,
+    pattern_from_dict,
+    resolve_l2_segment,
+)
+from .reference import masked_attention, pattern_mask, reference_attention
+from .token_layout import TokenLayout
+from .torch_path import torch_sparse_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sparse_attention",
+    "available_backends",
+    "register_backend",
+    "available_patterns",
+    "get_pattern",
+    "pattern_from_dict",
+    "resolve_l2_segment",
+    "Pattern",
+    "Dense",
+    "SlidingWindow",
+    "Streaming",
+    "BlockDiagonal",
+    "BigBird",
+    "Dilated",
+    "L2Aligned",
+    "SparseK",
+    "DSA",
+    "BlockLayout",
+    "build_block_layout",
+    "clear_layout_cache",
+    "TokenLayout",
+    "RowGeometry",
+    "row_geometry",
+    "reference_attention",
+    "masked_attention",
+    "pattern_mask",
+    "torch_sparse_attention",
+    "DEFAULT_SPARSE_CONFIG",
+    "pattern_for_layer",
+    "pattern_to_config",
+    "validate_sparse_config",
+]

@@ -1,0 +1,100 @@
+"""Where each row's queries and keys sit: tensor indices -> token positions (design §3).
+
+For batch row ``b`` the valid keys are the tensor indices ``k_start[b] <= j < k_end[b]`` (and, when
+a 2-D key mask is given, only where it is True); key ``j`` has position ``j - k_start[b]``. Query
+``i`` (tensor index along the query axis) sits at key index ``q_start[b] + i`` and so has position
+``q_start[b] + i - k_start[b]``. Causality compares key indices, so left padding shifts queries and
+keys alike, while sinks, blocks and anchors are counted from each row's first valid key.
+
+Defaults: ``q_start = Skv - Sq`` (bottom-right: prefill, chunked prefill, decode), ``k_start`` = the
+first True of the key mask (0 without one), ``k_end`` = one past its last True (``Skv`` without one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RowGeometry", "row_geometry"]
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    """Per-row offsets, each an int64 tensor of shape ``(B,)`` (or ``(1,)`` when every row is alike)."""
+
+    q_start: torch.Tensor
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.q_start.shape[0]
+
+    def q_positions(self, q_len: int) -> torch.Tensor:
+        """``(B', q_len)`` query positions."""
+        i = torch.arange(q_len, device=self.q_start.device)
+        return (self.q_start - self.k_start)[:, None] + i
+
+    def k_positions(self, kv_len: int) -> torch.Tensor:
+        """``(B', kv_len)`` key positions (negative before a row's first valid key)."""
+        j = torch.arange(kv_len, device=self.k_start.device)
+        return j - self.k_start[:, None]
+
+    def key_valid(self, kv_len: int) -> torch.Tensor:
+        """``(B', kv_len)`` bool: inside ``[k_start, k_end)``."""
+        j = torch.arange(kv_len, device=self.k_start.device)
+        return (j >= self.k_start[:, None]) & (j < self.k_end[:, None])
+
+    def cache_key(self) -> tuple:
+        return (tuple(self.q_start.tolist()), tuple(self.k_start.tolist()), tuple(self.k_end.tolist()))
+
+    def select(self, b: int) -> "RowGeometry":
+        b = b if self.rows > 1 else 0
+        return RowGeometry(self.q_start[b : b + 1], self.k_start[b : b + 1], self.k_end[b : b + 1])
+
+
+def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:
+    if isinstance(value, bool):
+        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got bool")
+    if isinstance(value, int):
+        return torch.tensor([value], dtype=torch.int64, device=device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise TypeError(f"`{name}` must hold integers, got dtype {value.dtype}")
+    if value.dim() != 1 or value.shape[0] not in (1, batch):
+        raise ValueError(f"`{name}` must have shape ({batch},) or (1,), got {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.int64)
+
+
+def row_geometry(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    attention_mask: torch.Tensor | None = None,
+    q_start=None,
+    device=None,
+) -> RowGeometry:
+    """Build the geometry of ``batch`` rows from the 2-D key mask (True/1 = key takes part).
+
+    ``q_start`` overrides the bottom-right default (an int or ``(B,)`` tensor: key index of query 0),
+    e.g. for a StaticCache whose valid length is shorter than its tensor.
+    """
+    if attention_mask is None:
+        k_start = torch.zeros(1, dtype=torch.int64, device=device)
+        k_end = torch.full((1,), kv_len, dtype=torch.int64, device=device)
+    else:
+        m = attention_mask.to(torch.bool)
+        j = torch.arange(kv_len, device=m.device)
+        any_valid = m.any(-1)
+        first = torch.where(m, j, kv_len).amin(-1)
+        last = torch.where(m, j, -1).amax(-1) + 1
+        k_start = torch.where(any_valid, first, torch.full_like(first, kv_len)).to(torch.int64)
+        k_end = torch.where(any_valid, last, torch.full_like(last, kv_len)).to(torch.int64)
+    if q_start is None:
+        q_start_t = torch.full((1,), kv_len - q_len, dtype=torch.int64, device=k_start.device)
+    else:
+        q_start_t = _as_rows("q_start", q_start, batch, k_start.device)
+    rows = max(q_start_t.shape[0], k_start.shape[0])
+    return RowGeometry(q_start_t.expand(rows).contiguous(), k_start.expand(rows).contiguous(), k_end.expand(rows).contiguous())
