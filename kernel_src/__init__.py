@@ -28,6 +28,14 @@ from .reference import masked_attention, pattern_mask, reference_attention
 from .token_layout import TokenLayout
 from .torch_path import torch_sparse_attention
 
+from .flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .hub_attention import flash_attn_forward, supports_flash_attn
+
+try:  # the GPU kernels register the "triton" backend only where triton imports
+    from . import triton_backend  # noqa: F401
+except ImportError:
+    triton_backend = None
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -62,4 +70,9 @@ __all__ = [
     "pattern_for_layer",
     "pattern_to_config",
     "validate_sparse_config",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_forward",
+    "supports_flash_attn",
 ]

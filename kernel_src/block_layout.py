@@ -187,19 +187,26 @@ class BlockLayout:
     def from_block_mask(cls, block_mask, pattern: Pattern, geometry: RowGeometry, layer_idx: int = 0, num_kv_heads: int = 1) -> "BlockLayout":
         """Take the tiles of a FlexAttention ``BlockMask`` whose ``mask_mod`` computes ``pattern``.
 
-        The mask's head dimension must be 1 or ``num_kv_heads`` (one row per KV head).
+        The mask's head dimension may be 1, ``num_kv_heads``, or a multiple of it (one row per query
+        head, shared within each KV group as ``to_block_mask`` writes it): then the first query head of
+        every group stands for its KV head.
         """
         bq, bk = block_mask.BLOCK_SIZE
         q_len, kv_len = block_mask.seq_lengths
-        full_num = block_mask.full_kv_num_blocks
-        full_idx = block_mask.full_kv_indices
+        num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+        full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
         if full_num is None:
-            full_num = torch.zeros_like(block_mask.kv_num_blocks)
-            full_idx = torch.zeros_like(block_mask.kv_indices[..., :1])
+            full_num = torch.zeros_like(num)
+            full_idx = torch.zeros_like(idx[..., :1])
+        heads = num.shape[1]
+        if heads not in (1, num_kv_heads):
+            if heads % num_kv_heads:
+                raise ValueError(f"BlockMask has {heads} heads, not 1 or a multiple of num_kv_heads={num_kv_heads}")
+            step = heads // num_kv_heads
+            num, idx, full_num, full_idx = (t[:, ::step] for t in (num, idx, full_num, full_idx))
         return cls(
-            block_mask.kv_num_blocks.to(torch.int32), block_mask.kv_indices.to(torch.int32),
-            full_num.to(torch.int32), full_idx.to(torch.int32), bq, bk, q_len, kv_len,
-            pattern, layer_idx, num_kv_heads, geometry,
+            num.to(torch.int32), idx.to(torch.int32), full_num.to(torch.int32), full_idx.to(torch.int32),
+            bq, bk, q_len, kv_len, pattern, layer_idx, num_kv_heads, geometry,
         )
 
 

@@ -105,6 +105,8 @@ class Pattern:
         ok = self._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (kpos >= 0)
         if self.causal:
             ok = ok & (kpos <= qpos)
+        if self.per_head and isinstance(kv_head, torch.Tensor):
+            ok = ok.expand(torch.broadcast_shapes(ok.shape, kv_head.shape))
         return ok
 
     def key_intervals(self, q_lo: torch.Tensor, q_hi: torch.Tensor, layer_idx: int = 0, num_kv_heads: int = 1, kv_len: int | None = None):

@@ -16,7 +16,7 @@ from .token_layout import TokenLayout
 __all__ = ["torch_sparse_attention"]
 
 #: Upper bound on score elements materialised per chunk (B * Hq * rows * keys).
-CHUNK_ELEMENTS = 1 << 23
+CHUNK_ELEMENTS = 1 << 21
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

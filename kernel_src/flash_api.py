@@ -1,0 +1,151 @@
+"""FlashAttention-style entry points over ``sparse_attention``: ``(B, S, H, D)`` tensors.
+
+* ``flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, ...)``
+* ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` with
+  packed ``(total, H, D)`` tensors
+* ``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, ...)``: decode /
+  chunked prefill against a ``(B, S_cache, Hkv, D)`` cache read in place (strided views, no copies);
+  new keys ``k``/``v`` are written into the cache at ``cache_seqlens`` first, as FlashAttention does.
+
+``window_size=(left, right)`` follows FlashAttention: key ``j`` is attended by query ``i`` when
+``i - left <= j <= i + right`` (``-1`` = unbounded). Causal with a finite ``left`` is the
+``sliding_window`` pattern with ``window = left + 1``; non-causal with ``left == right`` is the
+bidirectional ``sliding_window`` with ``window = left``. Other patterns go through ``pattern=``.
+Queries are aligned bottom-right, as in FlashAttention 2.1+.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import sparse_attention
+from .patterns import Dense, Pattern, SlidingWindow, get_pattern
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _pattern_from_window(window_size, causal: bool, pattern) -> Pattern:
+    if pattern is not None:
+        p = get_pattern(pattern)
+        if window_size not in ((-1, -1), [-1, -1]):
+            raise ValueError("pass either `pattern` or `window_size`, not both")
+        return p
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"`window_size` must be a pair (left, right), got {window_size!r}")
+    left, right = (int(x) for x in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"`window_size` entries must be >= -1, got {window_size!r}")
+    if causal:
+        if left < 0:
+            return Dense(causal=True)
+        return SlidingWindow(window=left + 1, causal=True)
+    if left < 0 and right < 0:
+        return Dense(causal=False)
+    if left != right or left < 0:
+        raise ValueError(
+            f"non-causal `window_size` must be symmetric (left == right >= 0) or (-1, -1), got {window_size!r}"
+        )
+    return SlidingWindow(window=left, causal=False)
+
+
+def _softcap(softcap) -> float | None:
+    if softcap is None or softcap == 0:
+        return None
+    return float(softcap)
+
+
+def _check_unsupported(dropout_p, alibi_slopes):
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0 (dropout is not supported), got {dropout_p}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes are not supported")
+
+
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, pattern=None, sink_logits=None,
+    layer_idx=0, backend="auto",
+):
+    """``q (B, Sq, Hq, D)``, ``k``/``v`` ``(B, Skv, Hkv, D)`` -> ``out (B, Sq, Hq, D)`` (and ``lse (B, Hq, Sq)``
+    when ``return_attn_probs``)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
+    p = _pattern_from_window(window_size, bool(causal), pattern)
+    out, lse = sparse_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p, scale=softmax_scale, softcap=_softcap(softcap),
+        sink_logits=sink_logits, layer_idx=layer_idx, return_lse=True, backend=backend,
+    )
+    out = out.transpose(1, 2)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, *, pattern=None, sink_logits=None, layer_idx=0, backend="auto",
+):
+    """Packed sequences: ``q (total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``, ``cu_seqlens_*`` ``(N + 1,)``
+    int32 -> ``out (total_q, Hq, D)`` (and ``lse (Hq, total_q)`` when ``return_attn_probs``)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"`{name}` must be a 3-D (total, H, D) tensor")
+    p = _pattern_from_window(window_size, bool(causal), pattern)
+    out, lse = sparse_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), p,
+        scale=softmax_scale, softcap=_softcap(softcap), sink_logits=sink_logits, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layer_idx=layer_idx,
+        return_lse=True, backend=backend,
+    )
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+    return_softmax_lse=False, *, pattern=None, sink_logits=None, layer_idx=0, backend="auto",
+):
+    """Attention of ``q (B, Sq, Hq, D)`` against a cache ``(B, S_cache, Hkv, D)``.
+
+    ``cache_seqlens`` (int or ``(B,)``): valid keys per row before this call (default: the whole cache).
+    With ``k``/``v`` ``(B, Sq_new, Hkv, D)`` they are written into the cache in place at
+    ``cache_seqlens`` and attended too. The cache is read through strided views, never copied.
+    """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError("rotary embedding inside the call is not supported; apply RoPE before calling")
+    if cache_batch_idx is not None or block_table is not None or cache_leftpad is not None:
+        raise ValueError("cache_batch_idx, block_table and cache_leftpad are not supported")
+    _check_unsupported(0.0, alibi_slopes)
+    B, S_cache = k_cache.shape[:2]
+    Sq = q.shape[1]
+    dev = q.device
+    if cache_seqlens is None:
+        lens = torch.full((B,), S_cache - (0 if k is None else k.shape[1]), dtype=torch.int64, device=dev)
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((B,), cache_seqlens, dtype=torch.int64, device=dev)
+    else:
+        lens = cache_seqlens.to(device=dev, dtype=torch.int64)
+    if k is not None:
+        if v is None or k.shape[:2] != v.shape[:2]:
+            raise ValueError("k and v must be given together with shapes (B, Sq_new, Hkv, D)")
+        n_new = k.shape[1]
+        if bool((lens + n_new > S_cache).any()):
+            raise ValueError(f"the cache ({S_cache} slots) cannot take {n_new} new keys after {lens.tolist()}")
+        pos = lens[:, None] + torch.arange(n_new, device=dev)
+        rows = torch.arange(B, device=dev)[:, None].expand_as(pos)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+        lens = lens + n_new
+    p = _pattern_from_window(window_size, bool(causal), pattern)
+    key_mask = torch.arange(S_cache, device=dev)[None, :] < lens[:, None]
+    out, lse = sparse_attention(
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), p, scale=softmax_scale,
+        softcap=_softcap(softcap), sink_logits=sink_logits, attention_mask=key_mask, q_start=lens - Sq,
+        layer_idx=layer_idx, return_lse=True, backend=backend,
+    )
+    out = out.transpose(1, 2)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,163 @@
+"""``torch.library`` custom ops around the Triton kernels (``register_fake`` + ``register_autograd``).
+
+The ops take only tensors and plain scalars, so ``torch.compile`` traces through them:
+
+* ``sparse_k::block_attn_fwd(q, k, v, <forward layout>, <transposed layout>, <geometry>, sink?, key_mask?, ...)``
+  -> ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``
+* ``sparse_k::block_attn_bwd(do, q, k, v, out, lse, ...)`` -> ``(dq, dk, dv, dsink)``
+
+A layout travels as its four tensors ``(full_num, full_idx, part_num, part_idx)``; the transposed
+layout (query tiles per key tile, see ``triton_bwd.transposed_layout``) travels beside it so the
+backward needs no host synchronisation. The pattern travels as ``(pattern_id, causal, params)``.
+Kernel modules are imported on first use so that ``TRITON_INTERPRET`` is read at that moment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["block_attn", "layout_args"]
+
+
+def _kernels():
+    return importlib.import_module(".triton_fwd", __package__), importlib.import_module(".triton_bwd", __package__)
+
+
+class _PatternCode:
+    """Stands in for a ``Pattern`` inside the launchers: ``pattern_code`` reads ``name``/params from it."""
+
+    learned = False
+
+    def __init__(self, pid: int, causal: bool, params):
+        self.pid, self.causal, self.params = pid, causal, tuple(params)
+
+
+def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params):
+    geo = SimpleNamespace(q_start=qs, k_start=ks, k_end=ke, rows=qs.shape[0])
+    return SimpleNamespace(
+        full_kv_num_blocks=fnum, full_kv_indices=fidx, kv_num_blocks=pnum, kv_indices=pidx,
+        block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, geometry=geo,
+        pattern=_PatternCode(pid, causal, params),
+        num_q_blocks=-(-q_len // block_q), num_k_blocks=-(-kv_len // block_k),
+    )
+
+
+@torch.library.custom_op("sparse_k::block_attn_fwd", mutates_args=())
+def block_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    fnum: torch.Tensor, fidx: torch.Tensor, pnum: torch.Tensor, pidx: torch.Tensor,
+    t_fnum: torch.Tensor, t_fidx: torch.Tensor, t_pnum: torch.Tensor, t_pidx: torch.Tensor,
+    q_start: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
+    sink_logits: torch.Tensor | None, key_mask: torch.Tensor | None,
+    pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, pack: int, num_splits: int,
+    scale: float, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fwd, _ = _kernels()
+    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
+    return fwd.attention_forward(
+        q, k, v, lay, scale=scale, softcap=softcap if softcap > 0 else None, sink_logits=sink_logits,
+        key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern,
+    )
+
+
+@block_attn_fwd.register_fake
+def _(q, k, v, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end, sink_logits, key_mask,
+      pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap):
+    B, Hq, Sq, D = q.shape
+    return q.new_empty(B, Hq, Sq, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("sparse_k::block_attn_bwd", mutates_args=())
+def block_attn_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    fnum: torch.Tensor, fidx: torch.Tensor, pnum: torch.Tensor, pidx: torch.Tensor,
+    t_fnum: torch.Tensor, t_fidx: torch.Tensor, t_pnum: torch.Tensor, t_pidx: torch.Tensor,
+    q_start: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
+    sink_logits: torch.Tensor | None, key_mask: torch.Tensor | None,
+    pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, scale: float, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, bwd = _kernels()
+    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
+    lay._transposed = (t_fnum, t_fidx, t_pnum, t_pidx)
+    dq, dk, dv, dsink = bwd.attention_backward(
+        do, q, k, v, out, lse, lay, scale=scale, softcap=softcap if softcap > 0 else None,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+    if dsink is None:
+        dsink = q.new_zeros(q.shape[1], dtype=torch.float32)
+    return dq, dk, dv, dsink
+
+
+@block_attn_bwd.register_fake
+def _(do, q, k, v, out, lse, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end,
+      sink_logits, key_mask, pattern_id, causal, params, block_q, block_k, scale, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(q.shape[1], dtype=torch.float32)
+
+
+_FWD_ARGS = (
+    "q", "k", "v", "fnum", "fidx", "pnum", "pidx", "t_fnum", "t_fidx", "t_pnum", "t_pidx",
+    "q_start", "k_start", "k_end", "sink_logits", "key_mask",
+    "pattern_id", "causal", "params", "block_q", "block_k", "pack", "num_splits", "scale", "softcap",
+)
+
+
+def _setup_context(ctx, inputs, output):
+    a = dict(zip(_FWD_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(
+        a["q"], a["k"], a["v"], out, lse, a["fnum"], a["fidx"], a["pnum"], a["pidx"], a["t_fnum"], a["t_fidx"],
+        a["t_pnum"], a["t_pidx"], a["q_start"], a["k_start"], a["k_end"],
+        a["sink_logits"] if a["sink_logits"] is not None else lse.new_empty(0),
+        a["key_mask"] if a["key_mask"] is not None else lse.new_empty(0, dtype=torch.bool),
+    )
+    ctx.has_sink = a["sink_logits"] is not None
+    ctx.has_kmask = a["key_mask"] is not None
+    ctx.meta = (a["pattern_id"], a["causal"], a["params"], a["block_q"], a["block_k"], a["scale"], a["softcap"])
+    if a["pack"] != 1 or a["num_splits"] != 1:
+        ctx.meta = None  # decode-style launches are inference only
+
+
+def _backward(ctx, d_out, d_lse):
+    if ctx.meta is None:
+        raise RuntimeError("sparse_k::block_attn_fwd launched with pack > 1 or num_splits > 1 has no backward; call it with pack=1, num_splits=1")
+    (q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke, sink, kmask) = ctx.saved_tensors
+    pid, causal, params, bq, bk, scale, softcap = ctx.meta
+    dq, dk, dv, dsink = block_attn_bwd(
+        d_out.contiguous(), q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke,
+        sink if ctx.has_sink else None, kmask if ctx.has_kmask else None, pid, causal, params, bq, bk, scale, softcap,
+    )
+    grads = [dq, dk, dv] + [None] * 11 + [dsink.to(sink.dtype) if ctx.has_sink else None] + [None] * 10
+    return tuple(grads)
+
+
+block_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def layout_args(layout, *, need_transposed: bool) -> tuple:
+    """The tensors of a ``BlockLayout`` (and of its transpose) in the order the ops take them."""
+    fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
+    if fnum.stride() != pnum.stride():
+        fnum, pnum = fnum.contiguous(), pnum.contiguous()
+    if need_transposed:
+        _, bwd = _kernels()
+        t = bwd.transposed_layout(layout)
+    else:
+        empty = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=fnum.device)
+        t = (empty[..., 0], empty, empty[..., 0], empty)
+    return (fnum, fidx, pnum, pidx, *t)
+
+
+def block_attn(q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, num_splits=1, need_grad=False):
+    """Block-sparse attention through the custom op. ``layout``: a ``BlockLayout`` whose ``block_q`` is
+    ``BLOCK_M // pack``. Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
+    fwd, _ = _kernels()
+    pid, params = fwd.pattern_code(layout.pattern)
+    geo = layout.geometry
+    return block_attn_fwd(
+        q, k, v, *layout_args(layout, need_transposed=need_grad), geo.q_start, geo.k_start, geo.k_end,
+        sink_logits, key_mask, pid, bool(layout.pattern.causal), list(params), layout.block_q, layout.block_k,
+        pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
+    )

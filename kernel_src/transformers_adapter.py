@@ -1,0 +1,330 @@
+"""Transformers-compatible attention function (torch only; also the hub kernel's entry point).
+
+``attention_forward(module, query, key, value, key_mask, ...)`` has the signature of Transformers'
+``AttentionInterface`` functions: ``query (B, Hq, Sq, D)``, ``key/value (B, Hkv, Skv, D)`` (after
+RoPE and the cache update) in, ``(attn_output (B, Sq, Hq, D), None)`` out.
+
+What the layer runs:
+
+* its pattern: ``sparse_k.config.pattern_for_layer(config.sparse_attention, layer_idx)``;
+* restricted to the model's own locality: a layer called with ``sliding_window=W`` never attends
+  beyond ``i - W < j``, a chunked layer (``config.layer_types[i] == "chunked_attention"``, Llama 4)
+  never beyond its chunk; with ``full_attention_layers_only`` such layers keep only their own rule;
+* with the model's ``scaling``, ``softcap`` and ``s_aux`` sink logits (gpt-oss).
+
+The key mask (Transformers' 2-D convention, True = key takes part) describes *absolute cache
+slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
+
+* ``L == Skv``: the key tensor holds slots ``0 .. Skv-1`` (prefill, DynamicCache);
+* ``L < Skv``: a StaticCache whose first ``L`` slots are written; K/V are sliced to ``L``
+  (a view, no copy) and the queries are the last ``Sq`` of them;
+* ``L > Skv``: a sliding-window cache dropped the first ``L - Skv`` slots. Patterns whose rule
+  depends only on ``i - j`` use the tail of the mask; the others (sinks, blocks) see K/V padded
+  back at the front so that positions stay absolute (never attended: the window excludes them).
+
+A 4-D mask (the hub route, where Transformers builds an SDPA mask) is reduced to key validity.
+Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
+from ``position_ids`` that restart at 0 inside one row without a mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .api import sparse_attention, warn_once
+from .config import pattern_for_layer, validate_sparse_config
+from .geometry import row_geometry
+from .patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
+
+__all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern"]
+
+
+@dataclass(frozen=True)
+class WithinWindow(Pattern):
+    """``base`` restricted to the causal window ``i - window < j`` (a model's own sliding window)."""
+
+    name: ClassVar[str] = "within_window"
+    base: Pattern = Dense()
+    window: int = 1
+
+    def _validate(self):
+        if not isinstance(self.base, Pattern) or self.base.learned:
+            raise TypeError(f"within_window: `base` must be a static Pattern, got {self.base!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"within_window: `window` must be an int >= 1, got {self.window!r}")
+
+    @property
+    def per_head(self):
+        return self.base.per_head
+
+    @property
+    def uses_layer(self):
+        return self.base.uses_layer
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (qpos - kpos < self.window)
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo, q_hi, layer_idx, num_kv_heads, kv_len)
+        lo = torch.maximum(lo, (q_lo - self.window + 1).unsqueeze(-1).expand_as(lo))
+        return lo, hi
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & (
+            q_hi - k_lo < self.window
+        )
+
+
+@dataclass(frozen=True)
+class WithinChunk(Pattern):
+    """``base`` restricted to the query's chunk ``i // chunk == j // chunk`` (Llama 4 chunked attention)."""
+
+    name: ClassVar[str] = "within_chunk"
+    base: Pattern = Dense()
+    chunk: int = 1
+
+    def _validate(self):
+        if not isinstance(self.base, Pattern) or self.base.learned:
+            raise TypeError(f"within_chunk: `base` must be a static Pattern, got {self.base!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"within_chunk: `chunk` must be an int >= 1, got {self.chunk!r}")
+
+    @property
+    def per_head(self):
+        return self.base.per_head
+
+    @property
+    def uses_layer(self):
+        return self.base.uses_layer
+
+    def _chunk(self, x):
+        return torch.div(x, self.chunk, rounding_mode="floor")
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (self._chunk(qpos) == self._chunk(kpos))
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo, q_hi, layer_idx, num_kv_heads, kv_len)
+        lo = torch.maximum(lo, (self._chunk(q_lo) * self.chunk).unsqueeze(-1).expand_as(lo))
+        return lo, hi
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        same = (self._chunk(q_lo) == self._chunk(q_hi)) & (self._chunk(k_lo) == self._chunk(k_hi)) & (
+            self._chunk(q_lo) == self._chunk(k_lo)
+        )
+        return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & same
+
+
+def restrict_pattern(pattern: Pattern, *, window: int | None = None, chunk: int | None = None) -> Pattern:
+    """``pattern`` intersected with a causal sliding window and/or a chunk rule (the model's own locality).
+
+    Learned patterns keep their static part only (their selection lies outside their own window and
+    is not combined with a model's local rule). Common cases collapse to plain patterns, so fast
+    backends still apply: dense -> ``SlidingWindow(window)``, ``SlidingWindow(w)`` ->
+    ``SlidingWindow(min(w, window))``, ``Streaming(s, w)`` with ``w >= window`` -> ``SlidingWindow(window)``.
+    """
+    if pattern.learned:
+        if window is not None or chunk is not None:
+            warn_once(
+                f"pattern {pattern.name!r} on a layer with the model's own local attention: the learned selection is "
+                "not used there; the layer runs sinks + window within the model's rule"
+            )
+        pattern = pattern.static_part()
+    if not pattern.causal:
+        raise ValueError("the Transformers integration runs causal patterns only")
+    if window is not None:
+        if isinstance(pattern, Dense):
+            pattern = SlidingWindow(window=window)
+        elif isinstance(pattern, SlidingWindow):
+            pattern = SlidingWindow(window=min(window, pattern.window))
+        elif isinstance(pattern, Streaming) and pattern.window >= window:
+            pattern = SlidingWindow(window=window)
+        else:
+            pattern = WithinWindow(base=pattern, window=window)
+    if chunk is not None:
+        pattern = WithinChunk(base=pattern, chunk=chunk)
+    return pattern
+
+
+def _translation_invariant(p: Pattern) -> bool:
+    """True when the rule depends on ``i - j`` only (dropping leading keys cannot change it)."""
+    if isinstance(p, (Dense, SlidingWindow, Dilated)):
+        return True
+    if isinstance(p, WithinWindow):
+        return _translation_invariant(p.base)
+    return False
+
+
+_PARSED: dict = {}
+
+
+def _sparse_config(config) -> dict:
+    raw = getattr(config, "sparse_attention", None) if config is not None else None
+    key = json.dumps(raw, sort_keys=True, default=str)
+    cfg = _PARSED.get(key)
+    if cfg is None:
+        cfg = validate_sparse_config(raw)
+        if len(_PARSED) > 64:
+            _PARSED.clear()
+        _PARSED[key] = cfg
+    return cfg
+
+
+def _layer_locality(config, layer_idx, sliding_window):
+    """(window, chunk) of the model's own rule for this layer (None when the layer is global)."""
+    window = int(sliding_window) if sliding_window is not None else None
+    chunk = None
+    layer_types = getattr(config, "layer_types", None) if config is not None else None
+    chunk_size = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk_size and layer_types is not None and layer_idx is not None and layer_idx < len(layer_types):
+        if layer_types[layer_idx] == "chunked_attention":
+            chunk = int(chunk_size)
+    return window, chunk
+
+
+def layer_pattern(config, layer_idx: int | None, sliding_window: int | None = None) -> Pattern:
+    """The pattern layer ``layer_idx`` of a model with ``config`` runs (after the model's own locality)."""
+    cfg = _sparse_config(config)
+    pattern = pattern_for_layer(cfg, layer_idx)
+    window, chunk = _layer_locality(config, layer_idx, sliding_window)
+    if window is None and chunk is None:
+        return pattern
+    if cfg["full_attention_layers_only"]:
+        pattern = Dense()
+    return restrict_pattern(pattern, window=window, chunk=chunk)
+
+
+def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
+    """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots."""
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    valid = allowed.any(2).any(1)  # (B, Skv)
+    j = torch.arange(valid.shape[-1], device=valid.device)
+    written = int(torch.where(valid, j, -1).amax().item()) + 1
+    return valid[:, : max(written, 1)]
+
+
+def _packed_from_position_ids(position_ids: torch.Tensor):
+    """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    pos = position_ids[0]
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() <= 1 or int(starts[0]) != 0:
+        return None
+    total = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module):
+    try:
+        from .selectors import build_selection
+    except ImportError:
+        warn_once(
+            f"pattern {pattern.name!r}: the selector module is not available; attending to sinks + window only"
+        )
+        return None
+    geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
+    return build_selection(
+        pattern, query, key, value, geometry, layer_idx=layer_idx, selector=getattr(module, "_sparse_k_selector", None)
+    )
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    config=None,
+    layer_idx: int | None = None,
+    q_start: "int | torch.Tensor | None" = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Sparse attention for one Transformers attention layer.
+
+    Args:
+        module: the attention module (its ``config``, ``layer_idx``, ``training`` and optional
+            ``_sparse_k_selector`` are read; nothing is stored on it).
+        query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``.
+        key_mask: ``(B, L)`` bool/int (True = key takes part) over absolute cache slots, a 4-D SDPA
+            mask (reduced to key validity), or None (every key, queries bottom-right).
+        scaling: softmax scale (default ``D ** -0.5``). softcap: logit soft-capping.
+        sliding_window: the model's own window for this layer. s_aux: ``(Hq,)`` sink logits.
+        config: defaults to ``module.config``. layer_idx: defaults to ``module.layer_idx``.
+        q_start: key index of query 0 (int or ``(B,)``), overriding the bottom-right default.
+        kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k`` (packed batches), ``position_ids``;
+            ``output_attentions=True`` raises.
+    Returns:
+        ``(attn_output (B, Sq, Hq, D), None)``.
+    """
+    if kwargs.get("output_attentions", False):
+        raise ValueError(
+            'attn_implementation="sparse_k" never materialises attention weights, so output_attentions=True is not '
+            'supported; load the model with attn_implementation="eager" to inspect attention weights'
+        )
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise ValueError(
+            'attn_implementation="sparse_k" runs causal self-attention only; this layer is bidirectional '
+            "(is_causal=False): use sdpa or eager for it"
+        )
+    if dropout and getattr(module, "training", False):
+        warn_once(f"sparse_k attention does not apply attention dropout (got p={dropout}); running without it")
+    config = config if config is not None else getattr(module, "config", None)
+    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
+    layer_idx = 0 if layer_idx is None else int(layer_idx)
+    pattern = layer_pattern(config, layer_idx, sliding_window)
+    backend = _sparse_config(config).get("backend", "auto")
+    sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None and key_mask is None and query.shape[2] == key.shape[2] > 1:
+        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"))
+    if cu_q is not None or cu_k is not None:
+        if pattern.learned:
+            warn_once(f"pattern {pattern.name!r} on packed sequences: sinks + window only (no learned selection)")
+        out = sparse_attention(
+            query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layer_idx=layer_idx, backend=backend,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor):
+            raise TypeError(f"sparse_k attention expects a 2-D key mask tensor or None, got {type(key_mask).__name__}")
+        if key_mask.dim() == 4:
+            key_mask = _reduce_4d(key_mask, key.shape[2])
+        if key_mask.dim() != 2 or key_mask.shape[0] != query.shape[0]:
+            raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
+        key_mask = key_mask.to(torch.bool)
+        L, skv = key_mask.shape[1], key.shape[2]
+        if L < skv:
+            key, value = key[:, :, :L], value[:, :, :L]
+        elif L > skv:
+            dropped = L - skv
+            if _translation_invariant(pattern):
+                key_mask = key_mask[:, dropped:]
+            else:
+                key = torch.nn.functional.pad(key, (0, 0, dropped, 0))
+                value = torch.nn.functional.pad(value, (0, 0, dropped, 0))
+        if q_start is None and bool(key_mask.all()):
+            key_mask = None
+
+    selection = None
+    if pattern.learned and pattern.top_k > 0:
+        selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
+    out = sparse_attention(
+        query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
+        attention_mask=key_mask, layer_idx=layer_idx, backend=backend, selection=selection, q_start=q_start,
+    )
+    return out.transpose(1, 2).contiguous(), None

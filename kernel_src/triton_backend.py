@@ -1,0 +1,143 @@
+"""The ``"triton"`` backend of ``sparse_k.sparse_attention`` (registered when triton imports).
+
+``why_unsupported(call)`` names the first reason the kernels cannot run a call (the API then falls
+back to the PyTorch path with a one-time warning); ``run(call)`` picks tile sizes and launches:
+
+* prefill / training: ``BLOCK_M x BLOCK_N`` tiles over the block layout (``tile_config``), one query
+  head per program; with gradients the layout's transpose travels with the op for the backward;
+* decode (``Sq <= 16``, no gradient): the query heads of a KV group packed into one tile and the
+  key tiles split across programs (flash-decoding), merged by a combine kernel that adds the sink.
+
+Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id,
+causal, tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0``) and on
+Triton's integer specialisation of the sizes (``== 1`` and divisibility by 16), never on the
+sequence lengths themselves, so 30 different lengths compile at most two variants per flag set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
+
+from .api import AttentionCall, register_backend
+from .patterns import BigBird
+
+__all__ = ["why_unsupported", "run", "tile_config", "decode_config"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tile_config(head_dim: int, device_type: str, need_grad: bool) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of the prefill / training kernels."""
+    if device_type != "cuda":
+        return 16, 16
+    if need_grad:
+        return (64, 64) if head_dim <= 128 else (32, 32)
+    return (128, 128) if head_dim <= 128 else (64, 64)
+
+
+def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
+    """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``)."""
+    rows = 1
+    while rows < q_len:
+        rows *= 2
+    pack = group
+    min_m = 16
+    max_m = 128 if head_dim <= 128 else 64
+    while pack > 1 and rows * pack > max_m:
+        pack //= 2
+        while group % pack:
+            pack -= 1
+    if rows * pack < min_m:
+        rows = min_m // pack
+    block_n = 16 if device_type != "cuda" else (64 if head_dim > 128 else 128)
+    return rows, pack, block_n
+
+
+def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | None:
+    p = call.pattern
+    if block_q != p.block or block_k != p.block:
+        return f"bigbird needs tiles equal to its block ({p.block}); the kernels use {block_q}x{block_k}"
+    g = call.geometry
+    if bool(((g.k_start % p.block) != 0).any()) or bool((((g.q_start - g.k_start) % p.block) != 0).any()):
+        return "bigbird blocks do not line up with the kernel tiles for these row offsets (padding or q_start)"
+    return None
+
+
+def _want_grad(call: AttentionCall) -> bool:
+    return bool(call.need_grad) or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
+    )
+
+
+def _plan(call: AttentionCall):
+    """``(block_q, block_k, pack, decode)`` for this call."""
+    q = call.q
+    B, Hq, Sq, D = q.shape
+    G = Hq // call.k.shape[1]
+    dev = q.device.type
+    need_grad = _want_grad(call)
+    if isinstance(call.pattern, BigBird):
+        return call.pattern.block, call.pattern.block, 1, False
+    if Sq <= 16 and not need_grad:
+        rows, pack, bn = decode_config(Sq, G, dev, D)
+        return rows, bn, pack, True
+    bm, bn = tile_config(D, dev, need_grad)
+    return bm, bn, 1, False
+
+
+def why_unsupported(call: AttentionCall) -> str | None:
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return f"tensors on {q.device.type} (the Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
+    if q.shape[-1] not in _HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (supported: {', '.join(map(str, _HEAD_DIMS))}, same for q, k, v)"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "the last dimension of q, k and v must be contiguous"
+    if call.selection is not None:
+        return "a token-layout selection (learned top-k) is not supported by the triton backend yet"
+    if call.sink_logits is not None and call.sink_logits.dtype == torch.float64:
+        return "float64 sink_logits"
+    if isinstance(call.pattern, BigBird):
+        bq, bk, _, _ = _plan(call)
+        if bq not in (16, 32, 64, 128):
+            return f"bigbird block {bq} (the kernels take blocks of 16, 32, 64 or 128)"
+        return _bigbird_reason(call, bq, bk)
+    return None
+
+
+def _num_splits(programs: int, max_tiles: int, device) -> int:
+    if device.type != "cuda":
+        return max(1, min(max_tiles, 3))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_tiles, -(-2 * sms // max(1, programs)), 64))
+
+
+def run(call: AttentionCall):
+    from .ops import block_attn
+
+    bq, bk, pack, decode = _plan(call)
+    layout = call.layout(bq, bk)
+    need_grad = _want_grad(call)
+    splits = 1
+    if decode:
+        B, Hkv = call.k.shape[:2]
+        G = call.q.shape[1] // Hkv
+        max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
+        splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device)
+    return block_attn(
+        call.q, call.k, call.v, layout, scale=call.scale, softcap=call.softcap, sink_logits=call.sink_logits,
+        key_mask=call.key_mask, pack=pack, num_splits=splits, need_grad=need_grad,
+    )
+
+
+register_backend("triton", why_unsupported, run, auto_priority=0)

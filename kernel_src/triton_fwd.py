@@ -1,0 +1,388 @@
+"""Block-sparse attention forward in Triton over a ``BlockLayout`` (design §5).
+
+One program handles one query tile of ``ROWS = BLOCK_M // PACK`` query rows for ``PACK`` query heads
+of one KV group (GQA packing: the packed heads share every K/V tile load), and walks the layout's
+*full* key tiles (no element mask) in one loop and its *partial* tiles (element rule evaluated in
+registers) in a second loop; the mask is a constexpr flag of the shared tile step, so neither loop
+holds a run-time branch. With ``SPLIT`` the tile list is cut into ``num_splits`` ranges (split-KV,
+flash-decoding); each split writes a partial result (its normalised output and log-sum-exp, sink left out) and ``combine_splits`` merges them and adds the sink logit once.
+
+Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
+
+====  ===============  =====================================================================
+ id    pattern          parameters
+====  ===============  =====================================================================
+ 0     dense            —
+ 1     sliding_window   P0 = window
+ 2     streaming        P0 = window, P1 = sinks
+ 3     block_diagonal   P0 = block
+ 4     bigbird          — (aligned tiles only: a listed tile is allowed as a whole)
+ 5     dilated          P0 = window, P1 = scales
+ 6     l2_aligned       P0 = block, P1 = window_blocks, P2 = segment, P3 = anchor
+====  ===============  =====================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits"]
+
+LOG2E = 1.4426950408889634
+
+PATTERN_IDS = {
+    "dense": 0, "sliding_window": 1, "streaming": 2, "block_diagonal": 3, "bigbird": 4, "dilated": 5,
+    "l2_aligned": 6, "sparse_k": 2, "dsa": 2,
+}
+
+
+def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
+    """``(PATTERN id, (P0, P1, P2, P3))`` for the kernels; learned patterns use their static part."""
+    if hasattr(pattern, "pid"):  # already encoded (ops._PatternCode)
+        return pattern.pid, pattern.params
+    p = pattern.static_part() if pattern.learned else pattern
+    pid = PATTERN_IDS[p.name]
+    if pid == 1:
+        params = (p.window, 0, 0, 0)
+    elif pid == 2:
+        params = (p.window, p.sinks, 0, 0)
+    elif pid == 3:
+        params = (p.block, 0, 0, 0)
+    elif pid == 5:
+        params = (p.window, p.scales, 0, 0)
+    elif pid == 6:
+        params = (p.block, p.window_blocks, p._seg(), p.anchor)
+    else:
+        params = (0, 0, 0, 0)
+    return pid, params
+
+
+@triton.jit
+def _floordiv(a, b):
+    # Floor division that agrees between the interpreter (numpy) and compiled code (C truncation).
+    return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
+
+
+@triton.jit
+def _pattern_rule(qpos, kpos, P0, P1, P2, P3, PATTERN: tl.constexpr, CAUSAL: tl.constexpr):
+    """Element rule of design §4 on positions (broadcast int tensors); ``kpos >= 0`` and causality included."""
+    d = qpos - kpos
+    if PATTERN == 0:
+        ok = d == d
+    elif PATTERN == 1:
+        if CAUSAL:
+            ok = d < P0
+        else:
+            ok = (d <= P0) & (d >= -P0)
+    elif PATTERN == 2:
+        ok = (kpos < P1) | (d < P0)
+    elif PATTERN == 3:
+        ok = _floordiv(qpos, P0) == _floordiv(kpos, P0)
+    elif PATTERN == 4:
+        ok = d == d
+    elif PATTERN == 5:
+        ad = tl.where(d >= 0, d, -d)
+        ok = d != d
+        stride = 1
+        for _s in range(0, P1):
+            ok = ok | (((ad & (stride - 1)) == 0) & (ad < P0 * stride))
+            stride = stride * 2
+    else:
+        win = _floordiv(qpos, P0) - P1 < _floordiv(kpos, P0)
+        kp = tl.where(kpos >= 0, kpos, 0)
+        ok = win | ((kp % P2) < P3)
+    ok = ok & (kpos >= 0)
+    if CAUSAL:
+        ok = ok & (d >= 0)
+    return ok
+
+
+@triton.jit
+def _softcap(s, softcap):
+    # softcap * tanh(s / softcap), tanh through exp (portable to the interpreter).
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.where(x >= 0, x, -x))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(x >= 0, t, -t)
+    return softcap * t
+
+
+@triton.jit
+def _fwd_tile(
+    acc, l_i, m_i, q, K, V, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+    qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
+):
+    """One key tile ``n`` of the online softmax: acc (BLOCK_M, D) fp32, l_i/m_i (BLOCK_M,) in log2 units."""
+    kidx = n.to(tl.int64) * BLOCK_N + offs_n  # (BLOCK_N,)
+    kin = kidx < Skv
+    if EVEN_N:
+        kt = tl.load(K + kidx[None, :] * stride_kn + offs_d[:, None])  # (D, BLOCK_N)
+        vt = tl.load(V + kidx[:, None] * stride_vn + offs_d[None, :])  # (BLOCK_N, D)
+    else:
+        kt = tl.load(K + kidx[None, :] * stride_kn + offs_d[:, None], mask=kin[None, :], other=0.0)
+        vt = tl.load(V + kidx[:, None] * stride_vn + offs_d[None, :], mask=kin[:, None], other=0.0)
+    s = tl.dot(q, kt)
+    if HAS_SOFTCAP:
+        s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap) * 1.4426950408889634
+    else:
+        s = s * scale_log2
+    if IS_FULL:
+        if not EVEN_N:
+            s = tl.where(kin[None, :], s, float("-inf"))
+    else:
+        kpos = kidx - k_start
+        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+        ok = ok & (kidx[None, :] >= k_start) & (kidx[None, :] < k_end) & kin[None, :]
+        s = tl.where(ok, s, float("-inf"))
+    if HAS_KMASK:
+        km = tl.load(kmask_row + kidx, mask=kin, other=0)
+        s = tl.where(km[None, :] != 0, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, SINK, KMASK, QSTART, KSTART, KEND,
+    FNUM, FIDX, PNUM, PIDX,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
+    stride_nb, stride_nh, stride_nm, stride_fb, stride_fh, stride_fm, stride_pb, stride_ph, stride_pm,
+    stride_kmb, geo_stride,
+    Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
+    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK_M // PACK
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n_packs = G // PACK
+    b = pid_bh // (Hkv * n_packs)
+    hkv = (pid_bh // n_packs) % Hkv
+    pack = pid_bh % n_packs
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = hkv * G + pack * PACK + offs_r // ROWS  # (BLOCK_M,) query head of each row
+    qi = pid_m * ROWS + offs_r % ROWS  # (BLOCK_M,) query index
+    q_ok = qi < Sq
+
+    g = b.to(tl.int64) * geo_stride
+    q_start = tl.load(QSTART + g)
+    k_start = tl.load(KSTART + g)
+    k_end = tl.load(KEND + g)
+    qidx = q_start + qi
+    qpos = qidx - k_start
+
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
+    Kb = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+    Vb = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+    kmask_row = KMASK + b64 * stride_kmb
+
+    lb = b64 * LAYOUT_B
+    lh = hkv.to(tl.int64) * LAYOUT_H
+    n_full = tl.load(FNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
+    n_part = tl.load(PNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
+    fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
+    pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
+
+    if SPLIT:
+        t_lo = pid_s * tiles_per_split
+        t_hi = t_lo + tiles_per_split
+        f_lo = tl.minimum(t_lo, n_full)
+        f_hi = tl.minimum(t_hi, n_full)
+        p_lo = tl.minimum(tl.maximum(t_lo - n_full, 0), n_part)
+        p_hi = tl.minimum(tl.maximum(t_hi - n_full, 0), n_part)
+    else:
+        f_lo = 0
+        f_hi = n_full
+        p_lo = 0
+        p_hi = n_part
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for t in range(f_lo, f_hi):
+        n = tl.load(fidx + t)
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
+            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK,
+        )
+    for t in range(p_lo, p_hi):
+        n = tl.load(pidx + t)
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
+            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK,
+        )
+
+    if HAS_SINK and not SPLIT:
+        sink = tl.load(SINK + head).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.exp2(sink - m_f)
+        acc = acc * alpha[:, None]
+        m_i = m_f
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    h64 = head.to(tl.int64)
+    qi64 = qi.to(tl.int64)
+    s64 = pid_s.to(tl.int64)
+    o_ptrs = O + b64 * stride_ob + h64[:, None] * stride_oh + qi64[:, None] * stride_om + s64 * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+    l_ptrs = LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm + s64 * stride_ls
+    tl.store(l_ptrs, lse, mask=q_ok)
+
+
+@triton.jit
+def _combine(
+    OP, LP, O, LSE, SINK,
+    stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    Hq, Sq, num_splits,
+    HEAD_DIM: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge ``num_splits`` partial results of one (b, h, i) row; the sink joins once here."""
+    pid = tl.program_id(0)
+    b = (pid // (Hq * Sq)).to(tl.int64)
+    h = ((pid // Sq) % Hq).to(tl.int64)
+    i = (pid % Sq).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse_p = tl.load(LP + b * stride_qb + h * stride_qh + i * stride_qm + offs_s * stride_qs, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_p, 0)
+    if HAS_SINK:
+        sink = tl.load(SINK + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_p - m_safe)
+    den = tl.sum(w, 0)
+    if HAS_SINK:
+        den = den + tl.exp(sink - m_safe)
+    o_p = tl.load(
+        OP + b * stride_pb + h * stride_ph + i * stride_pm + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_ok[:, None], other=0.0,
+    )
+    has = den > 0
+    den_safe = tl.where(has, den, 1.0)
+    out = tl.sum(o_p * w[:, None], 0) / den_safe
+    lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + i * stride_om + offs_d, out.to(O.dtype.element_ty))
+    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
+
+
+def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
+    return int(t.shape[0] > 1), int(t.shape[1] > 1)
+
+
+def attention_forward(
+    q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
+    num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None,
+):
+    """Launch the block-sparse forward.
+
+    Args:
+        q: ``(B, Hq, Sq, D)`` (any strides with unit last stride); k, v: ``(B, Hkv, Skv, D)`` likewise.
+        layout: a ``BlockLayout`` with ``block_q == BLOCK_M // pack`` and ``block_k == BLOCK_N``.
+        pack: query heads per program (divides ``Hq // Hkv``); ``BLOCK_M = pack * layout.block_q``.
+        num_splits: split-KV factor (decode); results are merged by ``combine_splits``.
+        out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
+    Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if G % pack:
+        raise ValueError(f"pack ({pack}) must divide the group size Hq // Hkv = {G}")
+    block_m = layout.block_q * pack
+    block_n = layout.block_k
+    pat = layout.pattern if pattern is None else pattern
+    pid, params = pattern_code(pat)
+    is_causal = pat.causal if causal is None else causal
+    geo = layout.geometry
+    dev = q.device
+    NQ = triton.cdiv(Sq, layout.block_q)
+    fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
+    if fnum.stride() != pnum.stride():
+        pnum = pnum.contiguous()
+        fnum = fnum.contiguous()
+    lay_b, lay_h = _layout_axis_flags(pnum)
+    if out is None:
+        out = torch.empty(B, Hq, Sq, D, device=dev, dtype=q.dtype)
+    lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
+    sink = sink_logits if sink_logits is not None else lse
+    kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
+    max_tiles = fidx.shape[-1] + pidx.shape[-1]
+    split = num_splits > 1
+    tiles_per_split = triton.cdiv(max_tiles, num_splits) if split else max_tiles
+    if split:
+        o_w = torch.empty(B, Hq, Sq, num_splits, D, device=dev, dtype=torch.float32)
+        l_w = torch.empty(B, Hq, Sq, num_splits, device=dev, dtype=torch.float32)
+        o_strides = (o_w.stride(0), o_w.stride(1), o_w.stride(2), o_w.stride(3))
+        l_strides = (l_w.stride(0), l_w.stride(1), l_w.stride(2), l_w.stride(3))
+    else:
+        o_w, l_w = out, lse
+        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
+    if num_warps is None:
+        num_warps = 4 if block_m * block_n <= 64 * 64 or D > 128 else 8
+    if num_stages is None:
+        num_stages = 2 if D > 128 else 3
+    grid = (NQ, B * Hkv * (G // pack), num_splits)
+    _attn_fwd[grid](
+        q, k, v, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
+        fnum, fidx, pnum, pidx,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        *o_strides[:3], o_strides[3], *l_strides[:3], l_strides[3],
+        pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
+        pidx.stride(0), pidx.stride(1), pidx.stride(2),
+        kmask.stride(0), int(geo.rows > 1),
+        Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
+        PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
+        EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
+        HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        combine_splits(o_w, l_w, out, lse, sink_logits)
+    return out, lse
+
+
+def combine_splits(o_part, lse_part, out, lse, sink_logits=None):
+    """Merge split-KV partials ``o_part (B, Hq, Sq, S, D)`` fp32, ``lse_part (B, Hq, Sq, S)`` into ``out``/``lse``."""
+    B, Hq, Sq, S, D = o_part.shape
+    sink = sink_logits if sink_logits is not None else lse
+    _combine[(B * Hq * Sq,)](
+        o_part, lse_part, out, lse, sink,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        Hq, Sq, S, HEAD_DIM=D, HAS_SINK=sink_logits is not None, BLOCK_S=max(2, triton.next_power_of_2(S)),
+        num_warps=4,
+    )
+    return out, lse
+
+
+def check_head_dim(d: int) -> bool:
+    return d in (16, 32, 64, 128, 256)
+

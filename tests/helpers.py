@@ -1,0 +1,56 @@
+"""Helpers shared by the core tests: random pattern configurations and inputs."""
+
+from __future__ import annotations
+
+import torch
+
+import sparse_k as sk
+
+
+def random_pattern(name: str, rng: "torch.Generator | None" = None, *, causal: bool = True, max_len: int = 256) -> sk.Pattern:
+    """A random valid configuration of pattern ``name`` (sizes scaled to ``max_len``)."""
+
+    def r(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=rng).item())
+
+    hi = max(2, max_len // 2)
+    if name == "dense":
+        return sk.Dense(causal=causal)
+    if name == "sliding_window":
+        return sk.SlidingWindow(window=r(1, hi), causal=causal)
+    if name == "streaming":
+        return sk.Streaming(sinks=r(0, 8), window=r(1, hi))
+    if name == "block_diagonal":
+        return sk.BlockDiagonal(block=r(1, hi), causal=causal)
+    if name == "bigbird":
+        return sk.BigBird(block=r(1, 32), window_blocks=r(0, 2), global_blocks=r(0, 2), random_blocks=r(0, 3), seed=r(0, 99), causal=causal)
+    if name == "dilated":
+        return sk.Dilated(window=r(1, 32), scales=r(1, 4), causal=causal)
+    if name == "l2_aligned":
+        block = r(1, 32)
+        seg = r(1, 4) * block * 2
+        return sk.L2Aligned(block=block, window_blocks=r(1, 3), segment=seg, anchor=r(0, seg))
+    if name in ("sparse_k", "dsa"):
+        cls = sk.SparseK if name == "sparse_k" else sk.DSA
+        return cls(sinks=r(0, 4), window=r(1, hi), top_k=r(0, 16), query_block=r(1, 32))
+    raise ValueError(name)
+
+
+FIXED = ["dense", "sliding_window", "streaming", "block_diagonal", "bigbird", "dilated", "l2_aligned"]
+BIDIRECTIONAL = ["dense", "sliding_window", "block_diagonal", "bigbird", "dilated"]
+
+
+def left_padding_mask(batch: int, kv_len: int, rng: "torch.Generator | None" = None) -> torch.Tensor:
+    """(B, Skv) bool mask with a random amount of left padding per row (row 0 unpadded)."""
+    m = torch.ones(batch, kv_len, dtype=torch.bool)
+    for b in range(1, batch):
+        pad = int(torch.randint(0, max(1, kv_len // 2) + 1, (1,), generator=rng).item())
+        m[b, :pad] = False
+    return m
+
+
+def random_qkv(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, requires_grad=False):
+    q = torch.randn(B, Hq, Sq, D, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(B, Hkv, Skv, D, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(B, Hkv, Skv, D, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v

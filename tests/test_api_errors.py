@@ -1,0 +1,80 @@
+"""Bad input gets a clear ValueError/TypeError that names the offending value and what is allowed."""
+
+import pytest
+import torch
+from helpers import random_qkv
+
+import sparse_k as sk
+
+
+def _qkv():
+    return random_qkv(2, 4, 2, 8, 8, 16)
+
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, r"`q` must be 4-D .*\(4, 8, 16\)"),
+        (lambda q, k, v: (q, k[:, :, :5], v), ValueError, "must agree in"),
+        (lambda q, k, v: (q, k[..., :8], v), ValueError, "head dims differ: 16 vs 8"),
+        (lambda q, k, v: (q[:, :3], k, v), ValueError, r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch sizes differ"),
+        (lambda q, k, v: (q.to(torch.int32), k, v), TypeError, "float16, bfloat16, float32 or float64, got torch.int32"),
+        (lambda q, k, v: (q.half(), k, v), TypeError, "must share a dtype"),
+        (lambda q, k, v: (q.to("meta"), k, v), ValueError, "one device"),
+        (lambda q, k, v: (q.numpy(), k, v), TypeError, "must be a torch.Tensor"),
+    ],
+)
+def test_bad_tensors(make, exc, words):
+    q, k, v = make(*_qkv())
+    with pytest.raises(exc, match=words):
+        sk.sparse_attention(q, k, v, "dense")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"pattern": "swa"}, ValueError, "unknown pattern 'swa'; available: dense, sliding_window"),
+        ({"pattern": sk.SlidingWindow} , TypeError, "pattern must be"),
+        ({"attention_mask": torch.ones(2, 7, dtype=torch.bool)}, ValueError, r"\(B, Skv\) = \(2, 8\), got shape \(2, 7\)"),
+        ({"attention_mask": torch.ones(2, 1, 8, 8, dtype=torch.bool)}, ValueError, "must be 2-D"),
+        ({"attention_mask": torch.ones(2, 8)}, TypeError, "bool or integer"),
+        ({"sink_logits": torch.zeros(2)}, ValueError, r"shape \(4,\)"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"scale": 0}, ValueError, "scale"),
+        ({"layer_idx": -1}, ValueError, "layer_idx"),
+        ({"backend": "cuda"}, ValueError, "unknown backend 'cuda'"),
+        ({"causal": "yes"}, TypeError, "causal"),
+        ({"pattern": "streaming", "causal": False}, ValueError, "no bidirectional version"),
+        ({"cu_seqlens_q": torch.tensor([0, 8])}, ValueError, "both cu_seqlens_q and cu_seqlens_k"),
+        ({"q_start": torch.zeros(3, dtype=torch.long)}, ValueError, "q_start"),
+        ({"selection": "top"}, TypeError, "TokenLayout"),
+    ],
+)
+def test_bad_options(kwargs, exc, words):
+    q, k, v = _qkv()
+    pattern = kwargs.pop("pattern", "sliding_window")
+    with pytest.raises(exc, match=words):
+        sk.sparse_attention(q, k, v, pattern, **kwargs)
+
+
+def test_non_positive_window_is_rejected_through_the_api():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="`window` must be >= 1, got 0"):
+        sk.sparse_attention(q, k, v, {"pattern": "sliding_window", "window": 0})
+
+
+def test_packed_sequences_need_batch_one_and_matching_offsets():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="B == 1"):
+        sk.sparse_attention(q, k, v, "dense", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match="rise from 0 to 8"):
+        sk.sparse_attention(q[:1], k[:1], v[:1], "dense", cu_seqlens_q=torch.tensor([0, 9]), cu_seqlens_k=cu)
+
+
+def test_learned_pattern_without_selection_warns_once():
+    q, k, v = _qkv()
+    sk.api._WARNED.clear()
+    with pytest.warns(UserWarning, match="without a selection"):
+        sk.sparse_attention(q, k, v, sk.SparseK(sinks=2, window=4, top_k=3), backend="torch")

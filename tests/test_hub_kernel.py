@@ -1,0 +1,462 @@
+"""Kernel-hub packaging (issue 7): build.toml, scripts/build_kernel.py, loading through ``kernels``,
+and ``attn_implementation="<org>/sparse-k"`` against ``attn_implementation="sparse_k"``.
+
+Everything is built into pytest's temporary directories and loaded offline (``LOCAL_KERNELS``,
+``HF_HUB_OFFLINE=1``); nothing is written into the repository. Runs with kernels 0.16 and 0.17.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparse_k as sk
+
+kernels = pytest.importorskip("kernels")
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Keys of kernel-builder's edition-5 build.toml schema, from huggingface/kernels
+#: kernels-data/src/config/v5.rs (commit 8ac69fc542a4306eade0759ef7c45b4f2ae57df0): the structs
+#: General, Hub, CudaGeneral, NeuronGeneral, TpuGeneral, XpuGeneral, Torch, TorchNoarch, TvmFfi and
+#: Kernel, all `deny_unknown_fields`. TorchNoarch has no kebab-case renaming, hence its snake_case keys.
+EDITION5_SCHEMA = {
+    "general": {"name", "version", "edition", "license", "upstream", "source", "backends", "cuda", "hub",
+                "kernel-depends", "neuron", "python-depends", "tpu", "xpu"},
+    "general.hub": {"repo-id", "branch"},
+    "general.cuda": {"minver", "maxver", "kernel-depends", "python-depends"},
+    "general.neuron": {"kernel-depends", "python-depends"},
+    "general.tpu": {"python-depends"},
+    "general.xpu": {"kernel-depends", "python-depends"},
+    "torch": {"include", "minver", "maxver", "pyext", "src", "stable-abi", "cxx-flags"},
+    "torch-noarch": {"pyext", "cuda_capabilities", "rocm_archs"},
+    "tvm-ffi": {"include", "pyext", "src", "cxx-flags"},
+    "kernel.*": {"backend", "cxx-flags", "depends", "include", "src", "cuda-capabilities", "cuda-flags",
+                 "cuda-minver", "rocm-archs", "hip-flags", "sycl-flags"},
+}
+EDITION5_BACKENDS = {"cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu"}
+FRAMEWORKS = ("torch", "torch-noarch", "tvm-ffi")
+
+
+def schema_violations(cfg: dict) -> list[str]:
+    """Every key of ``cfg`` outside ``EDITION5_SCHEMA`` (and a missing/duplicate framework table)."""
+    problems = [f"unknown table [{k}]" for k in cfg if k not in {"general", "kernel", *FRAMEWORKS}]
+    frameworks = [f for f in FRAMEWORKS if f in cfg]
+    if len(frameworks) != 1:
+        problems.append(f"needs exactly one framework table of {FRAMEWORKS}, has {frameworks}")
+    general = cfg.get("general", {})
+    problems += [f"unknown key general.{k}" for k in general if k not in EDITION5_SCHEMA["general"]]
+    for sub in ("hub", "cuda", "neuron", "tpu", "xpu"):
+        table = general.get(sub, {})
+        problems += [f"unknown key general.{sub}.{k}" for k in table if k not in EDITION5_SCHEMA[f"general.{sub}"]]
+    for fw in frameworks:
+        problems += [f"unknown key {fw}.{k}" for k in cfg[fw] if k not in EDITION5_SCHEMA[fw]]
+    for name, kernel in cfg.get("kernel", {}).items():
+        problems += [f"unknown key kernel.{name}.{k}" for k in kernel if k not in EDITION5_SCHEMA["kernel.*"]]
+    return problems
+
+
+def _load_build_script():
+    spec = importlib.util.spec_from_file_location("build_kernel", REPO / "scripts" / "build_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def build_script():
+    return _load_build_script()
+
+
+@pytest.fixture(scope="module")
+def build_cfg():
+    with open(REPO / "build.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.fixture(scope="module")
+def repo_id(build_cfg) -> str:
+    return build_cfg["general"]["hub"]["repo-id"]
+
+
+@pytest.fixture(scope="module")
+def hub_dir(build_script, tmp_path_factory) -> Path:
+    """The hub layout of this checkout, built by the CLI into a temporary directory."""
+    out = tmp_path_factory.mktemp("hub") / "sparse-k"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_kernel.py"), "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub(hub_dir):
+    """The hub module as ``kernels.get_local_kernel`` loads it (the torch-cpu variant on this machine)."""
+    return kernels.get_local_kernel(hub_dir)
+
+
+def _metadata(hub_dir: Path, variant: str) -> dict:
+    return json.loads((hub_dir / "build" / variant / "metadata.json").read_text())
+
+
+def test_build_toml_holds_only_edition5_keys(build_cfg):
+    assert schema_violations(build_cfg) == []
+    general = build_cfg["general"]
+    assert general["edition"] == 5 and general["name"] == "sparse-k" and isinstance(general["version"], int)
+    assert {"cpu", "cuda"} <= set(general["backends"]) <= EDITION5_BACKENDS
+    assert "torch-noarch" in build_cfg and "kernel" not in build_cfg
+    assert general["hub"]["repo-id"].endswith("/sparse-k")
+    mutated = json.loads(json.dumps(build_cfg))
+    mutated["general"]["triton"] = True
+    mutated["torch-noarch"]["cuda-capabilities"] = ["9.0"]
+    assert schema_violations(mutated) == ["unknown key general.triton", "unknown key torch-noarch.cuda-capabilities"]
+
+
+def test_build_toml_parses_with_kernels_own_schema(build_cfg, tmp_path):
+    rust = pytest.importorskip("kernels._rust")
+    if not hasattr(rust, "Build"):
+        pytest.skip("this kernels release has no build.toml parser (kernels >= 0.17 has kernels._rust.Build)")
+    build = rust.Build.open(REPO)
+    assert sorted(str(b).lower() for b in build.general.backends) == sorted(
+        str(rust.Backend.from_str(b)).lower() for b in build_cfg["general"]["backends"]
+    )
+    (tmp_path / "build.toml").write_text((REPO / "build.toml").read_text() + "\nfoo = 1\n")
+    with pytest.raises(ValueError, match="foo"):
+        rust.Build.open(tmp_path)
+
+
+def test_build_script_rejects_what_kernel_builder_rejects(build_script, build_cfg):
+    cfg = json.loads(json.dumps(build_cfg))
+    assert build_script.validate_build_config(cfg) is cfg
+    bad = json.loads(json.dumps(build_cfg))
+    bad["general"]["typo"] = 1
+    with pytest.raises(build_script.BuildConfigError, match="typo"):
+        build_script.validate_build_config(bad)
+    bad = json.loads(json.dumps(build_cfg))
+    bad["general"]["python-depends"] = ["triton"]
+    with pytest.raises(build_script.BuildConfigError, match="allow-list"):
+        build_script.validate_build_config(bad)
+    bad = json.loads(json.dumps(build_cfg))
+    bad["general"]["edition"] = 4
+    with pytest.raises(build_script.BuildConfigError, match="edition"):
+        build_script.validate_build_config(bad)
+    with pytest.raises(ValueError, match="overwrite the repository"):
+        build_script.build_hub_layout(REPO)
+
+
+def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg, build_script):
+    general = build_cfg["general"]
+    shipped = build_script.shipped_files(REPO / "kernel_src", build_cfg["torch-noarch"].get("pyext", ["py"]), "sparse_k")
+    assert Path("__init__.py") in shipped and Path("hub_attention.py") in shipped
+    allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
+    ids = set()
+    for backend in general["backends"]:
+        variant = hub_dir / "build" / f"torch-{backend}"
+        for rel in shipped:
+            assert (variant / rel).read_bytes() == (REPO / "kernel_src" / rel).read_bytes(), rel
+            assert (hub_dir / "torch-ext" / "sparse_k" / rel).is_file()
+        assert (variant / "sparse_k" / "__init__.py").is_file()
+        meta = _metadata(hub_dir, f"torch-{backend}")
+        assert meta["name"] == general["name"] and meta["version"] == general["version"]
+        assert meta["license"] == general["license"] and meta["backend"]["type"] == backend
+        assert meta["id"].startswith(f"_sparse_k_{backend}_") and meta["id"].isidentifier()
+        for dep in meta["python-depends"]:
+            assert dep in allowed["general"] or dep in allowed["backends"].get(backend, {}), dep
+        assert "triton" not in meta["python-depends"]
+        parsed = kernels.Metadata.read_from_file(variant / "metadata.json")
+        assert parsed.id == meta["id"] and parsed.version == general["version"]
+        ops_src = (variant / "_ops.py").read_text()
+        assert f'_OPS_NAMESPACE = "{meta["id"]}"' in ops_src and "def add_op_namespace_prefix" in ops_src
+        ids.add(meta["id"])
+    assert len(ids) == len(general["backends"])
+    card = (hub_dir / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: kernels\n")
+    for needle in (general["hub"]["repo-id"], "flash_attn_forward", "Supported shapes", "Validation", "trust_remote_code"):
+        assert needle in card
+    assert tomllib.loads((hub_dir / "build.toml").read_text())["general"] == general
+
+
+def test_unique_id_follows_the_shipped_content(build_script, tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "kernel_src", root / "kernel_src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "build.toml", root / "build.toml")
+    first = build_script.build_hub_layout(tmp_path / "a", repo_root=root)
+    again = build_script.build_hub_layout(tmp_path / "b", repo_root=root)
+    (root / "kernel_src" / "geometry.py").write_text((root / "kernel_src" / "geometry.py").read_text() + "\n")
+    changed = build_script.build_hub_layout(tmp_path / "c", repo_root=root, repo_id="some-org/sparse-k")
+    ids = [_metadata(d, "torch-cpu")["id"] for d in (first, again, changed)]
+    assert ids[0] == ids[1] != ids[2]
+    assert "some-org/sparse-k" in (changed / "README.md").read_text()
+    assert 'repo-id = "some-org/sparse-k"' in (changed / "build.toml").read_text()
+
+
+def test_ops_namespace_is_the_variant_id(hub, hub_dir):
+    ops = importlib.import_module(f"{hub.__name__}._ops")
+    meta = _metadata(hub_dir, "torch-cpu")
+    assert hub.__name__ == meta["id"]
+    assert ops.add_op_namespace_prefix("double") == f"{meta['id']}::double"
+    lib = torch.library.Library(meta["id"], "FRAGMENT")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: 2 * x, "CompositeExplicitAutograd")
+    x = torch.randn(5)
+    torch.testing.assert_close(ops.ops.double(x), 2 * x)
+    assert importlib.import_module("sparse_k._ops").add_op_namespace_prefix("double") == "sparse_k::double"
+
+
+def test_custom_ops_take_their_namespace_from_ops_py():
+    """A literal ``sparse_k::`` op name would clash when the pip package and a hub build share a process."""
+    offenders = [
+        p.name for p in (REPO / "kernel_src").glob("*.py")
+        if p.name != "_ops.py" and ('"sparse_k::' in p.read_text() or "'sparse_k::" in p.read_text())
+    ]
+    assert offenders == [], f"use _ops.add_op_namespace_prefix(...) for torch.library names in {offenders}"
+
+
+def test_transformers_takes_the_flash_attn_forward_route(hub):
+    """Transformers registers a hub kernel with ``flash_attn_varlen_func`` as a FlashAttention drop-in
+    (its own wrapper, dense unless told a window) and only otherwise ``flash_attn_forward``."""
+    assert hasattr(hub, "flash_attn_forward") and hasattr(hub, "supports_flash_attn")
+    assert {"flash_attn_forward", "supports_flash_attn"} <= set(hub.__all__)
+    for name in ("flash_attn_varlen_func", "sparse_atten_func"):
+        assert not hasattr(hub, name), (
+            f"the hub module exposes `{name}`: Transformers would register it instead of flash_attn_forward and "
+            "ignore config.sparse_attention; keep FlashAttention-style functions in a submodule"
+        )
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _left_padding(batch: int, kv_len: int) -> torch.Tensor:
+    mask = torch.ones(batch, kv_len, dtype=torch.bool)
+    for b in range(1, batch):
+        mask[b, : int(torch.randint(1, kv_len // 2, (1,)))] = False
+    return mask
+
+
+PATTERNS = [
+    {"pattern": "streaming", "sinks": 3, "window": 9},
+    {"pattern": "bigbird", "block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "seed": 7},
+    {"pattern": "dilated", "window": 4, "scales": 3},
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p["pattern"])
+@pytest.mark.parametrize("sq,skv", [(45, 45), (7, 45), (1, 38)])
+def test_hub_sparse_attention_equals_reference(hub, pattern, sq, skv):
+    B, Hq, Hkv, D = 3, 4, 2, 16
+    q, k, v = torch.randn(B, Hq, sq, D), torch.randn(B, Hkv, skv, D), torch.randn(B, Hkv, skv, D)
+    mask = _left_padding(B, skv)
+    out = hub.sparse_attention(q, k, v, dict(pattern), attention_mask=mask)
+    geo = sk.row_geometry(B, sq, skv, mask)
+    ref, _ = sk.reference_attention(q, k, v, sk.get_pattern(dict(pattern)), geo, scale=D**-0.5)
+    ref32, _ = sk.reference_attention(q, k, v, sk.get_pattern(dict(pattern)), geo, scale=D**-0.5, dtype=torch.float32)
+    # Tolerance from PyTorch's own float32 error on the same dense computation (x4, plus 1e-6 for
+    # the case where that error is zero).
+    assert _rel_err(out, ref) <= 4 * _rel_err(ref32, ref) + 1e-6
+
+
+class _Attention(torch.nn.Module):
+    """Stands in for a Transformers attention layer: what the attention function reads from it."""
+
+    is_causal = True
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+
+
+def _sdpa_mask(pad: torch.Tensor, q_len: int, q_start: int, kv_len: int) -> torch.Tensor:
+    """Transformers' sdpa mask for causal attention over a padded cache: (B, 1, Sq, Skv) bool."""
+    i = torch.arange(q_len)[:, None] + q_start
+    j = torch.arange(kv_len)[None, :]
+    return ((j <= i)[None] & pad[:, None, :kv_len])[:, None]
+
+
+@pytest.mark.parametrize(
+    "sq,filled,kv_len",
+    [(33, 33, 33), (6, 40, 40), (1, 29, 29), (12, 12, 50), (1, 21, 50)],
+    ids=["prefill", "chunk", "decode", "static-prefill", "static-decode"],
+)
+def test_flash_attn_forward_reduces_the_sdpa_mask(hub, sq, filled, kv_len):
+    """Left padding, chunked prefill, decode and a StaticCache (``kv_len`` slots, ``filled`` written)."""
+    B, Hq, Hkv, D = 3, 4, 2, 16
+    cfg = {"pattern": "streaming", "sinks": 2, "window": 7}
+    config = type("Config", (), {"sparse_attention": cfg})()
+    pad = torch.zeros(B, kv_len, dtype=torch.bool)
+    pad[:, :filled] = _left_padding(B, filled)
+    q = torch.randn(B, Hq, sq, D)
+    k, v = torch.randn(B, Hkv, kv_len, D), torch.randn(B, Hkv, kv_len, D)
+    mask = _sdpa_mask(pad, sq, filled - sq, kv_len)
+    out, weights = hub.flash_attn_forward(_Attention(config, 0), q, k, v, mask, scaling=0.3, dropout=0.0)
+    assert weights is None and out.shape == (B, sq, Hq, D)
+    geo = sk.row_geometry(B, sq, kv_len, pad, q_start=filled - sq)
+    ref, _ = sk.reference_attention(q, k, v, sk.get_pattern(cfg), geo, scale=0.3)
+    ref32, _ = sk.reference_attention(q, k, v, sk.get_pattern(cfg), geo, scale=0.3, dtype=torch.float32)
+    assert _rel_err(out.transpose(1, 2), ref) <= 4 * _rel_err(ref32, ref) + 1e-6
+
+
+def test_sdpa_mask_reduction_cases():
+    reduce = sk.hub_attention.sdpa_mask_to_key_mask
+    assert reduce(None, 2, 9, 9) == (None, None)
+    assert reduce(None, 2, 1, 30) == (None, None)
+    key_mask, q_start = reduce(None, 2, 5, 30)  # empty StaticCache prefill: sdpa aligns top-left
+    assert q_start is None and key_mask.shape == (2, 5) and bool(key_mask.all())
+    pad = torch.ones(2, 20, dtype=torch.bool)
+    pad[1, :6] = False
+    key_mask, q_start = reduce(_sdpa_mask(pad, 20, 0, 20), 2, 20, 20)
+    assert q_start is None and torch.equal(key_mask, pad)
+    assert reduce(_sdpa_mask(torch.ones(2, 20, dtype=torch.bool), 4, 16, 20), 2, 4, 20) == (None, None)
+    additive = torch.zeros(2, 1, 20, 20).masked_fill(~_sdpa_mask(pad, 20, 0, 20), torch.finfo(torch.float32).min)
+    assert torch.equal(reduce(additive, 2, 20, 20)[0], pad)
+    uneven = torch.cat([_sdpa_mask(pad[:1], 3, 10, 20), _sdpa_mask(pad[1:], 3, 15, 20)])
+    key_mask, q_start = reduce(uneven, 2, 3, 20)
+    assert q_start.tolist() == [10, 15] and key_mask.shape == (2, 20)
+    with pytest.raises(ValueError, match="4-D"):
+        reduce(pad, 2, 20, 20)
+    with pytest.raises(ValueError, match="does not fit"):
+        reduce(_sdpa_mask(pad, 20, 0, 20), 2, 19, 21)
+    with pytest.raises(TypeError, match="tensor"):
+        reduce([[True]], 1, 1, 1)
+
+
+def test_supports_flash_attn(hub):
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8)
+    assert hub.supports_flash_attn() is True
+    assert hub.supports_flash_attn(q, k, k, _sdpa_mask(torch.ones(2, 9, dtype=torch.bool), 5, 4, 9)) is True
+    assert hub.supports_flash_attn(q, torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)) is False
+    assert hub.supports_flash_attn(q, k.half(), k.half()) is False
+    assert hub.supports_flash_attn(q, k, k, torch.ones(2, 9, dtype=torch.bool)) is False
+    assert hub.supports_flash_attn(q, k, k, is_causal=False) is False
+    assert hub.supports_flash_attn(q, k, k, output_attentions=True) is False
+
+
+def test_compat_subpackage_reexports_the_kernel(hub, hub_dir):
+    """Older kernels releases import ``<variant>/sparse_k/__init__.py`` as the kernel module itself."""
+    init = hub_dir / "build" / "torch-cpu" / "sparse_k" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("_sparse_k_compat_test", init)
+    compat = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = compat
+    try:
+        spec.loader.exec_module(compat)
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert compat.__all__ == hub.__all__
+    assert {"flash_attn_forward", "supports_flash_attn", "sparse_attention"} <= set(vars(compat))
+    q, k, v = torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)
+    pattern = {"pattern": "sliding_window", "window": 4}
+    torch.testing.assert_close(compat.sparse_attention(q, k, v, pattern), hub.sparse_attention(q, k, v, pattern))
+    sub = importlib.import_module(f"{hub.__name__}.sparse_k")
+    assert sub.sparse_attention is hub.sparse_attention
+
+
+def test_get_kernel_offline_in_a_fresh_interpreter(hub_dir, repo_id):
+    """``kernels.get_kernel(repo, version=1)`` through LOCAL_KERNELS with HF_HUB_OFFLINE=1; the hub
+    module needs neither hf_sparse_attention nor the pip module nor transformers."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import kernels
+        hub = kernels.get_kernel({repo_id!r}, version=1)
+        mods = set(sys.modules)
+        import torch
+        q, k, v = torch.randn(2, 4, 11, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+        geo = hub.row_geometry(2, 11, 11)
+        pattern = hub.get_pattern({{"pattern": "streaming", "sinks": 1, "window": 3}})
+        out = hub.sparse_attention(q, k, v, pattern)
+        ref, _ = hub.reference_attention(q, k, v, pattern, geo, scale=8 ** -0.5)
+        print(json.dumps({{
+            "file": hub.__file__,
+            "name": hub.__name__,
+            "imported": sorted(m for m in ("hf_sparse_attention", "sparse_k", "transformers") if m in mods),
+            "err": float((out.double() - ref).abs().max()),
+        }}))
+        """
+    )
+    env = {**os.environ, "LOCAL_KERNELS": f"{repo_id}={hub_dir}", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, cwd=hub_dir)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(result["file"]) == hub_dir / "build" / "torch-cpu" / "__init__.py"
+    assert result["name"] == _metadata(hub_dir, "torch-cpu")["id"]
+    assert result["imported"] == []
+    assert result["err"] < 1e-5  # float32 path vs float64 reference over <= 11 keys
+
+
+def test_importing_the_core_does_not_import_the_user_layer():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, sparse_k; print('hf_sparse_attention' in sys.modules)"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama saved to disk, with a sparse pattern that differs from dense at its length."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+    )
+    config.sparse_attention = {
+        "pattern": "streaming", "sinks": 2, "window": 5,
+        "layers": {"1": {"pattern": "dilated", "window": 3, "scales": 2}},
+    }
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_llama_hub_route_matches_sparse_k_route(tiny_llama, hub, hub_dir, repo_id, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import huggingface_hub.constants
+
+    import hf_sparse_attention  # noqa: F401  (registers attn_implementation="sparse_k")
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"{repo_id}={hub_dir}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    via_hub = load(tiny_llama, attn_implementation=repo_id).eval()
+    via_pip = load(tiny_llama, attn_implementation="sparse_k").eval()
+    dense = load(tiny_llama, attn_implementation="sdpa").eval()
+    assert transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[repo_id] is hub.flash_attn_forward
+
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (3, 23))
+    padded = torch.ones_like(ids)
+    padded[1, :8] = 0
+    padded[2, :3] = 0
+    ids = ids.masked_fill(padded == 0, 0)
+    with torch.no_grad():
+        for mask in (None, padded):
+            a = via_hub(ids, attention_mask=mask).logits
+            b = via_pip(ids, attention_mask=mask).logits
+            valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            # Same kernels on the same inputs: only the route to them differs.
+            torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+            assert (a - dense(ids, attention_mask=mask).logits)[valid].abs().max() > 1e-2  # the pattern is in effect
+        gen_hub = via_hub.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
+        gen_pip = via_pip.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen_hub, gen_pip)

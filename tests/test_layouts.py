@@ -1,0 +1,110 @@
+"""Block layouts: to_dense() equals the design §4 mask element by element, building is
+proportional to the visited tiles, caching, and FlexAttention BlockMask interop."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import BIDIRECTIONAL, FIXED, left_padding_mask, random_pattern
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sparse_k as sk
+from sparse_k.reference import pattern_mask
+
+
+def _check(p, B, Sq, Skv, bq, bk, mask, q_start=None, Hkv=2, layer=1):
+    g = sk.row_geometry(B, Sq, Skv, mask, q_start)
+    lay = sk.build_block_layout(p, Sq, Skv, g, block_q=bq, block_k=bk, layer_idx=layer, num_kv_heads=Hkv, cache=False)
+    want, _ = pattern_mask(p, g, Sq, Skv, num_kv_heads=Hkv, layer_idx=layer)
+    got = lay.to_dense()
+    assert got.shape == want.shape
+    assert torch.equal(got, want), (p, B, Sq, Skv, bq, bk)
+    return lay
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(FIXED + ["sparse_k"]),
+    seed=st.integers(0, 10_000),
+    sq=st.integers(1, 150),
+    extra_kv=st.integers(0, 80),
+    bq=st.sampled_from([1, 8, 16, 32, 64]),
+    bk=st.sampled_from([4, 16, 32, 64]),
+    padded=st.booleans(),
+)
+def test_to_dense_equals_the_pattern_mask(name, seed, sq, extra_kv, bq, bk, padded):
+    rng = torch.Generator().manual_seed(seed)
+    p = random_pattern(name, rng, max_len=sq + extra_kv)
+    skv = sq + extra_kv
+    mask = left_padding_mask(3, skv, rng) if padded else None
+    _check(p, 3 if padded else 1, sq, skv, bq, bk, mask)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(BIDIRECTIONAL), seed=st.integers(0, 10_000), s=st.integers(1, 120), bq=st.sampled_from([8, 16, 32]))
+def test_to_dense_bidirectional(name, seed, s, bq):
+    rng = torch.Generator().manual_seed(seed)
+    _check(random_pattern(name, rng, causal=False, max_len=s), 1, s, s, bq, bq, None)
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_odd_lengths_and_explicit_query_start(name):
+    p = random_pattern(name, torch.Generator().manual_seed(1), max_len=200)
+    for sq, skv in [(1, 1), (63, 63), (113, 203), (1, 1000), (16, 4097)]:
+        _check(p, 1, sq, skv, 32, 64, None)
+    # A static cache: 150 slots, 90 valid keys, the last 7 queries sit at positions 83..89.
+    mask = torch.zeros(2, 150, dtype=torch.bool)
+    mask[:, :90] = True
+    _check(p, 2, 7, 150, 16, 16, mask, q_start=83)
+
+
+def test_full_tiles_exist_and_skip_nothing():
+    g = sk.row_geometry(1, 1024, 1024)
+    lay = sk.build_block_layout(sk.SlidingWindow(window=256), 1024, 1024, g, block_q=64, block_k=64)
+    # Each query tile sees 3 full tiles in the window interior plus partial edge/diagonal tiles.
+    assert int(lay.full_kv_num_blocks.min()) >= 0 and int(lay.full_kv_num_blocks[..., 8:].min()) == 3
+    assert int(lay.kv_num_blocks.max()) == 2
+
+
+def test_build_cost_is_proportional_to_visited_tiles():
+    S = 131072
+    g = sk.row_geometry(1, S, S)
+    lay = sk.build_block_layout(sk.Streaming(sinks=4, window=1024), S, S, g, block_q=128, block_k=128, cache=False)
+    nq = S // 128
+    assert lay.kv_indices.numel() + lay.full_kv_indices.numel() <= nq * 16  # ~11 tiles per row, not nq
+    assert lay.allowed_tiles() <= nq * 11
+
+
+def test_layouts_are_cached_by_everything_they_depend_on():
+    sk.clear_layout_cache()
+    g = sk.row_geometry(1, 100, 100)
+    a = sk.build_block_layout(sk.SlidingWindow(window=10), 100, 100, g, block_q=16, block_k=16)
+    assert sk.build_block_layout(sk.SlidingWindow(window=10), 100, 100, g, block_q=16, block_k=16) is a
+    assert sk.build_block_layout(sk.SlidingWindow(window=11), 100, 100, g, block_q=16, block_k=16) is not a
+    bb = sk.BigBird(block=16, seed=1)
+    l0 = sk.build_block_layout(bb, 200, 200, g, block_q=16, block_k=16, layer_idx=0, num_kv_heads=2)
+    l1 = sk.build_block_layout(bb, 200, 200, g, block_q=16, block_k=16, layer_idx=1, num_kv_heads=2)
+    assert l0 is not l1 and not torch.equal(l0.to_dense(), l1.to_dense())
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_block_mask_round_trip_and_flex_attention_agree_with_reference(name):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    p = random_pattern(name, torch.Generator().manual_seed(7), max_len=96)
+    B, Hq, Hkv, S, D = 2, 4, 2, 96, 16
+    mask = left_padding_mask(B, S, torch.Generator().manual_seed(3))
+    g = sk.row_geometry(B, S, S, mask)
+    lay = sk.build_block_layout(p, S, S, g, block_q=16, block_k=16, layer_idx=0, num_kv_heads=Hkv)
+    bm = lay.to_block_mask(B, Hq)
+    back = sk.BlockLayout.from_block_mask(bm, lay.pattern, g, num_kv_heads=Hkv)
+    dense = lay.to_dense().expand(B, Hkv, S, S)
+    assert torch.equal(back.to_dense().expand(B, Hkv, S, S), dense)
+    q, k, v = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    ref = sk.sparse_attention(q, k, v, p, attention_mask=mask, backend="reference")
+    rows = dense.any(-1).repeat_interleave(Hq // Hkv, 1)  # flex leaves fully-masked rows undefined
+    assert torch.allclose(out[rows], ref[rows], atol=1e-5)

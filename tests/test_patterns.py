@@ -1,0 +1,139 @@
+"""Pattern configurations: validation, defaults, dict round trips and the element rules of design §4."""
+
+import pytest
+import torch
+from helpers import BIDIRECTIONAL, FIXED, random_pattern
+
+import sparse_k as sk
+
+
+def test_available_patterns_lists_every_pattern_of_the_design():
+    assert sk.available_patterns() == [
+        "dense", "sliding_window", "streaming", "block_diagonal", "bigbird", "dilated", "l2_aligned", "sparse_k", "dsa",
+    ]
+
+
+@pytest.mark.parametrize("name", sk.available_patterns())
+def test_defaults_build_and_round_trip_through_dict(name):
+    p = sk.get_pattern(name)
+    assert p.name == name and p.causal is True
+    assert sk.pattern_from_dict(p.to_dict()) == p
+    assert hash(p) == hash(sk.pattern_from_dict(p.to_dict()))
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, exc, words",
+    [
+        ("sliding_window", {"window": 0}, ValueError, "window"),
+        ("sliding_window", {"window": -3}, ValueError, ">= 1"),
+        ("sliding_window", {"window": 2.5}, TypeError, "window"),
+        ("sliding_window", {"window": True}, TypeError, "window"),
+        ("streaming", {"sinks": -1}, ValueError, "sinks"),
+        ("streaming", {"causal": False}, ValueError, "bidirectional"),
+        ("block_diagonal", {"block": 0}, ValueError, "block"),
+        ("bigbird", {"random_blocks": -1}, ValueError, "random_blocks"),
+        ("dilated", {"scales": 0}, ValueError, "scales"),
+        ("dilated", {"scales": 31}, ValueError, "scales"),
+        ("l2_aligned", {"segment": 64, "anchor": 65}, ValueError, "anchor"),
+        ("sparse_k", {"top_k": -1}, ValueError, "top_k"),
+        ("dsa", {"indexer_heads": 0}, ValueError, "indexer_heads"),
+        ("sliding_window", {"windw": 3}, ValueError, "windw"),
+    ],
+)
+def test_bad_parameters_name_the_value(name, kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        sk.get_pattern(name, **kwargs)
+
+
+def test_unknown_pattern_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match="unknown pattern 'swa'.*sliding_window"):
+        sk.get_pattern("swa")
+    with pytest.raises(TypeError, match="pattern must be"):
+        sk.get_pattern(3)
+
+
+def _brute(p, i, j):
+    """Design §4 written out for one (i, j) pair, independently of the vectorised rules."""
+    if p.causal and j > i:
+        return False
+    d = i - j
+    if isinstance(p, sk.Dense):
+        return True
+    if isinstance(p, sk.SlidingWindow):
+        return d < p.window if p.causal else abs(d) <= p.window
+    if isinstance(p, (sk.Streaming,)):
+        return j < p.sinks or d < p.window
+    if isinstance(p, sk.BlockDiagonal):
+        return i // p.block == j // p.block
+    if isinstance(p, sk.Dilated):
+        return any(abs(d) % (1 << s) == 0 and abs(d) < p.window * (1 << s) for s in range(p.scales))
+    if isinstance(p, sk.L2Aligned):
+        return i // p.block - p.window_blocks < j // p.block or j % p.segment < p.anchor
+    raise AssertionError(p)
+
+
+@pytest.mark.parametrize("name", ["dense", "sliding_window", "streaming", "block_diagonal", "dilated", "l2_aligned"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_element_rule_matches_the_design_table(name, causal):
+    if not causal and name not in BIDIRECTIONAL:
+        pytest.skip("no bidirectional version")
+    for _ in range(5):
+        p = random_pattern(name, causal=causal, max_len=64)
+        i = torch.arange(70).view(-1, 1)
+        j = torch.arange(70).view(1, -1)
+        got = p.allowed(i, j, kv_len=70)
+        want = torch.tensor([[_brute(p, a, b) for b in range(70)] for a in range(70)])
+        assert torch.equal(got, want), p
+
+
+def test_bidirectional_sliding_window_matches_transformers():
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    fn = masking_utils.sliding_window_bidirectional_overlay(5)
+    p = sk.SlidingWindow(window=5, causal=False)
+    for i in range(20):
+        for j in range(20):
+            assert bool(p.allowed(torch.tensor(i), torch.tensor(j))) == bool(fn(0, 0, i, j))
+
+
+def test_bigbird_random_blocks_are_deterministic_distinct_and_outside_window_and_globals():
+    p = sk.BigBird(block=16, window_blocks=1, global_blocks=2, random_blocks=3, seed=5)
+    t1 = p.random_table(layer_idx=3, num_kv_heads=4, num_q_blocks=40)
+    t2 = p.random_table(layer_idx=3, num_kv_heads=4, num_q_blocks=40)
+    assert torch.equal(t1, t2)
+    assert not torch.equal(t1, p.random_table(layer_idx=4, num_kv_heads=4, num_q_blocks=40))
+    for h in range(4):
+        for qb in range(40):
+            picks = [x for x in t1[h, qb].tolist() if x >= 0]
+            cands = [kb for kb in range(2, qb - 1)]  # not global (kb<2), not window (qb-1..qb)
+            assert len(set(picks)) == len(picks) == min(3, len(cands))
+            assert set(picks) <= set(cands)
+    # Decode equals recompute: the table for a prefix of query blocks is a prefix of the table.
+    assert torch.equal(p.random_table(3, 4, 10), t1[:, :10])
+
+
+def test_l2_segment_is_resolved_once_and_stored():
+    p = sk.get_pattern("l2_aligned")
+    assert p.segment is None
+    r = sk.resolve_l2_segment(p, kv_bytes_per_token=2 * 8 * 128 * 2, l2_bytes=50 * 2**20)
+    assert r.segment % r.block == 0 and r.segment * 2 * 8 * 128 * 2 <= 25 * 2**20
+    assert sk.pattern_from_dict(r.to_dict()).segment == r.segment
+    with pytest.raises(ValueError, match="segment"):
+        p.allowed(torch.tensor(3), torch.tensor(1))
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_key_intervals_cover_every_allowed_key(name):
+    for _ in range(5):
+        p = random_pattern(name, max_len=96)
+        q_lo = torch.arange(0, 96, 7)
+        q_hi = q_lo + 6
+        lo, hi = p.key_intervals(q_lo, q_hi, layer_idx=1, num_kv_heads=2, kv_len=200)
+        for h in range(lo.shape[0]):
+            for t in range(len(q_lo)):
+                covered = torch.zeros(200, dtype=torch.bool)
+                for a, b in zip(lo[h, t].tolist(), hi[h, t].tolist()):
+                    if a <= b:
+                        covered[max(a, 0) : min(b, 199) + 1] = True
+                q = torch.arange(int(q_lo[t]), int(q_hi[t]) + 1).view(-1, 1)
+                allowed = p.allowed(q, torch.arange(200).view(1, -1), 1, h, 200).any(0)
+                assert not (allowed & ~covered).any(), (p, h, t)

@@ -1,0 +1,125 @@
+"""GPU tests of the Triton kernels: bf16/fp16, real head dims, larger shapes (``gpu`` marker).
+
+Tolerance: relative Frobenius error against the float64 reference. bf16 operands (P is rounded to
+bf16 before the PV product, as in every flash kernel) give 1e-3..1e-2; a wrong tile or mask gives
+O(0.1..1). fp16 carries 3 more mantissa bits, hence the tighter bound.
+"""
+
+import pytest
+import torch
+
+import sparse_k
+from sparse_k import get_pattern, reference_attention, row_geometry
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or sparse_k.triton_backend is None, reason="needs CUDA and triton"),
+]
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _inputs(B, Hq, Hkv, Sq, Skv, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    return mk(B, Hq, Sq, D), mk(B, Hkv, Skv, D), mk(B, Hkv, Skv, D)
+
+
+PATTERNS = [
+    get_pattern("dense"),
+    get_pattern("dense", causal=False),
+    get_pattern("sliding_window", window=300),
+    get_pattern("sliding_window", window=200, causal=False),
+    get_pattern("streaming", sinks=7, window=256),
+    get_pattern("block_diagonal", block=100),
+    get_pattern("dilated", window=64, scales=3),
+    get_pattern("l2_aligned", block=64, window_blocks=3, segment=256, anchor=16),
+    get_pattern("bigbird", block=64, window_blocks=1, global_blocks=1, random_blocks=2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: f"{p.name}-{'c' if p.causal else 'b'}")
+def test_forward_backward_patterns(pattern, dtype):
+    B, Hq, Hkv, S, D = 2, 8, 2, 640 if pattern.name == "bigbird" else 777, 128
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, dtype, seed=hash(pattern) % 1000)
+    for t in (q, k, v):
+        t.requires_grad_()
+    sink = torch.randn(Hq, device="cuda", requires_grad=True)
+    out = sparse_k.sparse_attention(q, k, v, pattern, backend="triton", sink_logits=sink)
+    geo = row_geometry(B, S, S, None, device="cuda")
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sd = sink.detach().double().requires_grad_()
+    ref, _ = reference_attention(qd, kd, vd, pattern, geo, scale=D ** -0.5, sink_logits=sd)
+    assert rel(out, ref) < TOL[dtype]
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sink), do)
+    refs = torch.autograd.grad(ref, (qd, kd, vd, sd), do.double())
+    for name, a, b in zip("qkvs", grads, refs):
+        assert rel(a, b) < 2 * TOL[dtype], name
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_head_dims_softcap_padding(D):
+    B, Hq, Hkv, S = 2, 8, 2, 333
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=D)
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    mask[0, :37] = False
+    mask[1, 100:140] = False  # a hole: travels as a key mask
+    p = get_pattern("streaming", sinks=4, window=100)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", softcap=20.0, attention_mask=mask)
+    ref = sparse_k.sparse_attention(*(t.detach().double().requires_grad_() for t in (q, k, v)), p, backend="reference", softcap=20.0, attention_mask=mask)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    do = torch.randn_like(out)
+    g1 = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = sparse_k.sparse_attention(qd, kd, vd, p, backend="reference", softcap=20.0, attention_mask=mask)
+    g2 = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for a, b in zip(g1, g2):
+        assert rel(a, b) < 2 * TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("q_len", [1, 5, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_strided_cache(q_len, group):
+    """Decode against a Transformers-style cache (B, S_max, Hkv, D) viewed as (B, Hkv, S, D), no copies."""
+    B, Hkv, S_max, D = 3, 2, 5000, 128
+    Hq = Hkv * group
+    g = torch.Generator(device="cuda").manual_seed(q_len * 10 + group)
+    cache_k = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache_v = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, Hq, q_len, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = cache_k.transpose(1, 2), cache_v.transpose(1, 2)
+    sink = torch.randn(Hq, device="cuda")
+    for p in (get_pattern("sliding_window", window=1000), get_pattern("streaming", sinks=4, window=700), get_pattern("dense")):
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", sink_logits=sink)
+        ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", sink_logits=sink.double())
+        assert rel(out, ref) < TOL[torch.bfloat16], p
+
+
+def test_flash_kvcache_decode():
+    B, S_max, Hkv, Hq, D = 2, 4096, 2, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kc = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
+    vc = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.float16, generator=g)
+    lens = torch.tensor([1000, 3001], device="cuda")
+    out = sparse_k.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, window_size=(511, 0), backend="triton")
+    ref = sparse_k.flash_attn_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=lens, causal=True, window_size=(511, 0), backend="reference")
+    assert rel(out, ref) < TOL[torch.float16]
+
+
+def test_large_window_matches_torch_path():
+    S, D = 32768, 128
+    q, k, v = _inputs(1, 32, 8, S, S, D, torch.bfloat16, seed=3)
+    p = get_pattern("sliding_window", window=4096)
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
+    for q0 in (0, S - 200):
+        ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 200], k, v, p, backend="torch", q_start=q0)
+        assert rel(out[:, :, q0 : q0 + 200], ref) < TOL[torch.bfloat16]
