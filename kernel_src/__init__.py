@@ -27,8 +27,12 @@ from .patterns import (
 from .reference import masked_attention, pattern_mask, reference_attention
 from .token_layout import TokenLayout
 from .torch_path import torch_sparse_attention
+from .sparsek import sparsek
+from .scorers import LightningIndexer, SparseKScorer
+from .selectors import build_selection
 
-from .flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from . import flash_api
+from .flash_api import flash_attn_func, flash_attn_with_kvcache
 from .hub_attention import flash_attn_forward, supports_flash_attn
 
 try:  # the GPU kernels register the "triton" backend only where triton imports
@@ -66,12 +70,16 @@ __all__ = [
     "masked_attention",
     "pattern_mask",
     "torch_sparse_attention",
+    "sparsek",
+    "SparseKScorer",
+    "LightningIndexer",
+    "build_selection",
     "DEFAULT_SPARSE_CONFIG",
     "pattern_for_layer",
     "pattern_to_config",
     "validate_sparse_config",
     "flash_attn_func",
-    "flash_attn_varlen_func",
+    "flash_api",
     "flash_attn_with_kvcache",
     "flash_attn_forward",
     "supports_flash_attn",

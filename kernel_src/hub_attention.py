@@ -15,9 +15,12 @@ over the absolute cache slots ``0 .. L-1``) and where the queries sit (query ``i
 ``transformers_adapter.attention_forward``, the function ``attn_implementation="sparse_k"`` runs,
 so both routes read ``config.sparse_attention`` and give the same result.
 
-Limitation: a layer whose cache drops old keys (a sliding-window cache) hands over only the kept keys,
-so the hub route counts positions from the first kept key. Rules that depend on ``i - j`` only (dense,
-sliding_window, dilated; what such layers run with ``full_attention_layers_only``) are unaffected.
+Limitation: the sdpa mask of a layer whose cache drops old keys (a sliding-window cache, once the
+sequence is longer than the cache) covers only the kept keys, so the hub route counts positions from
+the first kept key, where ``"sparse_k"`` (whose own mask function knows the absolute slots) counts
+from the first token. Rules that depend on ``i - j`` only (dense, sliding_window, dilated, and what
+the adapter makes of most patterns on such layers) give the same result; sinks or blocks restricted
+to a model window wider than the pattern's own window do not.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 from .api import warn_once
 from .transformers_adapter import attention_forward
 
-__all__ = ["flash_attn_forward", "supports_flash_attn", "sdpa_mask_to_key_mask"]
+__all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CHUNK_ELEMENTS = 1 << 24  # mask elements per step of the reduction: int64 temporaries stay <= 128 MB
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -57,6 +61,15 @@ def _check_mask(attention_mask, batch: int, q_len: int, kv_len: int) -> None:
         )
 
 
+def _most_common_offset(last: torch.Tensor, i: torch.Tensor, default: int) -> int:
+    """Most common ``last[i] - i`` over queries that attend something (ties: the largest); ``default`` if none."""
+    offsets = (last - i)[last >= 0]
+    if offsets.numel() == 0:
+        return default
+    values, counts = torch.unique(offsets, return_counts=True)
+    return int(values[counts == counts.max()].max())
+
+
 def sdpa_mask_to_key_mask(
     attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -74,9 +87,11 @@ def sdpa_mask_to_key_mask(
         own masks never do), with ``key_mask`` then over all ``Skv`` slots.
 
     Query ``i`` of row ``b`` sits at slot ``q_start + i``: in a causal mask the last key it attends is
-    itself, so ``q_start`` is the largest ``last_allowed(i) - i`` over the row's queries (padding
-    queries attend nothing or less). A key slot holds a key when some query attends it; left padding,
-    holes and a StaticCache's unwritten slots attend nothing. Without a mask, Transformers has only
+    itself, so ``q_start`` is the most common ``last_allowed(i) - i`` over the row's queries (left
+    padding queries attend nothing, right padding queries stop early, queries of a bidirectional
+    block reach later keys: each of those gives its own value, the causal queries all give
+    ``q_start``). A key slot holds a key when some query attends it; left padding, holes and a
+    StaticCache's unwritten slots attend nothing. Without a mask, Transformers has only
     skipped building one: no padding and bottom-right queries, except for the prefill of an empty
     StaticCache (``Skv > Sq > 1``), where sdpa aligns queries top-left over slots ``0 .. Sq-1``.
     """
@@ -85,7 +100,8 @@ def sdpa_mask_to_key_mask(
             return torch.ones(batch, q_len, dtype=torch.bool), None
         return None, None
     _check_mask(attention_mask, batch, q_len, kv_len)
-    allowed = _allowed(attention_mask)[..., :kv_len].any(1)  # (B', Sq', Skv)
+    allowed = _allowed(attention_mask)[..., :kv_len]
+    allowed = allowed[:, 0] if allowed.shape[1] == 1 else allowed.any(1)  # (B', Sq', Skv)
     device = allowed.device
     j = torch.arange(kv_len, device=device)
     if allowed.shape[1] == 1 and q_len > 1:
@@ -94,12 +110,15 @@ def sdpa_mask_to_key_mask(
         return (None if bool(key_mask.all()) else key_mask.contiguous()), None
     key_valid = allowed.any(1)  # (B', Skv)
     i = torch.arange(q_len, device=device)
-    last = torch.where(allowed, j, -1).amax(-1)  # (B', Sq): last key each query attends
-    offsets = torch.where(last >= 0, last - i, -(kv_len + q_len))
-    q_start = offsets.amax(-1)  # (B',)
-    q_start = torch.where(q_start < 0, torch.full_like(q_start, kv_len - q_len), q_start)
-    future = allowed & (j > (q_start[:, None] + i)[..., None])
-    if bool(future.any()):
+    rows = max(1, _CHUNK_ELEMENTS // (allowed.shape[0] * kv_len))  # bounds the int64 temporaries
+    last = torch.cat(
+        [torch.where(allowed[:, s : s + rows], j, -1).amax(-1) for s in range(0, q_len, rows)], dim=1
+    )  # (B', Sq): last key each query attends
+    q_start = torch.tensor([_most_common_offset(row, i, kv_len - q_len) for row in last], device=device)
+    if any(
+        bool((allowed[:, s : s + rows] & (j > (q_start[:, None] + i[s : s + rows])[..., None])).any())
+        for s in range(0, q_len, rows)
+    ):
         warn_once(
             "hub sparse_k attention: the attention mask lets queries see later keys (a bidirectional part); "
             "the causal patterns drop them"

@@ -2,13 +2,14 @@
 
 The ops take only tensors and plain scalars, so ``torch.compile`` traces through them:
 
-* ``sparse_k::block_attn_fwd(q, k, v, <forward layout>, <transposed layout>, <geometry>, sink?, key_mask?, ...)``
-  -> ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``
-* ``sparse_k::block_attn_bwd(do, q, k, v, out, lse, ...)`` -> ``(dq, dk, dv, dsink)``
+* ``sparse_k::block_attn_fwd(q, k, v, <forward layout>, <transposed layout>, <geometry>, sink?, key_mask?,
+  ..., <token layout>?)`` -> ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``
+* ``sparse_k::block_attn_bwd(do, q, k, v, out, lse, ...)`` -> ``(dq, dk, dv, dsink, dweights)``
 
 A layout travels as its four tensors ``(full_num, full_idx, part_num, part_idx)``; the transposed
 layout (query tiles per key tile, see ``triton_bwd.transposed_layout``) travels beside it so the
-backward needs no host synchronisation. The pattern travels as ``(pattern_id, causal, params)``.
+backward needs no host synchronisation. The pattern travels as ``(pattern_id, causal, params)``;
+``full_contig`` (full tiles form one ascending run per query tile) is computed once per layout.
 Kernel modules are imported on first use so that ``TRITON_INTERPRET`` is read at that moment.
 """
 
@@ -18,6 +19,8 @@ import importlib
 from types import SimpleNamespace
 
 import torch
+
+from ._ops import add_op_namespace_prefix
 
 __all__ = ["block_attn", "layout_args"]
 
@@ -45,7 +48,7 @@ def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_l
     )
 
 
-@torch.library.custom_op("sparse_k::block_attn_fwd", mutates_args=())
+@torch.library.custom_op(add_op_namespace_prefix("block_attn_fwd"), mutates_args=())
 def block_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fnum: torch.Tensor, fidx: torch.Tensor, pnum: torch.Tensor, pidx: torch.Tensor,
@@ -53,24 +56,31 @@ def block_attn_fwd(
     q_start: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     sink_logits: torch.Tensor | None, key_mask: torch.Tensor | None,
     pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, pack: int, num_splits: int,
-    scale: float, softcap: float,
+    scale: float, softcap: float, full_contig: bool,
+    sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
+    sel_first: torch.Tensor | None = None, sel_qb: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _ = _kernels()
+    sel = None
+    if sel_idx is not None:
+        sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
     lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
     return fwd.attention_forward(
         q, k, v, lay, scale=scale, softcap=softcap if softcap > 0 else None, sink_logits=sink_logits,
-        key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern,
+        key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern, full_contig=full_contig,
+        selection=sel,
     )
 
 
 @block_attn_fwd.register_fake
 def _(q, k, v, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end, sink_logits, key_mask,
-      pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap):
+      pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap, full_contig,
+      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1):
     B, Hq, Sq, D = q.shape
     return q.new_empty(B, Hq, Sq, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
 
-@torch.library.custom_op("sparse_k::block_attn_bwd", mutates_args=())
+@torch.library.custom_op(add_op_namespace_prefix("block_attn_bwd"), mutates_args=())
 def block_attn_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     fnum: torch.Tensor, fidx: torch.Tensor, pnum: torch.Tensor, pidx: torch.Tensor,
@@ -78,29 +88,39 @@ def block_attn_bwd(
     q_start: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     sink_logits: torch.Tensor | None, key_mask: torch.Tensor | None,
     pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, scale: float, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
+    sel_first: torch.Tensor | None = None, sel_qb: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _, bwd = _kernels()
+    sel = None
+    if sel_idx is not None:
+        sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
     lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
     lay._transposed = (t_fnum, t_fidx, t_pnum, t_pidx)
-    dq, dk, dv, dsink = bwd.attention_backward(
+    dq, dk, dv, dsink, dw = bwd.attention_backward(
         do, q, k, v, out, lse, lay, scale=scale, softcap=softcap if softcap > 0 else None,
-        sink_logits=sink_logits, key_mask=key_mask,
+        sink_logits=sink_logits, key_mask=key_mask, selection=sel,
     )
     if dsink is None:
         dsink = q.new_zeros(q.shape[1], dtype=torch.float32)
-    return dq, dk, dv, dsink
+    if dw is None:
+        dw = q.new_zeros(0, dtype=torch.float32)
+    return dq, dk, dv, dsink, dw
 
 
 @block_attn_bwd.register_fake
 def _(do, q, k, v, out, lse, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end,
-      sink_logits, key_mask, pattern_id, causal, params, block_q, block_k, scale, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(q.shape[1], dtype=torch.float32)
+      sink_logits, key_mask, pattern_id, causal, params, block_q, block_k, scale, softcap,
+      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1):
+    dw = q.new_empty(sel_w.shape if sel_w is not None else (0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(q.shape[1], dtype=torch.float32), dw
 
 
 _FWD_ARGS = (
     "q", "k", "v", "fnum", "fidx", "pnum", "pidx", "t_fnum", "t_fidx", "t_pnum", "t_pidx",
     "q_start", "k_start", "k_end", "sink_logits", "key_mask",
-    "pattern_id", "causal", "params", "block_q", "block_k", "pack", "num_splits", "scale", "softcap",
+    "pattern_id", "causal", "params", "block_q", "block_k", "pack", "num_splits", "scale", "softcap", "full_contig",
+    "sel_idx", "sel_cnt", "sel_w", "sel_first", "sel_qb",
 )
 
 
@@ -116,20 +136,26 @@ def _setup_context(ctx, inputs, output):
     ctx.has_sink = a["sink_logits"] is not None
     ctx.has_kmask = a["key_mask"] is not None
     ctx.meta = (a["pattern_id"], a["causal"], a["params"], a["block_q"], a["block_k"], a["scale"], a["softcap"])
+    ctx.sel = (a["sel_idx"], a["sel_cnt"], a["sel_w"], a["sel_first"], a["sel_qb"])
     if a["pack"] != 1 or a["num_splits"] != 1:
         ctx.meta = None  # decode-style launches are inference only
 
 
 def _backward(ctx, d_out, d_lse):
     if ctx.meta is None:
-        raise RuntimeError("sparse_k::block_attn_fwd launched with pack > 1 or num_splits > 1 has no backward; call it with pack=1, num_splits=1")
+        raise RuntimeError(
+            "sparse_k::block_attn_fwd has no backward when launched with pack > 1 or num_splits > 1; use pack=1, num_splits=1"
+        )
     (q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke, sink, kmask) = ctx.saved_tensors
     pid, causal, params, bq, bk, scale, softcap = ctx.meta
-    dq, dk, dv, dsink = block_attn_bwd(
+    sel_idx, sel_cnt, sel_w, sel_first, sel_qb = ctx.sel
+    dq, dk, dv, dsink, dw = block_attn_bwd(
         d_out.contiguous(), q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke,
         sink if ctx.has_sink else None, kmask if ctx.has_kmask else None, pid, causal, params, bq, bk, scale, softcap,
+        sel_idx, sel_cnt, sel_w, sel_first, sel_qb,
     )
-    grads = [dq, dk, dv] + [None] * 11 + [dsink.to(sink.dtype) if ctx.has_sink else None] + [None] * 10
+    grads = [dq, dk, dv] + [None] * 11 + [dsink.to(sink.dtype) if ctx.has_sink else None] + [None] * 11
+    grads += [None, None, dw.to(sel_w.dtype) if sel_w is not None else None, None, None]
     return tuple(grads)
 
 
@@ -150,9 +176,17 @@ def layout_args(layout, *, need_transposed: bool) -> tuple:
     return (fnum, fidx, pnum, pidx, *t)
 
 
-def block_attn(q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, num_splits=1, need_grad=False):
+def block_attn(
+    q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, num_splits=1, need_grad=False,
+    selection=None,
+):
     """Block-sparse attention through the custom op. ``layout``: a ``BlockLayout`` whose ``block_q`` is
-    ``BLOCK_M // pack``. Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
+    ``BLOCK_M // pack``; ``selection``: an optional ``TokenLayout`` fused into the same pass (no gradient).
+    Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
+    sel = ()
+    if selection is not None:
+        sel = (selection.indices, selection.counts, selection.weights,
+               selection.first_block.to(device=q.device, dtype=torch.int64), selection.query_block)
     fwd, _ = _kernels()
     pid, params = fwd.pattern_code(layout.pattern)
     geo = layout.geometry
@@ -160,4 +194,5 @@ def block_attn(q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_ma
         q, k, v, *layout_args(layout, need_transposed=need_grad), geo.q_start, geo.k_start, geo.k_end,
         sink_logits, key_mask, pid, bool(layout.pattern.causal), list(params), layout.block_q, layout.block_k,
         pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
+        fwd.full_tiles_contiguous(layout), *sel,
     )

@@ -2,14 +2,19 @@
 
 One selector per attention layer. Both are small ``nn.Module``s that the Transformers integration
 keeps *beside* the attention module (never in the model's state dict) and hands to
-``build_selection``. Their parameters are float32; inputs are cast.
+``build_selection``. Their parameters are float32; they compute in float32 (float64 for float64 inputs, for gradcheck).
 
 * ``SparseKScorer``: a query-independent score per key and KV head,
-  ``u[b, h, j] = w_h . v[b, h, j] + c_h + a_h * pos_j / position_scale``, from the layer's *value*
+  ``u[b, h, j] = g_h * (w_h . v[b, h, j] + c_h + a_h * pos_j / position_scale + e_h * ||k[b, h, j]||)``, from the layer's *value*
   states (they carry no rotary phase, so the score depends on content, not on where the token
   sits) plus an optional linear position term (linear in the absolute position is, within one
   query block, the same as linear in the distance to the block: the SparseK threshold absorbs
-  the constant).
+  the constant). The optional key-norm term (``key_norm_term``, on by default) starts at
+  ``e_h = -1`` with ``w_h = 0``, so an untrained scorer ranks keys exactly like the training-free
+  fallback (``-||k||``) and training starts from there. The gain ``g_h = exp(log_gain_h)`` (8 at init) sets how hard the SparseK
+  projection of ``u`` is (a large gain: weights near 0/1, a few fractional at the boundary); it
+  does not change the ranking. Distillation trains ``u / g`` (``ranking_logits``); the gain
+  learns only through the attention (LM) loss.
 * ``LightningIndexer``: ``I(t, s) = sum_h w(t, h) * relu(q_I(t, h) . k_I(s)) / sqrt(indexer_dim)``
   with ``q_I``/``w`` linear in the query states of token ``t`` (all query heads concatenated) and
   one indexer key ``k_I(s)`` per token, linear in its key states (all KV heads concatenated).
@@ -22,7 +27,11 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["SparseKScorer", "LightningIndexer", "selector_from_config"]
+__all__ = ["LightningIndexer", "SparseKScorer", "selector_from_config"]
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 def _check_pos_int(owner: str, name: str, value) -> None:
@@ -37,11 +46,15 @@ class SparseKScorer(nn.Module):
         num_kv_heads: ``Hkv`` of the layer. head_dim: ``D`` of its value states.
         position_term: add ``a_h * pos / position_scale`` (learned ``a_h``, zero at init).
         position_scale: fixed divisor of positions (keeps ``a_h`` of order 1 for long contexts).
+        gain: initial SparseK gain ``g_h``.
+        key_norm_term: add ``e_h * ||k_j||`` (then ``forward`` needs ``key``; ``w_h`` starts at 0 and
+            ``e_h`` at -1, the training-free ranking); without it ``w_h`` starts random.
     """
 
     kind = "sparse_k"
 
-    def __init__(self, num_kv_heads: int, head_dim: int, *, position_term: bool = True, position_scale: float = 1024.0):
+    def __init__(self, num_kv_heads: int, head_dim: int, *, position_term: bool = True, position_scale: float = 1024.0,
+                 gain: float = 8.0, key_norm_term: bool = True):
         super().__init__()
         _check_pos_int("SparseKScorer", "num_kv_heads", num_kv_heads)
         _check_pos_int("SparseKScorer", "head_dim", head_dim)
@@ -49,27 +62,51 @@ class SparseKScorer(nn.Module):
             raise ValueError(f"SparseKScorer: `position_scale` must be a positive number, got {position_scale!r}")
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.position_term, self.position_scale = bool(position_term), float(position_scale)
-        self.weight = nn.Parameter(torch.randn(num_kv_heads, head_dim) / math.sqrt(head_dim))
+        self.key_norm_term = bool(key_norm_term)
+        if self.key_norm_term:
+            self.weight = nn.Parameter(torch.zeros(num_kv_heads, head_dim))
+            self.key_norm_weight = nn.Parameter(torch.full((num_kv_heads,), -1.0))
+        else:
+            self.weight = nn.Parameter(torch.randn(num_kv_heads, head_dim) / math.sqrt(head_dim))
+            self.key_norm_weight = None
         self.bias = nn.Parameter(torch.zeros(num_kv_heads))
         self.pos_weight = nn.Parameter(torch.zeros(num_kv_heads)) if self.position_term else None
+        if not isinstance(gain, (int, float)) or isinstance(gain, bool) or gain <= 0:
+            raise ValueError(f"SparseKScorer: `gain` must be a positive number, got {gain!r}")
+        self.log_gain = nn.Parameter(torch.full((num_kv_heads,), math.log(gain)))
 
     def config(self) -> dict:
         return {
             "kind": self.kind, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "position_term": self.position_term, "position_scale": self.position_scale,
+            "key_norm_term": self.key_norm_term,
         }
 
-    def forward(self, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Scores ``u (B, Hkv, S)`` float32 from ``value (B, Hkv, S, D)`` and key ``positions (B' in {1, B}, S)``."""
+    def forward(self, value: torch.Tensor, positions: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``u (B, Hkv, S)`` (float32; float64 inputs: float64) from ``value (B, Hkv, S, D)``, key
+        ``positions (B' in {1, B}, S)`` and, with the key-norm term, ``key (B, Hkv, S, D)``."""
+        r = self.ranking_logits(value, positions, key)
+        return r * self.log_gain.to(device=r.device, dtype=r.dtype).exp()[None, :, None]
+
+    def ranking_logits(self, value: torch.Tensor, positions: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+        """``u / g (B, Hkv, S)``: the gain-free score that distillation fits (same ranking as ``forward``)."""
         if value.dim() != 4 or value.shape[1] != self.num_kv_heads or value.shape[3] != self.head_dim:
             raise ValueError(
                 f"SparseKScorer expects value (B, {self.num_kv_heads}, S, {self.head_dim}), got {tuple(value.shape)}"
             )
-        w = self.weight.to(value.device)
-        u = torch.einsum("bhsd,hd->bhs", value.float(), w) + self.bias.to(value.device)[None, :, None]
+        x = _compute(value)
+        w = self.weight.to(device=x.device, dtype=x.dtype)
+        u = torch.einsum("bhsd,hd->bhs", x, w) + self.bias.to(device=x.device, dtype=x.dtype)[None, :, None]
         if self.pos_weight is not None:
-            pos = positions.to(device=value.device, dtype=torch.float32)[:, None, :] / self.position_scale
-            u = u + self.pos_weight.to(value.device)[None, :, None] * pos
+            pos = positions.to(device=x.device, dtype=x.dtype)[:, None, :] / self.position_scale
+            u = u + self.pos_weight.to(device=x.device, dtype=x.dtype)[None, :, None] * pos
+        if self.key_norm_weight is not None:
+            if key is None or key.shape != value.shape:
+                raise ValueError(
+                    f"SparseKScorer with key_norm_term needs `key` shaped like value {tuple(value.shape)}, "
+                    f"got {None if key is None else tuple(key.shape)}"
+                )
+            u = u + self.key_norm_weight.to(device=x.device, dtype=x.dtype)[None, :, None] * _compute(key).norm(dim=-1)
         return u
 
 
@@ -107,17 +144,17 @@ class LightningIndexer(nn.Module):
         """Indexer keys ``(B, S, d_I)`` float32 from ``key (B, Hkv, S, D)``."""
         if key.dim() != 4 or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim:
             raise ValueError(f"LightningIndexer expects key (B, {self.num_kv_heads}, S, {self.head_dim}), got {tuple(key.shape)}")
-        x = key.float().transpose(1, 2).flatten(2)
-        return nn.functional.linear(x, self.k_proj.weight.to(key.device))
+        x = _compute(key).transpose(1, 2).flatten(2)
+        return nn.functional.linear(x, self.k_proj.weight.to(device=x.device, dtype=x.dtype))
 
     def index_queries(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_I (B, T, H_I, d_I)`` and head weights ``w (B, T, H_I)`` from ``query (B, Hq, T, D)``."""
         if query.dim() != 4 or query.shape[1] != self.num_q_heads or query.shape[3] != self.head_dim:
             raise ValueError(f"LightningIndexer expects query (B, {self.num_q_heads}, T, {self.head_dim}), got {tuple(query.shape)}")
-        x = query.float().transpose(1, 2).flatten(2)
-        dev = query.device
-        q = nn.functional.linear(x, self.q_proj.weight.to(dev)).unflatten(-1, (self.indexer_heads, self.indexer_dim))
-        w = nn.functional.linear(x, self.w_proj.weight.to(dev), self.w_proj.bias.to(dev))
+        x = _compute(query).transpose(1, 2).flatten(2)
+        cast = {"device": x.device, "dtype": x.dtype}
+        q = nn.functional.linear(x, self.q_proj.weight.to(**cast)).unflatten(-1, (self.indexer_heads, self.indexer_dim))
+        w = nn.functional.linear(x, self.w_proj.weight.to(**cast), self.w_proj.bias.to(**cast))
         return q, w
 
     def scores(self, q_index: torch.Tensor, w: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
@@ -139,7 +176,8 @@ def selector_from_config(cfg: dict) -> nn.Module:
     kind = cfg.pop("kind")
     if kind == "sparse_k":
         return SparseKScorer(cfg["num_kv_heads"], cfg["head_dim"], position_term=cfg.get("position_term", True),
-                             position_scale=cfg.get("position_scale", 1024.0))
+                             position_scale=cfg.get("position_scale", 1024.0), gain=cfg.get("gain", 8.0),
+                             key_norm_term=cfg.get("key_norm_term", False))
     if kind == "dsa":
         return LightningIndexer(cfg["num_q_heads"], cfg["num_kv_heads"], cfg["head_dim"],
                                 indexer_heads=cfg["indexer_heads"], indexer_dim=cfg["indexer_dim"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sparsek", "sparsek_threshold", "SparseKFunction"]
+__all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
 
 
 def _budget(k, lead_shape, device) -> torch.Tensor:
@@ -49,7 +49,7 @@ def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> t
         u: ``(..., n)`` float scores. k: int or integer tensor broadcastable to ``u.shape[:-1]``.
         mask: optional ``(..., n)`` bool, True = candidate (non-candidates get ``p = 0``).
     Returns:
-        ``tau (...,)`` in ``u.dtype`` and the effective budget ``k_eff = min(k, candidates)`` (int64).
+        ``tau (...,)`` in float64 and the effective budget ``k_eff = min(k, candidates)`` (int64).
         Rows with ``k_eff == candidates`` return ``tau = min(u) - 1`` over candidates (every
         candidate at 1); rows without candidates or with ``k == 0`` return ``+inf``.
     """
@@ -66,7 +66,7 @@ def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> t
     # Non-candidates sit 2 below every candidate: for any tau above min(u) - 1 they contribute 0,
     # and rows that need a smaller tau (k_eff == n_c) are answered directly below.
     x = torch.where(mask, u, (u_min - 2).unsqueeze(-1).expand_as(u)).detach()
-    s, _ = torch.sort(x, dim=-1)  # ascending (..., n)
+    s = torch.sort(x, dim=-1).values.contiguous()  # ascending (..., n)
     prefix = torch.nn.functional.pad(torch.cumsum(s, -1), (1, 0))  # (..., n+1)
     bp, _ = torch.sort(torch.cat([s, s - 1], -1), dim=-1)  # (..., 2n) breakpoints ascending
 
@@ -84,13 +84,14 @@ def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> t
     t_lo, t_hi = bp.gather(-1, lo_i), bp.gather(-1, hi_i)
     mid = 0.5 * (t_lo + t_hi)
     # Active set on that segment (fixed inside it): ones have u >= t + 1, fractions t < u < t + 1.
-    i1 = torch.searchsorted(s, (mid + 1).contiguous(), side="left")
-    i0 = torch.searchsorted(s, mid.contiguous(), side="right")
-    n_frac = (i1 - i0).to(s.dtype)
-    ones = (n - i1).to(s.dtype)
-    frac_sum = prefix.gather(-1, i1) - prefix.gather(-1, i0)
-    tau = torch.where(n_frac > 0, (frac_sum - (kf - ones)) / n_frac.clamp_min(1), t_lo)
-    tau = tau.squeeze(-1)
+    # The final solve sums the fractional entries directly in float64 (no prefix-sum cancellation),
+    # so tau does not depend on how many non-candidates a row carries (decode equals recompute).
+    xd, midd = x.double(), mid.double()
+    frac = mask & (xd > midd) & (xd < midd + 1)
+    n_frac = frac.sum(-1).double()
+    ones = (mask & (xd >= midd + 1)).sum(-1).double()
+    frac_sum = torch.where(frac, xd, torch.zeros_like(xd)).sum(-1)
+    tau = torch.where(n_frac > 0, (frac_sum - (k_eff.double() - ones)) / n_frac.clamp_min(1), t_lo.squeeze(-1).double())
     all_in = k_eff == n_c
     inf = torch.full_like(tau, float("inf"))
     tau = torch.where(all_in, (u_min - 1).to(tau.dtype), tau)
@@ -104,7 +105,7 @@ class SparseKFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, k, mask):
         tau, _ = sparsek_threshold(u, k, mask)
-        p = (u - tau.unsqueeze(-1)).clamp(0, 1)
+        p = (u.double() - tau.unsqueeze(-1)).clamp(0, 1).to(u.dtype)
         if mask is not None:
             p = torch.where(mask, p, torch.zeros_like(p))
         frac = (p > 0) & (p < 1)

@@ -46,20 +46,14 @@ def torch_sparse_attention(
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
     bq, bk = layout.block_q, layout.block_k
-    NQ, NK = layout.num_q_blocks, layout.num_k_blocks
+    NQ = layout.num_q_blocks
     cdt = _compute_dtype(q.dtype)
     dev = q.device
     lay = layout.expand(B, Hkv) if layout.kv_num_blocks.shape[:2] != (B, Hkv) else layout
     geo = layout.geometry
     rows = geo.rows
 
-    # Key/value tiles (B, Hkv, NK, bk, D), padded at the end.
-    pad = NK * bk - Skv
-    kt = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, Hkv, NK, bk, D)
-    vt = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(B, Hkv, NK, bk, Dv)
-    km = None
-    if key_mask is not None:
-        km = torch.nn.functional.pad(key_mask.to(torch.bool), (0, pad)).view(B, 1, NK, bk)
+    km = None if key_mask is None else key_mask.to(torch.bool)  # (B, Skv)
 
     idx = torch.cat([lay.full_kv_indices, lay.kv_indices], -1).long()  # (B, Hkv, NQ, M)
     F = lay.full_kv_indices.shape[-1]
@@ -88,8 +82,11 @@ def torch_sparse_attention(
         q0, q1 = t0 * bq, min(Sq, t1 * bq)
         qc = torch.nn.functional.pad(q[:, :, q0:q1], (0, 0, 0, C * bq - (q1 - q0))).view(B, Hkv, G, C, bq, D)
         ic = idx[:, :, t0:t1]  # (B, Hkv, C, M)
-        kg = kt[b_ix, h_ix, ic]  # (B, Hkv, C, M, bk, D)
-        vg = vt[b_ix, h_ix, ic]
+        # Gather the listed key tiles straight from the (possibly strided) cache tensors; indices past
+        # Skv in the last tile are clamped here and masked out below (key validity: k < k_end <= Skv).
+        tok = (ic.unsqueeze(-1) * bk + torch.arange(bk, device=dev)).clamp_max(Skv - 1)  # (B, Hkv, C, M, bk)
+        kg = k[b_ix.unsqueeze(-1), h_ix.unsqueeze(-1), tok]  # (B, Hkv, C, M, bk, D)
+        vg = v[b_ix.unsqueeze(-1), h_ix.unsqueeze(-1), tok]
         s = torch.einsum("bhgcqd,bhcmkd->bhgcqmk", qc.to(cdt), kg.to(cdt)) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
@@ -103,12 +100,12 @@ def torch_sparse_attention(
         ok = torch.where(full_c, in_range, rule) & slot_ok[:, :, t0:t1].view(B, Hkv, C, 1, M, 1)
         ok = ok & (q_idx < Sq)
         if km is not None:
-            ok = ok & km[b_ix, 0, ic].unsqueeze(3).view(B, 1, C, 1, M, bk).expand(B, Hkv, C, 1, M, bk)
+            ok = ok & km[b_ix.unsqueeze(-1), tok].unsqueeze(3)
         s = s.masked_fill(~ok.unsqueeze(2), float("-inf")).flatten(-2)  # (B, Hkv, G, C, bq, M*bk)
         vals = vg.flatten(3, 4)  # (B, Hkv, C, M*bk, Dv)
         if selection is not None:
             s_sel, v_sel = _selection_scores(
-                qc, kt.flatten(2, 3), vt.flatten(2, 3), selection, sel_blocks, q_idx, lay, row_ix, head_ix,
+                qc, k, v, selection, sel_blocks, q_idx, lay, row_ix, head_ix,
                 km, scale, softcap, t0, t1, cdt, Skv,
             )
             s = torch.cat([s, s_sel], -1)
@@ -161,7 +158,7 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     qpos_idx = geo.q_start[row_ix.view(-1, 1, 1, 1, 1)] + q_idx.view(1, 1, C, bq, 1)
     valid = (k_idx >= ks) & (k_idx < geo.k_end[row_ix.view(-1, 1, 1, 1, 1)]) & (k_idx <= qpos_idx)
     if km is not None:
-        valid = valid & km.flatten(2)[b_ix.view(B, 1, 1, 1), 0, k_idx.view(B, Hkv, C, span * K)].unsqueeze(3)
+        valid = valid & km[b_ix.view(B, 1, 1, 1), k_idx.view(B, Hkv, C, span * K)].unsqueeze(3)
     allow = member.repeat_interleave(K, -1) & ok.view(B, Hkv, C, 1, span * K) & valid & ~static
     s = s.masked_fill(~allow.unsqueeze(2), float("-inf"))
     return s, vg

@@ -29,7 +29,6 @@ from ``position_ids`` that restart at 0 inside one row without a mask.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import ClassVar
@@ -323,6 +322,8 @@ def attention_forward(
     selection = None
     if pattern.learned and pattern.top_k > 0:
         selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
+        if selection is None:  # no block has a candidate yet: sinks + window is the whole rule
+            pattern = pattern.static_part()
     out = sparse_attention(
         query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
         attention_mask=key_mask, layer_idx=layer_idx, backend=backend, selection=selection, q_start=q_start,

@@ -103,14 +103,14 @@ def why_unsupported(call: AttentionCall) -> str | None:
         return f"head dim {q.shape[-1]} (supported: {', '.join(map(str, _HEAD_DIMS))}, same for q, k, v)"
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return "the last dimension of q, k and v must be contiguous"
-    if call.selection is not None:
-        return "a token-layout selection (learned top-k) is not supported by the triton backend yet"
     if call.sink_logits is not None and call.sink_logits.dtype == torch.float64:
         return "float64 sink_logits"
     if isinstance(call.pattern, BigBird):
         bq, bk, _, _ = _plan(call)
         if bq not in (16, 32, 64, 128):
             return f"bigbird block {bq} (the kernels take blocks of 16, 32, 64 or 128)"
+        if bq > 64 and _want_grad(call):
+            return f"bigbird block {bq} with gradients (the backward kernels take blocks up to 64)"
         return _bigbird_reason(call, bq, bk)
     return None
 
@@ -133,10 +133,12 @@ def run(call: AttentionCall):
         B, Hkv = call.k.shape[:2]
         G = call.q.shape[1] // Hkv
         max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
+        if call.selection is not None:
+            max_tiles += -(-call.selection.indices.shape[-1] // bk)
         splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device)
     return block_attn(
         call.q, call.k, call.v, layout, scale=call.scale, softcap=call.softcap, sink_logits=call.sink_logits,
-        key_mask=call.key_mask, pack=pack, num_splits=splits, need_grad=need_grad,
+        key_mask=call.key_mask, pack=pack, num_splits=splits, need_grad=need_grad, selection=call.selection,
     )
 
 

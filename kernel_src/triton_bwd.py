@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .block_layout import BlockLayout, _pack
-from .triton_fwd import LOG2E, _pattern_rule, _softcap, pattern_code
+from .triton_fwd import LOG2E, _floordiv, _pattern_rule, _selection_args, _softcap, pattern_code
 
 __all__ = ["transposed_layout", "attention_backward"]
 
@@ -83,12 +83,12 @@ def _dkdv_tile(
         pT = tl.where(ok, pT, 0.0)
     if HAS_KMASK:
         pT = tl.where(keyok[:, None], pT, 0.0)
-    dv += tl.dot(pT.to(do.dtype), do)
+    dv = tl.dot(pT.to(do.dtype), do, dv)
     dpT = tl.dot(v, tl.trans(do))
     dsT = pT * (dpT - delta[None, :])
     if HAS_SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
-    dk += tl.dot(dsT.to(q.dtype), q)
+    dk = tl.dot(dsT.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -192,7 +192,70 @@ def _dq_tile(
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dq += tl.dot(ds.to(k.dtype), k)
+    dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _dq_selection(
+    dq, q, do, lse, delta, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx,
+    k_start, k_end, Skv, scale, scale_log2, softcap, P0, P1, P2, P3, b, hkv,
+    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    stride_swb, stride_swh, stride_swn, NB, QB,
+    DK32, DV32, DW32, stride_akb, stride_akh, stride_akn, stride_awb, stride_awh, stride_awn,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr,
+):
+    """Selected keys (token layout): dQ in registers; dK, dV and the weight gradient by atomic adds
+    into float32 buffers (a key may be selected by many query blocks). ``d w = d logit / w``."""
+    qpos = qidx - k_start
+    fb = tl.load(FIRST_BLOCK + b)
+    sb_row = _floordiv(qpos, QB) - fb
+    sb_lo = tl.maximum(tl.min(tl.where(q_ok, sb_row, 1 << 30), 0), 0)
+    sb_hi = tl.minimum(tl.max(tl.where(q_ok, sb_row, -(1 << 30)), 0), NB - 1)
+    for sb in range(sb_lo, sb_hi + 1):
+        cnt = tl.load(SEL_CNT + b * stride_scb + hkv * stride_sch + sb * stride_scn)
+        row_in = sb_row == sb
+        for c in range(0, cnt, BLOCK_N):
+            slot = c + offs_n
+            s_ok = slot < cnt
+            kidx = tl.load(SEL_IDX + b * stride_sib + hkv * stride_sih + sb * stride_sin + slot, mask=s_ok, other=-1).to(tl.int64)
+            k_ok = s_ok & (kidx >= k_start) & (kidx < k_end) & (kidx >= 0) & (kidx < Skv)
+            ksafe = tl.where(k_ok, kidx, 0)
+            k = tl.load(Kb + ksafe[:, None] * stride_kn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(Vb + ksafe[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            if HAS_SOFTCAP:
+                s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap)
+                t = s / softcap
+                s = s * 1.4426950408889634
+            else:
+                s = s * scale_log2
+            if HAS_SELW:
+                w = tl.load(SEL_W + b * stride_swb + hkv * stride_swh + sb * stride_swn + slot, mask=s_ok, other=0.0).to(tl.float32)
+                k_ok = k_ok & (w > 0)
+                s = s + tl.log2(tl.where(w > 0, w, 1.0))[None, :]
+            if HAS_KMASK:
+                km = tl.load(kmask_row + ksafe, mask=k_ok, other=0)
+                k_ok = k_ok & (km != 0)
+            static = _pattern_rule(qpos[:, None], (ksafe - k_start)[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+            ok = row_in[:, None] & k_ok[None, :] & (ksafe[None, :] <= qidx[:, None]) & ~static
+            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            dlogit = p * (dp - delta[:, None])
+            if HAS_SELW:
+                dw = tl.sum(dlogit, 0) / tl.where(w > 0, w, 1.0)
+                tl.atomic_add(DW32 + b * stride_awb + hkv * stride_awh + sb * stride_awn + slot, dw, mask=k_ok)
+            if HAS_SOFTCAP:
+                ds = dlogit * (1.0 - t * t)
+            else:
+                ds = dlogit
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+            dv_c = tl.dot(tl.trans(p.to(do.dtype)), do)  # (BLOCK_N, D)
+            dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
+            a_ptr = b * stride_akb + hkv * stride_akh + ksafe[:, None] * stride_akn + offs_d[None, :]
+            tl.atomic_add(DK32 + a_ptr, dk_c, mask=k_ok[:, None])
+            tl.atomic_add(DV32 + a_ptr, dv_c, mask=k_ok[:, None])
     return dq
 
 
@@ -203,10 +266,13 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm, stride_dqb, stride_dqh, stride_dqm,
     stride_nb, stride_nh, stride_nm, stride_fb, stride_fh, stride_fm, stride_pb, stride_ph, stride_pm,
     stride_kmb, geo_stride,
+    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    stride_swb, stride_swh, stride_swn, NB, QB,
+    DK32, DV32, DW32, stride_akb, stride_akh, stride_akn, stride_awb, stride_awh, stride_awn,
     Sq, Skv, Hq, G, scale, scale_log2, softcap, P0, P1, P2, P3,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
-    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr,
+    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -253,13 +319,22 @@ def _attn_bwd_dq(
             qidx, q_start, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
             PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK,
         )
+    if HAS_SEL:
+        dq = _dq_selection(
+            dq, q, do, lse, delta, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx,
+            k_start, k_end, Skv, scale, scale_log2, softcap, P0, P1, P2, P3, b, hkv,
+            SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
+            stride_scn, stride_swb, stride_swh, stride_swn, NB, QB,
+            DK32, DV32, DW32, stride_akb, stride_akh, stride_akn, stride_awb, stride_awh, stride_awn,
+            PATTERN, CAUSAL, BLOCK_N, HEAD_DIM, HAS_SOFTCAP, HAS_KMASK, HAS_SELW,
+        )
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + head * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
 def attention_backward(
     do, q, k, v, out, lse, layout, *, scale, softcap=None, sink_logits=None, key_mask=None,
-    num_warps=None, num_stages=None,
+    num_warps=None, num_stages=None, selection=None,
 ):
     """Gradients of the block-sparse forward.
 
@@ -267,7 +342,9 @@ def attention_backward(
         do, q, out: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)``; lse: ``(B, Hq, Sq)`` float32 from
         the forward. ``layout``: a ``BlockLayout`` with ``block_q = BLOCK_M`` and ``block_k = BLOCK_N``
         (one query head per tile).
-    Returns: ``dq, dk, dv`` (input dtypes) and ``dsink (Hq,)`` float32 or None.
+        ``selection``: the forward's ``TokenLayout``, if any.
+    Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
+    ``selection.weights``, float32) or None.
     """
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -309,18 +386,33 @@ def attention_backward(
     if fnum.stride() != pnum.stride():
         fnum, pnum = fnum.contiguous(), pnum.contiguous()
     lay_b, lay_h = int(pnum.shape[0] > 1), int(pnum.shape[1] > 1)
+    sel_args = _selection_args(selection, dev)
+    if selection is not None:
+        dk32 = torch.zeros(k.shape, device=dev, dtype=torch.float32)
+        dv32 = torch.zeros(v.shape, device=dev, dtype=torch.float32)
+        dw32 = torch.zeros(selection.indices.shape, device=dev, dtype=torch.float32)
+    else:
+        dk32 = dv32 = dw32 = torch.zeros(1, 1, 1, 1, device=dev, dtype=torch.float32)
     _attn_bwd_dq[(NQ, B * Hq)](
         q, k, v, do, lse, delta, dq, kmask, geo.q_start, geo.k_start, geo.k_end, fnum, fidx, pnum, pidx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
-        pidx.stride(0), pidx.stride(1), pidx.stride(2), kmask.stride(0), int(geo.rows > 1),
+        pidx.stride(0), pidx.stride(1), pidx.stride(2), kmask.stride(0), int(geo.rows > 1), *sel_args,
+        dk32, dv32, dw32, dk32.stride(0), dk32.stride(1), dk32.stride(2), dw32.stride(0), dw32.stride(1), dw32.stride(2),
         Sq, Skv, Hq, G, scale, scale * LOG2E, float(softcap or 1.0), *params,
-        LAYOUT_B=lay_b, LAYOUT_H=lay_h, **common,
+        LAYOUT_B=lay_b, LAYOUT_H=lay_h, HAS_SEL=selection is not None,
+        HAS_SELW=selection is not None and selection.weights is not None, **common,
     )
+    dweights = None
+    if selection is not None:
+        dk = (dk.float() + dk32).to(k.dtype)
+        dv = (dv.float() + dv32).to(v.dtype)
+        if selection.weights is not None:
+            dweights = dw32
     dsink = None
     if sink_logits is not None:
         p_sink = torch.exp(sink_logits.float().view(1, Hq, 1) - lse)
         dsink = -(p_sink * delta).sum((0, 2))
-    return dq, dk, dv, dsink
+    return dq, dk, dv, dsink, dweights

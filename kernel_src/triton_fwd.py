@@ -112,14 +112,22 @@ def _softcap(s, softcap):
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, K, V, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-    qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
+    qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """One key tile ``n`` of the online softmax: acc (BLOCK_M, D) fp32, l_i/m_i (BLOCK_M,) in log2 units."""
+    """One key tile ``n`` of the online softmax: acc (BLOCK_M, D) fp32, l_i/m_i (BLOCK_M,) in log2 units.
+
+    With ``USE_TMA`` K and V are 2-D tensor descriptors over ``(B * Hkv * Skv, D)``; rows past this
+    head's ``Skv`` (only in the last tile) are masked like any key past the end."""
     kidx = n.to(tl.int64) * BLOCK_N + offs_n  # (BLOCK_N,)
     kin = kidx < Skv
-    if EVEN_N:
+    if USE_TMA:
+        row = (kv_row0 + n * BLOCK_N).to(tl.int32)
+        kt = tl.trans(K.load([row, 0]))  # (D, BLOCK_N)
+        vt = V.load([row, 0])  # (BLOCK_N, D)
+    elif EVEN_N:
         kt = tl.load(K + kidx[None, :] * stride_kn + offs_d[:, None])  # (D, BLOCK_N)
         vt = tl.load(V + kidx[:, None] * stride_vn + offs_d[None, :])  # (BLOCK_N, D)
     else:
@@ -142,12 +150,74 @@ def _fwd_tile(
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
         s = tl.where(km[None, :] != 0, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if IS_FULL and EVEN_N and not HAS_KMASK:
+        m_safe = m_new  # every score of a full tile is finite
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])  # accumulate in the MMA
     return acc, l_i, m_new
+
+
+@triton.jit
+def _selection_loop(
+    acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
+    k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv,
+    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr,
+):
+    """Token-layout keys (learned top-k) of the selection blocks this tile's rows belong to.
+
+    Row r uses block ``qpos // QB - first_block[b]``; a selected key counts only where the static
+    rule does not already allow it, it is valid, and it is causal (design §5, ``TokenLayout``).
+    Slots ``[c_lo, c_hi)`` of each block's list are handled here (a split's share in split-KV mode).
+    """
+    fb = tl.load(FIRST_BLOCK + b64)
+    sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
+    sb_lo = tl.min(tl.where(q_ok, sb_row, 1 << 30), 0)
+    sb_hi = tl.max(tl.where(q_ok, sb_row, -(1 << 30)), 0)
+    sb_lo = tl.maximum(sb_lo, 0)
+    sb_hi = tl.minimum(sb_hi, NB - 1)
+    for sb in range(sb_lo, sb_hi + 1):
+        sbl = sb  # block offsets stay far below 2**31 (NB * K entries)
+        cnt = tl.load(SEL_CNT + b64 * stride_scb + hkv * stride_sch + sbl * stride_scn)
+        hi = tl.minimum(cnt, c_hi)
+        row_in = sb_row == sb
+        for c in range(c_lo, hi, BLOCK_N):
+            slot = c + offs_n
+            s_ok = slot < hi
+            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int64)
+            k_ok = s_ok & (kidx >= k_start) & (kidx < k_end) & (kidx >= 0) & (kidx < Skv)
+            ksafe = tl.where(k_ok, kidx, 0)
+            kt = tl.load(Kb + ksafe[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+            vt = tl.load(Vb + ksafe[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, kt)
+            if HAS_SOFTCAP:
+                s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap) * 1.4426950408889634
+            else:
+                s = s * scale_log2
+            if HAS_SELW:
+                w = tl.load(SEL_W + b64 * stride_swb + hkv * stride_swh + sbl * stride_swn + slot, mask=s_ok, other=0.0).to(tl.float32)
+                k_ok = k_ok & (w > 0)
+                s = s + tl.log2(tl.where(w > 0, w, 1.0))[None, :]
+            if HAS_KMASK:
+                km = tl.load(kmask_row + ksafe, mask=k_ok, other=0)
+                k_ok = k_ok & (km != 0)
+            static = _pattern_rule(qpos[:, None], (ksafe - k_start)[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+            ok = row_in[:, None] & k_ok[None, :] & (ksafe[None, :] <= qidx[:, None]) & ~static
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+            m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -158,11 +228,14 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
     stride_nb, stride_nh, stride_nm, stride_fb, stride_fh, stride_fm, stride_pb, stride_ph, stride_pm,
     stride_kmb, geo_stride,
+    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    stride_swb, stride_swh, stride_swn, NB, QB,
     Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
-    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr,
+    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
+    HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     pid_m = tl.program_id(0)
@@ -190,8 +263,13 @@ def _attn_fwd(
     b64 = b.to(tl.int64)
     q_ptrs = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
-    Kb = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
-    Vb = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+    kv_row0 = (b64 * Hkv + hkv) * Skv
+    if USE_TMA:
+        Kb = K
+        Vb = V
+    else:
+        Kb = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+        Vb = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
     kmask_row = KMASK + b64 * stride_kmb
 
     lb = b64 * LAYOUT_B
@@ -217,19 +295,38 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if FULL_CONTIG:
+        n_first = tl.load(fidx)  # full tiles form one run: no index load inside the loop
     for t in range(f_lo, f_hi):
-        n = tl.load(fidx + t)
+        if FULL_CONTIG:
+            n = n_first + t
+        else:
+            n = tl.load(fidx + t)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
-            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK,
+            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
         )
     for t in range(p_lo, p_hi):
         n = tl.load(pidx + t)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
-            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK,
+            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
+        )
+    if HAS_SEL:
+        if SPLIT:
+            c_lo = tl.maximum(t_lo - n_full - n_part, 0) * BLOCK_N
+            c_hi = tl.maximum(t_hi - n_full - n_part, 0) * BLOCK_N
+        else:
+            c_lo = 0
+            c_hi = 1 << 30
+        acc, l_i, m_i = _selection_loop(
+            acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
+            k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
+            SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
+            stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
+            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW,
         )
 
     if HAS_SINK and not SPLIT:
@@ -297,7 +394,8 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
-    num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None,
+    num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
+    full_contig=None, selection=None,
 ):
     """Launch the block-sparse forward.
 
@@ -333,6 +431,8 @@ def attention_forward(
     sink = sink_logits if sink_logits is not None else lse
     kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
     max_tiles = fidx.shape[-1] + pidx.shape[-1]
+    if selection is not None:
+        max_tiles += triton.cdiv(selection.indices.shape[-1], block_n)
     split = num_splits > 1
     tiles_per_split = triton.cdiv(max_tiles, num_splits) if split else max_tiles
     if split:
@@ -344,28 +444,97 @@ def attention_forward(
         o_w, l_w = out, lse
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
+    # Defaults from the benchmark's tune section (H100, SW 4096, S=128K): D=128 with 128x128 tiles,
+    # 8 warps, 2 stages (19.7 ms; 3 stages 20.0); D=64 with 128x128, 4 warps, 3 stages (11.0 ms; 8 warps 13.1).
     if num_warps is None:
-        num_warps = 4 if block_m * block_n <= 64 * 64 or D > 128 else 8
+        num_warps = 4 if block_m * block_n <= 64 * 64 or D != 128 else 8
     if num_stages is None:
-        num_stages = 2 if D > 128 else 3
+        num_stages = 2 if D > 128 or (block_m * block_n >= 128 * 128 and D > 64) else 3
     grid = (NQ, B * Hkv * (G // pack), num_splits)
+    if use_tma is None:  # decode: descriptor set-up costs more than it saves; selections gather rows
+        use_tma = _tma_ok(k, v) and not split and pack == 1 and selection is None
+    sel_args = _selection_args(selection, dev)
+    if full_contig is None:
+        full_contig = full_tiles_contiguous(layout)
+    k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
     _attn_fwd[grid](
-        q, k, v, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
+        q, k_arg, v_arg, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         fnum, fidx, pnum, pidx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *o_strides[:3], o_strides[3], *l_strides[:3], l_strides[3],
         pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
         pidx.stride(0), pidx.stride(1), pidx.stride(2),
-        kmask.stride(0), int(geo.rows > 1),
+        kmask.stride(0), int(geo.rows > 1), *sel_args,
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
-        HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h,
+        HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h, USE_TMA=use_tma,
+        FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
+        HAS_SELW=selection is not None and selection.weights is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         combine_splits(o_w, l_w, out, lse, sink_logits)
     return out, lse
+
+
+def _selection_args(sel, dev):
+    """Pointers, strides and sizes of a ``TokenLayout`` in the kernel's order (dummies without one)."""
+    if sel is None:
+        d = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=dev)
+        return (d, d, d, torch.zeros(1, dtype=torch.int64, device=dev), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+    idx, cnt = sel.indices, sel.counts
+    w = sel.weights if sel.weights is not None else idx
+    fb = sel.first_block.to(device=dev, dtype=torch.int64).expand(idx.shape[0]).contiguous()
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    return (
+        idx, cnt, w, fb, idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), cnt.stride(2),
+        w.stride(0), w.stride(1), w.stride(2), idx.shape[2], sel.query_block,
+    )
+
+
+def full_tiles_contiguous(layout) -> bool:
+    """True when every query tile's full key tiles are one ascending run ``n0, n0 + 1, ...``.
+
+    Sliding-window and dense layouts are; the kernel then skips the per-tile index load. Computed
+    once per layout (kept on it; one host synchronisation)."""
+    cached = getattr(layout, "_full_contig", None)
+    if cached is not None:
+        return cached
+    idx, num = layout.full_kv_indices, layout.full_kv_num_blocks
+    slot = torch.arange(idx.shape[-1], device=idx.device)
+    in_run = (idx.long() - idx[..., :1].long()) == slot
+    ok = bool(torch.where(slot < num.unsqueeze(-1), in_run, torch.ones_like(in_run)).all())
+    try:
+        layout._full_contig = ok
+    except AttributeError:
+        pass
+    return ok
+
+
+def _tma_ok(k, v) -> bool:
+    """TMA descriptors on Hopper+ when K/V collapse to a 16-byte-aligned ``(B * Hkv * Skv, D)`` matrix."""
+    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    for t in (k, v):
+        B, H, S, D = t.shape
+        if t.stride() != (H * S * D, S * D, D, 1) or t.data_ptr() % 16 or (D * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _kv_descriptor(t, block_n):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, H, S, D = t.shape
+    return TensorDescriptor(t, [B * H * S, D], [D, 1], [block_n, D])
 
 
 def combine_splits(o_part, lse_part, out, lse, sink_logits=None):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Assemble the Hugging Face kernel-hub layout of the compute core from ``build.toml`` and ``kernel_src/``.
 
 The core is pure Python (PyTorch and Triton), so this does what kernel-builder's ``torch-noarch``
@@ -306,12 +305,12 @@ globals().update({{name: getattr(_package, name) for name in __all__}})
 '''
 
 
-def card(cfg: dict, repo_id: str, functions: list[str]) -> str:
+def card(cfg: dict, repo_id: str, functions: list[str], backends: list[str]) -> str:
     """The hub card (``README.md``): usage, Transformers route, supported shapes, validation."""
     general = cfg["general"]
     module = python_name(general["name"])
     version = general["version"]
-    backends = ", ".join(f"`{variant_name(b)}`" for b in general["backends"])
+    variants = ", ".join(f"`{variant_name(b)}`" for b in backends)
     fn_list = "\n".join(f"- `{f}`" for f in functions)
     return f"""---
 library_name: kernels
@@ -329,7 +328,7 @@ The compute core of [hf_sparse_attention](https://github.com/hf-sparse-attention
 attention patterns (sliding window, StreamingLLM sinks + window, block-diagonal, BigBird, dilated,
 L2-aligned, SparseK and DSA-style learned top-k), compiled to block and token layouts, run by Triton
 kernels on GPUs and by an exact, memory-linear PyTorch path everywhere else (CPU included).
-Build variants: {backends} (no compiled code; the same Python on every backend).
+Build variants: {variants} (no compiled code; the same Python on every backend).
 
 ## How to use
 
@@ -395,6 +394,15 @@ Built by `scripts/build_kernel.py` of hf_sparse_attention from `build.toml` and 
 """
 
 
+def _is_earlier_build(out: Path, name: str) -> bool:
+    """Whether ``out`` holds an earlier output of this script for kernel ``name`` (safe to replace)."""
+    try:
+        with open(out / "build.toml", "rb") as f:
+            return tomllib.load(f)["general"]["name"] == name and (out / "build").is_dir()
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return False
+
+
 def build_hub_layout(
     out: Path,
     *,
@@ -407,7 +415,8 @@ def build_hub_layout(
 
     ``repo_id`` overrides ``[general.hub] repo-id`` (written to the output's ``build.toml`` and card);
     ``unique_id`` overrides the content hash in the op namespace; ``backends`` restricts the variants
-    to a subset of ``[general] backends``. ``out/build`` and ``out/torch-ext`` are replaced.
+    to a subset of ``[general] backends``. ``out`` must be new, empty or an earlier output (whose
+    ``build/`` and ``torch-ext/`` are replaced).
     """
     repo_root = Path(repo_root).resolve()
     out = Path(out).resolve()
@@ -433,6 +442,8 @@ def build_hub_layout(
     files = shipped_files(src_dir, cfg["torch-noarch"].get("pyext", list(DEFAULT_PYEXT)), module)
     uid = unique_id if unique_id is not None else content_unique_id(build_toml, src_dir, files)
 
+    if out.exists() and any(out.iterdir()) and not _is_earlier_build(out, general["name"]):
+        raise ValueError(f"{out} is not empty and holds no earlier build of {general['name']}; pick a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
     for generated in ("build", "torch-ext"):
         if (out / generated).exists():
@@ -455,7 +466,7 @@ def build_hub_layout(
     if "hub" in general:
         text = re.sub(r'(?m)^repo-id\s*=\s*"[^"]*"', f'repo-id = "{repo_id}"', text)
     (out / "build.toml").write_text(text)
-    (out / "README.md").write_text(card(cfg, repo_id, public_names(src_dir / "__init__.py")))
+    (out / "README.md").write_text(card(cfg, repo_id, public_names(src_dir / "__init__.py"), backends))
     return out
 
 

@@ -7,6 +7,8 @@ Everything is built into pytest's temporary directories and loaded offline (``LO
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import json
 import os
@@ -17,9 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-
 import sparse_k as sk
+import torch
 
 kernels = pytest.importorskip("kernels")
 
@@ -94,12 +95,12 @@ def repo_id(build_cfg) -> str:
 
 
 @pytest.fixture(scope="module")
-def hub_dir(build_script, tmp_path_factory) -> Path:
+def hub_dir(tmp_path_factory) -> Path:
     """The hub layout of this checkout, built by the CLI into a temporary directory."""
     out = tmp_path_factory.mktemp("hub") / "sparse-k"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "build_kernel.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return out
@@ -160,6 +161,13 @@ def test_build_script_rejects_what_kernel_builder_rejects(build_script, build_cf
         build_script.build_hub_layout(REPO)
 
 
+def test_build_script_never_overwrites_a_foreign_directory(build_script, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a kernel build")
+    with pytest.raises(ValueError, match="not empty"):
+        build_script.build_hub_layout(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg, build_script):
     general = build_cfg["general"]
     shipped = build_script.shipped_files(REPO / "kernel_src", build_cfg["torch-noarch"].get("pyext", ["py"]), "sparse_k")
@@ -192,6 +200,22 @@ def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg, build_script):
     assert tomllib.loads((hub_dir / "build.toml").read_text())["general"] == general
 
 
+def test_every_variant_imports_as_kernels_imports_it(hub_dir, build_cfg):
+    """Each variant is a package named by its metadata id (how kernels imports it), on any machine."""
+    for backend in build_cfg["general"]["backends"]:
+        variant = hub_dir / "build" / f"torch-{backend}"
+        meta = _metadata(hub_dir, f"torch-{backend}")
+        module = sys.modules.get(meta["id"])
+        if module is None:
+            spec = importlib.util.spec_from_file_location(meta["id"], variant / "__init__.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[meta["id"]] = module
+            spec.loader.exec_module(module)
+        assert Path(module.__file__) == variant / "__init__.py"
+        assert importlib.import_module(f"{meta['id']}._ops").add_op_namespace_prefix("f") == f"{meta['id']}::f"
+        assert callable(module.flash_attn_forward) and module.supports_flash_attn()
+
+
 def test_unique_id_follows_the_shipped_content(build_script, tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(REPO / "kernel_src", root / "kernel_src", ignore=shutil.ignore_patterns("__pycache__"))
@@ -219,13 +243,35 @@ def test_ops_namespace_is_the_variant_id(hub, hub_dir):
     assert importlib.import_module("sparse_k._ops").add_op_namespace_prefix("double") == "sparse_k::double"
 
 
-def test_custom_ops_take_their_namespace_from_ops_py():
-    """A literal ``sparse_k::`` op name would clash when the pip package and a hub build share a process."""
-    offenders = [
-        p.name for p in (REPO / "kernel_src").glob("*.py")
-        if p.name != "_ops.py" and ('"sparse_k::' in p.read_text() or "'sparse_k::" in p.read_text())
-    ]
-    assert offenders == [], f"use _ops.add_op_namespace_prefix(...) for torch.library names in {offenders}"
+def _custom_op_names(path: Path) -> tuple[list[str], list[str]]:
+    """(names passed through ``add_op_namespace_prefix``, literal qualified names) of the
+    ``torch.library`` registrations (``custom_op``, ``triton_op``, ``define``) in ``path``."""
+    prefixed, literal = [], []
+    for node in ast.walk(ast.parse(path.read_text())):
+        func = getattr(node, "func", None)
+        name = getattr(func, "attr", getattr(func, "id", None))
+        if not isinstance(node, ast.Call) or name not in ("custom_op", "triton_op", "define") or not node.args:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            literal.append(arg.value)
+        elif isinstance(arg, ast.Call) and getattr(arg.func, "id", getattr(arg.func, "attr", None)) == "add_op_namespace_prefix":
+            prefixed.append(arg.args[0].value)
+    return prefixed, literal
+
+
+def test_custom_ops_of_the_pip_package_and_the_hub_build_coexist(hub):
+    """Ops registered under a fixed name (``"sparse_k::op"``) would clash as soon as the pip package
+    and a hub build share a process; ``_ops.add_op_namespace_prefix`` gives each its own namespace."""
+    for path in sorted((REPO / "kernel_src").glob("*.py")):
+        prefixed, literal = _custom_op_names(path)
+        assert literal == [], f"{path.name} registers {literal}: use _ops.add_op_namespace_prefix(...)"
+        if not prefixed:
+            continue
+        importlib.import_module(f"sparse_k.{path.stem}")
+        importlib.import_module(f"{hub.__name__}.{path.stem}")
+        for name in prefixed:
+            assert hasattr(torch.ops.sparse_k, name) and hasattr(getattr(torch.ops, hub.__name__), name), name
 
 
 def test_transformers_takes_the_flash_attn_forward_route(hub):
@@ -269,9 +315,9 @@ def test_hub_sparse_attention_equals_reference(hub, pattern, sq, skv):
     geo = sk.row_geometry(B, sq, skv, mask)
     ref, _ = sk.reference_attention(q, k, v, sk.get_pattern(dict(pattern)), geo, scale=D**-0.5)
     ref32, _ = sk.reference_attention(q, k, v, sk.get_pattern(dict(pattern)), geo, scale=D**-0.5, dtype=torch.float32)
-    # Tolerance from PyTorch's own float32 error on the same dense computation (x4, plus 1e-6 for
-    # the case where that error is zero).
-    assert _rel_err(out, ref) <= 4 * _rel_err(ref32, ref) + 1e-6
+    # Tolerance from PyTorch's own float32 error on the same dense computation (x4), floored at the
+    # core's fp32 bar of 1e-5: both errors are ~1e-7 and their ratio varies with the random draw.
+    assert _rel_err(out, ref) <= max(4 * _rel_err(ref32, ref), 1e-5)
 
 
 class _Attention(torch.nn.Module):
@@ -314,7 +360,7 @@ def test_flash_attn_forward_reduces_the_sdpa_mask(hub, sq, filled, kv_len):
     assert _rel_err(out.transpose(1, 2), ref) <= 4 * _rel_err(ref32, ref) + 1e-6
 
 
-def test_sdpa_mask_reduction_cases():
+def test_sdpa_mask_reduction_cases(monkeypatch):
     reduce = sk.hub_attention.sdpa_mask_to_key_mask
     assert reduce(None, 2, 9, 9) == (None, None)
     assert reduce(None, 2, 1, 30) == (None, None)
@@ -325,11 +371,22 @@ def test_sdpa_mask_reduction_cases():
     key_mask, q_start = reduce(_sdpa_mask(pad, 20, 0, 20), 2, 20, 20)
     assert q_start is None and torch.equal(key_mask, pad)
     assert reduce(_sdpa_mask(torch.ones(2, 20, dtype=torch.bool), 4, 16, 20), 2, 4, 20) == (None, None)
+    right = torch.ones(2, 20, dtype=torch.bool)
+    right[1, 15:] = False  # right padding: queries 15.. of row 1 stop at key 14
+    key_mask, q_start = reduce(_sdpa_mask(right, 20, 0, 20), 2, 20, 20)
+    assert q_start is None and torch.equal(key_mask, right)
     additive = torch.zeros(2, 1, 20, 20).masked_fill(~_sdpa_mask(pad, 20, 0, 20), torch.finfo(torch.float32).min)
     assert torch.equal(reduce(additive, 2, 20, 20)[0], pad)
     uneven = torch.cat([_sdpa_mask(pad[:1], 3, 10, 20), _sdpa_mask(pad[1:], 3, 15, 20)])
     key_mask, q_start = reduce(uneven, 2, 3, 20)
     assert q_start.tolist() == [10, 15] and key_mask.shape == (2, 20)
+    monkeypatch.setattr(sk.hub_attention, "_CHUNK_ELEMENTS", 7)  # one query row per step
+    chunked_mask, chunked_start = reduce(uneven, 2, 3, 20)
+    assert torch.equal(chunked_mask, key_mask) and torch.equal(chunked_start, q_start)
+    bidirectional = _sdpa_mask(pad, 20, 0, 20).clone()
+    bidirectional[:, :, 12, 15] = True
+    with pytest.warns(UserWarning, match="later keys"):
+        assert torch.equal(reduce(bidirectional, 2, 20, 20)[0], pad)
     with pytest.raises(ValueError, match="4-D"):
         reduce(pad, 2, 20, 20)
     with pytest.raises(ValueError, match="does not fit"):
@@ -370,7 +427,8 @@ def test_compat_subpackage_reexports_the_kernel(hub, hub_dir):
 
 def test_get_kernel_offline_in_a_fresh_interpreter(hub_dir, repo_id):
     """``kernels.get_kernel(repo, version=1)`` through LOCAL_KERNELS with HF_HUB_OFFLINE=1; the hub
-    module needs neither hf_sparse_attention nor the pip module nor transformers."""
+    module needs neither hf_sparse_attention nor the pip module nor transformers, and importing the
+    pip module ``sparse_k`` does not import the user layer either."""
     script = textwrap.dedent(
         f"""
         import json, sys
@@ -389,25 +447,21 @@ def test_get_kernel_offline_in_a_fresh_interpreter(hub_dir, repo_id):
             "imported": sorted(m for m in ("hf_sparse_attention", "sparse_k", "transformers") if m in mods),
             "err": float((out.double() - ref).abs().max()),
         }}))
+        import sparse_k
+        print(json.dumps({{"user_layer_after_core": "hf_sparse_attention" in sys.modules}}))
         """
     )
     env = {**os.environ, "LOCAL_KERNELS": f"{repo_id}={hub_dir}", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, cwd=hub_dir)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, cwd=hub_dir, check=False
+    )
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result, core = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert core == {"user_layer_after_core": False}
     assert Path(result["file"]) == hub_dir / "build" / "torch-cpu" / "__init__.py"
     assert result["name"] == _metadata(hub_dir, "torch-cpu")["id"]
     assert result["imported"] == []
     assert result["err"] < 1e-5  # float32 path vs float64 reference over <= 11 keys
-
-
-def test_importing_the_core_does_not_import_the_user_layer():
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys, sparse_k; print('hf_sparse_attention' in sys.modules)"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"
 
 
 @pytest.fixture(scope="module")
@@ -457,6 +511,9 @@ def test_llama_hub_route_matches_sparse_k_route(tiny_llama, hub, hub_dir, repo_i
             # Same kernels on the same inputs: only the route to them differs.
             torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
             assert (a - dense(ids, attention_mask=mask).logits)[valid].abs().max() > 1e-2  # the pattern is in effect
-        gen_hub = via_hub.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
-        gen_pip = via_pip.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
-    assert torch.equal(gen_hub, gen_pip)
+        # Decode steps (DynamicCache) and a StaticCache, whose unpadded prefill comes without a mask.
+        for cache in ({}, {"cache_implementation": "static"}):
+            for batch, mask in ((ids, padded), (ids[:1], None)):
+                gen_hub = via_hub.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, **cache)
+                gen_pip = via_pip.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, **cache)
+                assert torch.equal(gen_hub, gen_pip), cache

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_sparse_attention
-from test_transformers_models import FIXED_PATTERNS, VOCAB, tiny_model
+from test_transformers_models import FIXED_PATTERNS, VOCAB, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,3 +94,21 @@ def test_sampling_generate_runs_with_padding():
         out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=5, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     assert out.shape == (2, 21)
     assert bool(((out[:, 9:] >= 0) & (out[:, 9:] < VOCAB)).all())
+
+
+@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+def test_learned_pattern_generate_equals_recompute(name):
+    """Training-free selection (no trained selector): decode selects per query block exactly as recompute."""
+    params = {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}
+    model = _setup("llama", name, params, seed=5)
+    ids = torch.randint(1, VOCAB, (1, 13))
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, _recompute_greedy(model, ids, 24))
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=8)
+    with torch.no_grad():
+        static_only = model(gen).logits
+    hf_sparse_attention.configure(model, name, **params)
+    with torch.no_grad():
+        learned = model(gen).logits
+    assert (learned - static_only).abs().max() > 1e-2

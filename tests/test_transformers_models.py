@@ -19,6 +19,15 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two and immune to a busy CI machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
 #: Fixed patterns with parameters small enough to be non-trivial at ~40-64 tokens.
 FIXED_PATTERNS = {
     "dense": {},
@@ -89,6 +98,7 @@ class ReferenceMaskAttention:
         self.pattern = None
         self.windows = None
         self.padding = None
+        self.dtype = torch.float64
         transformers.AttentionInterface.register(self.name, self)
         transformers.masking_utils.AttentionMaskInterface.register(self.name, lambda *a, **k: None)
 
@@ -105,17 +115,19 @@ class ReferenceMaskAttention:
         window = self.windows[module.layer_idx]
         if window is not None:
             mask = mask & (qpos - kpos < window)
-        out, _ = masked_attention(query, key, value, mask, scale=scaling)
+        out, _ = masked_attention(query, key, value, mask, scale=scaling, dtype=self.dtype)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 REFERENCE = ReferenceMaskAttention()
 
 
-def reference_logits(model, ids, pattern, padding=None):
-    """Logits of ``model`` with every attention layer replaced by the exact reference under ``pattern``."""
+def reference_logits(model, ids, pattern, padding=None, dtype=torch.float64):
+    """Logits of ``model`` with every attention layer replaced by the exact reference under ``pattern``
+    (attention computed in ``dtype``)."""
     old = model.config._attn_implementation
     REFERENCE.pattern, REFERENCE.windows, REFERENCE.padding = pattern, model_windows(model), padding
+    REFERENCE.dtype = dtype
     model.set_attn_implementation(REFERENCE.name)
     try:
         with torch.no_grad():
@@ -192,3 +204,18 @@ def test_full_attention_layers_only_keeps_local_layers():
 
     ref = reference_logits(model, ids, Mixed())
     assert (out - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["streaming", "bigbird", "dilated"])
+def test_right_padded_batch_equals_one_by_one(name):
+    model = tiny_model("qwen2", seed=5)
+    params = FIXED_PATTERNS[name]
+    lengths = [38, 25]
+    ids = torch.randint(1, VOCAB, (2, 38))
+    mask = torch.zeros(2, 38, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    batch = sparse_logits(model, ids, name, params, attention_mask=mask)
+    for b, n in enumerate(lengths):
+        single = sparse_logits(model, ids[b : b + 1, :n], name, params)
+        assert (batch[b, :n] - single[0]).abs().max() < 1e-4, (name, b)

@@ -20,7 +20,8 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _inputs(B, Hq, Hkv, Sq, Skv, D, dtype, seed):
@@ -123,3 +124,50 @@ def test_large_window_matches_torch_path():
     for q0 in (0, S - 200):
         ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 200], k, v, p, backend="torch", q_start=q0)
         assert rel(out[:, :, q0 : q0 + 200], ref) < TOL[torch.bfloat16]
+
+
+def _compiled_variants(fn) -> int:
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+def test_bounded_compiles_over_30_lengths():
+    """30 different sequence lengths compile a bounded number of forward variants (Skv % BLOCK_N and
+    Triton's divisibility-by-16 specialisation of the sizes), never one per length."""
+    from sparse_k import triton_fwd
+
+    p = get_pattern("sliding_window", window=512)
+    g = torch.Generator().manual_seed(0)
+    lengths = sorted(set(torch.randint(600, 6000, (40,), generator=g).tolist()))[:30]
+    before = _compiled_variants(triton_fwd._attn_fwd)
+    for S in lengths:
+        q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=S)
+        sparse_k.sparse_attention(q, k, v, p, backend="triton")
+    added = _compiled_variants(triton_fwd._attn_fwd) - before
+    print(f"compiled forward variants for {len(lengths)} lengths: {added}")
+    assert added <= 8
+
+
+def test_token_layout_bf16_forward_backward():
+    """Learned top-k selection fused with sinks + window, bf16: outputs and all gradients (weights too)."""
+    B, Hq, Hkv, S, D, QB, K = 1, 8, 2, 700, 128, 64, 96
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=5)
+    p = get_pattern("sparse_k", sinks=4, window=100, top_k=K, query_block=QB)
+    NB = -(-S // QB)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    scores = torch.rand(B, Hkv, NB, S, device="cuda", generator=g)
+    idx = scores.topk(K, -1).indices.sort(-1).values.to(torch.int32)
+    cnt = torch.full((B, Hkv, NB), K, dtype=torch.int32, device="cuda")
+    w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g).requires_grad_()
+    sel = sparse_k.TokenLayout(idx, cnt, QB, torch.zeros(B, dtype=torch.int64, device="cuda"), w)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, w), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, w)]
+    sel_ref = sparse_k.TokenLayout(idx, cnt, QB, sel.first_block, leaves[3])
+    ref = sparse_k.sparse_attention(*leaves[:3], p, backend="reference", selection=sel_ref)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    for name, a, b in zip(("dq", "dk", "dv", "dw"), grads, refs):
+        assert rel(a, b) < 2 * TOL[torch.bfloat16], name

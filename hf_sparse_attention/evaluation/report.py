@@ -1,0 +1,115 @@
+"""Results files: ``results.json`` (validated against ``results.schema.json``), ``report.md`` and plots."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections import defaultdict
+
+from .plots import write_plots
+
+__all__ = ["SCHEMA_PATH", "load_schema", "summarize_retrieval", "timestamped_dir", "validate_results", "write_outputs"]
+
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.schema.json")
+
+
+def load_schema() -> dict:
+    """The JSON schema of results files (kept in the repository beside this module)."""
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+def validate_results(results: dict) -> None:
+    """Raise ``jsonschema.ValidationError`` when ``results`` does not follow the schema."""
+    import jsonschema
+
+    jsonschema.Draft202012Validator(load_schema()).validate(results)
+
+
+def timestamped_dir(root: str = "results") -> str:
+    """``root/<UTC timestamp>`` (created; a suffix keeps two runs in one second apart)."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(root, stamp), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{stamp}-{n}")
+    os.makedirs(path)
+    return path
+
+
+def summarize_retrieval(rows: list[dict]) -> list[dict]:
+    """Accuracy per (task, variant, context), in first-seen order."""
+    groups: dict = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["variant"], r["context"])].append(bool(r["correct"]))
+    return [{"task": t, "variant": v, "context": c, "correct": sum(g), "total": len(g), "accuracy": sum(g) / len(g)}
+            for (t, v, c), g in groups.items()]
+
+
+def _fmt_params(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
+
+
+def _markdown(results: dict) -> str:
+    env, model = results["environment"], results["model"]
+    gpus = ", ".join(g["name"] for g in env["gpus"]) or f"CPU only ({env['cpu_count']} cores)"
+    lines = [
+        "# hf_sparse_attention evaluation",
+        "",
+        f"- date (UTC): {env['timestamp_utc']}",
+        f"- hardware: {gpus}; processes: {env['num_processes']}",
+        f"- model: {model['name']} ({model['source']}, {model['parameters'] / 1e6:.1f} M parameters, {model['dtype']}, {model['device']})",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
+        f"- git commit: {env['git']['commit'] or 'unknown'}{' (with local changes)' if env['git'].get('dirty') else ''}",
+        f"- seed: {results['seed']}; command: `{' '.join(results['command'])}`",
+        f"- wall time: {results['timing']['total_seconds']:.1f} s",
+        "",
+    ]
+    if results.get("perplexity"):
+        corpus = results.get("corpus", {})
+        lines += ["## Perplexity", "",
+                  f"Corpus: {corpus.get('name')} ({corpus.get('split')} split, {corpus.get('documents')} document(s), "
+                  f"first {corpus.get('tokens')} tokens); strided sliding windows of `context` tokens.", "",
+                  "| pattern | context | stride | perplexity | vs dense | parameters | seconds |", "|---|---|---|---|---|---|---|"]
+        dense = {r["context"]: r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}
+        for r in sorted(results["perplexity"], key=lambda r: r["context"]):
+            rel = f"{r['perplexity'] / dense[r['context']]:.3f}x" if r["context"] in dense else "—"
+            lines.append(f"| {r['variant']} | {r['context']} | {r['stride']} | {r['perplexity']:.3f} | {rel} | "
+                         f"{_fmt_params(r['params'])} | {r['seconds']:.1f} |")
+        lines += ["", "![perplexity](perplexity.png)", ""]
+    if results.get("retrieval_summary"):
+        lines += ["## Retrieval (exact match)", "",
+                  "| task | pattern | context | correct / trials | accuracy |", "|---|---|---|---|---|"]
+        for s in results["retrieval_summary"]:
+            lines.append(f"| {s['task']} | {s['variant']} | {s['context']} | {s['correct']} / {s['total']} | {s['accuracy']:.0%} |")
+        for task in ("passkey", "needle"):
+            if any(s["task"] == task for s in results["retrieval_summary"]):
+                lines += ["", f"![{task}](retrieval_{task}.png)"]
+        lines.append("")
+    if results.get("speed"):
+        lines += ["## Speed", "",
+                  "| pattern | length | prefill (s) | decode tokens/s | peak memory (MiB) | memory measure |",
+                  "|---|---|---|---|---|---|"]
+        for r in results["speed"]:
+            tps = f"{r['decode_tokens_per_second']:.1f}" if r["decode_tokens_per_second"] else "—"
+            lines.append(f"| {r['variant']} | {r['length']} | {r['prefill_seconds']:.3f} | {tps} | "
+                         f"{r['peak_memory_bytes'] / 2**20:.1f} | {r['memory_kind']} |")
+        lines += ["", "![speed](speed.png)", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict, out_dir: str) -> dict:
+    """Write plots, ``results.json`` (validated first) and ``report.md`` into ``out_dir``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    if results.get("retrieval"):
+        results["retrieval_summary"] = summarize_retrieval(results["retrieval"])
+    results["plots"] = write_plots(results, out_dir)
+    validate_results(results)
+    paths = {"results": os.path.join(out_dir, "results.json"), "report": os.path.join(out_dir, "report.md")}
+    with open(paths["results"], "w") as f:
+        json.dump(results, f, indent=2)
+    with open(paths["report"], "w") as f:
+        f.write(_markdown(results))
+    paths["plots"] = [os.path.join(out_dir, p) for p in results["plots"]]
+    return paths

@@ -1,0 +1,163 @@
+"""Long-context retrieval: passkey (landmark attention's prompt) and needle-in-a-haystack on
+Gutenberg text, both scored by exact match of the first number the model generates.
+
+Passkey prompt (Mohtashami & Jaggi, "Landmark Attention", 2023)::
+
+    There is an important info hidden inside a lot of irrelevant text. Find it and memorize them.
+    I will quiz you about the important information there.
+    The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. (x n)
+    The pass key is N. Remember it. N is the pass key.
+    The grass is green. ... (x m)
+    What is the pass key? The pass key is
+
+``depth`` is the fraction of the filler placed before the key line; ``n + m`` fills the context
+length (in tokens of the model's tokenizer) as far as whole filler sentences allow.
+
+Needle-in-a-haystack: a window of a held-out Gutenberg text of the right length, the sentence
+"The special magic number is N." inserted at the line break nearest to ``depth``, then the question
+"What is the special magic number mentioned in the text above? The special magic number is".
+
+Keys come from a generator seeded by (seed, task, context, depth, trial), so every variant and
+every process split sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FILLER",
+    "RetrievalItem",
+    "build_prompt",
+    "needle_prompt",
+    "passkey_prompt",
+    "retrieval_items",
+    "run_retrieval_item",
+    "score_answer",
+]
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+NEEDLE = "The special magic number is {key}."
+NEEDLE_QUESTION = "What is the special magic number mentioned in the text above? The special magic number is"
+TASKS = ("passkey", "needle")
+
+
+@dataclass(frozen=True)
+class RetrievalItem:
+    """One trial: ``task`` in ``TASKS``, target ``context`` tokens, needle ``depth`` in [0, 1]."""
+
+    task: str
+    context: int
+    depth: float
+    trial: int
+    key: int
+
+    def to_dict(self) -> dict:
+        return {"task": self.task, "context": self.context, "depth": self.depth, "trial": self.trial, "key": self.key}
+
+
+def retrieval_items(task: str, contexts, depths, trials_per_depth: int, seed: int = 0) -> list[RetrievalItem]:
+    """The grid ``contexts x depths x trials_per_depth`` with seeded 5-digit keys."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if isinstance(trials_per_depth, bool) or not isinstance(trials_per_depth, int) or trials_per_depth < 1:
+        raise ValueError(f"trials_per_depth must be a positive int, got {trials_per_depth!r}")
+    for d in depths:
+        if not 0.0 <= float(d) <= 1.0:
+            raise ValueError(f"needle depths must lie in [0, 1], got {d}")
+    for c in contexts:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 64:
+            raise ValueError(f"context lengths must be ints >= 64, got {c!r}")
+    items = []
+    for c in contexts:
+        for d in depths:
+            for t in range(trials_per_depth):
+                rng = random.Random(f"{seed}-{task}-{c}-{float(d):.4f}-{t}")
+                items.append(RetrievalItem(task, int(c), float(d), t, rng.randint(10000, 99999)))
+    return items
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> str:
+    """The landmark-attention passkey prompt of at most ``context`` tokens (module docstring)."""
+    key_line = KEY_LINE.format(key=key)
+    fixed = _n_tokens(tokenizer, " ".join([TASK, key_line, QUESTION]))
+    per_filler = max(1, _n_tokens(tokenizer, " ".join([FILLER] * 8)) // 8)
+    n = max(0, (context - fixed) // per_filler)
+
+    def build(total: int) -> str:
+        before = round(depth * total)
+        parts = [TASK] + [FILLER] * before + [key_line] + [FILLER] * (total - before) + [QUESTION]
+        return " ".join(parts)
+
+    prompt = build(n)
+    while n > 0 and _n_tokens(tokenizer, prompt) > context:
+        n -= 1
+        prompt = build(n)
+    return prompt
+
+
+def needle_prompt(tokenizer, haystack_ids: list[int], context: int, depth: float, key: int, offset: int) -> str:
+    """A needle sentence in a window of Gutenberg text (token ids ``haystack_ids``), at most ``context`` tokens.
+
+    ``offset`` picks where in the document the window starts (wrapped to fit).
+    """
+    needle = NEEDLE.format(key=key)
+    room = context - _n_tokens(tokenizer, needle + "\n" + "\n" + NEEDLE_QUESTION) - 2
+    if room < 16:
+        raise ValueError(f"context {context} is too short for the needle task")
+    if len(haystack_ids) < room:
+        raise ValueError(f"the haystack has {len(haystack_ids)} tokens; context {context} needs {room}")
+    while True:
+        start = offset % max(1, len(haystack_ids) - room + 1)
+        text = tokenizer.decode(haystack_ids[start:start + room], skip_special_tokens=True)
+        breaks = [m.start() for m in re.finditer("\n", text)] or [len(text)]
+        cut = min(breaks, key=lambda b: abs(b - depth * len(text)))
+        prompt = text[:cut] + "\n" + needle + text[cut:] + "\n\n" + NEEDLE_QUESTION
+        if _n_tokens(tokenizer, prompt) <= context or room < 16:
+            return prompt
+        room -= 8
+
+
+def build_prompt(tokenizer, item: RetrievalItem, haystack_ids: list[int] | None = None) -> str:
+    """Prompt text of one item; the needle task needs ``haystack_ids``."""
+    if item.task == "passkey":
+        return passkey_prompt(tokenizer, item.context, item.depth, item.key)
+    if haystack_ids is None:
+        raise ValueError("the needle task needs haystack token ids")
+    offset = random.Random(f"offset-{item.key}-{item.trial}").randrange(1 << 30)
+    return needle_prompt(tokenizer, haystack_ids, item.context, item.depth, item.key, offset)
+
+
+def score_answer(generated: str, key: int | str) -> bool:
+    """Exact match: the first integer in the generated text equals the key."""
+    m = re.search(r"\d+", generated)
+    return m is not None and m.group(0) == str(key)
+
+
+@torch.no_grad()
+def run_retrieval_item(model, tokenizer, item: RetrievalItem, haystack_ids=None, max_new_tokens: int = 7) -> dict:
+    """Greedy-generate the answer to one item and score it; a JSON-friendly record."""
+    prompt = build_prompt(tokenizer, item, haystack_ids)
+    device = next(model.parameters()).device
+    enc = tokenizer(prompt, return_tensors="pt").to(device)
+    t0 = time.perf_counter()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                         temperature=None, top_p=None, top_k=None)
+    seconds = time.perf_counter() - t0
+    generated = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return {**item.to_dict(), "prompt_tokens": int(enc["input_ids"].shape[1]), "prediction": generated.strip(),
+            "correct": score_answer(generated, item.key), "seconds": seconds}

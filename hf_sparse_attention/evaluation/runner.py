@@ -1,0 +1,98 @@
+"""Work items of the three evaluations and the function that runs one item on a loaded model.
+
+An item is a plain dict: ``{"kind": "perplexity" | "retrieval" | "speed", "variant": Variant, ...}``.
+``Runner`` holds the model and the data the items share (corpus tokens, haystack tokens), switches
+the model to an item's variant only when it changes, and returns a JSON-friendly record per item.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .models import apply_variant
+from .perplexity import strided_perplexity
+from .retrieval import RetrievalItem, retrieval_items, run_retrieval_item
+from .speed import benchmark_lengths
+from .variants import make_variants
+
+__all__ = ["Runner", "budget_for", "perplexity_items", "retrieval_work", "speed_items", "variant_order"]
+
+
+def budget_for(context: int, budget: int | None) -> int:
+    """Keys per query for a context: ``budget`` when given, else a quarter of the context (>= 64)."""
+    return int(budget) if budget is not None else max(64, context // 4)
+
+
+def perplexity_items(patterns, contexts, budget, stride) -> list[dict]:
+    """One item per (context, variant); ``stride=None`` means half the context, ``0`` the context."""
+    items = []
+    for c in contexts:
+        for v in make_variants(patterns, budget_for(c, budget)):
+            items.append({"kind": "perplexity", "variant": v, "context": int(c),
+                          "stride": int(stride) if stride else (int(c) if stride == 0 else max(2, c // 2))})
+    return items
+
+
+def retrieval_work(task, patterns, contexts, depths, trials_per_depth, budget, seed,
+                   only_dense: bool = False) -> list[dict]:
+    """One item per (trial, variant); ``only_dense`` restricts to the dense baseline."""
+    items = []
+    for it in retrieval_items(task, list(contexts), list(depths), trials_per_depth, seed):
+        for v in make_variants(patterns, budget_for(it.context, budget)):
+            if only_dense and v.pattern != "dense":
+                continue
+            items.append({"kind": "retrieval", "variant": v, "item": it})
+    return items
+
+
+def speed_items(patterns, lengths, budget) -> list[dict]:
+    """One item per variant (all lengths in one item: the lengths share a warm-up)."""
+    return [{"kind": "speed", "variant": v, "lengths": [int(x) for x in lengths]}
+            for v in make_variants(patterns, budget)]
+
+
+def variant_order(item: dict):
+    """Sort key grouping items by variant (fewer reconfigurations)."""
+    v = item["variant"]
+    return (v.pattern, sorted(v.params.items()))
+
+
+class Runner:
+    """Runs work items on one loaded model.
+
+    ``token_ids``: ``(1, N)`` corpus tokens for perplexity; ``haystack_ids``: token ids of the
+    needle task's haystack; ``decode_tokens``/``repeats``: speed settings.
+    """
+
+    def __init__(self, model, tokenizer, *, token_ids=None, haystack_ids=None, decode_tokens: int = 16,
+                 repeats: int = 1, max_new_tokens: int = 7, seed: int = 0):
+        self.model, self.tokenizer = model, tokenizer
+        self.token_ids, self.haystack_ids = token_ids, haystack_ids
+        self.decode_tokens, self.repeats, self.max_new_tokens, self.seed = decode_tokens, repeats, max_new_tokens, seed
+        self._current = None
+
+    def _switch(self, variant) -> None:
+        if self._current != variant:
+            apply_variant(self.model, variant)
+            self._current = variant
+
+    def __call__(self, item: dict) -> dict:
+        v = item["variant"]
+        self._switch(v)
+        base = {"variant": v.label, "pattern": v.pattern, "params": dict(v.params)}
+        if item["kind"] == "perplexity":
+            if self.token_ids is None:
+                raise ValueError("perplexity items need corpus token ids")
+            t0 = time.perf_counter()
+            r = strided_perplexity(self.model, self.token_ids, item["context"], item["stride"], progress=False)
+            return {**base, "context": item["context"], "stride": item["stride"], **r,
+                    "seconds": time.perf_counter() - t0}
+        if item["kind"] == "retrieval":
+            it: RetrievalItem = item["item"]
+            return {**base, **run_retrieval_item(self.model, self.tokenizer, it, self.haystack_ids,
+                                                 self.max_new_tokens)}
+        if item["kind"] == "speed":
+            rows = benchmark_lengths(self.model, item["lengths"], decode_tokens=self.decode_tokens,
+                                     repeats=self.repeats, seed=self.seed)
+            return {**base, "rows": rows}
+        raise ValueError(f"unknown work item kind {item['kind']!r}")

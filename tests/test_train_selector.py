@@ -1,0 +1,131 @@
+"""scripts/train_selector.py end to end on CPU with a tiny random Llama: train, resume, load back."""
+
+import importlib.util
+import json
+import os
+import string
+
+import pytest
+import sparse_k
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_selector", os.path.join(ROOT, "scripts", "train_selector.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama with a character-level tokenizer, saved like a hub model."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(string.printable)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _args(model, out, steps, *extra):
+    return ["--model", model, "--device", "cpu", "--seq-len", "160", "--sinks", "2", "--window", "24",
+            "--top-k", "12", "--query-block", "16", "--global-batch", "3", "--micro-batch", "2",
+            "--max-texts", "1", "--steps", str(steps), "--output-dir", out, "--no-progress", "--lr", "0.05", *extra]
+
+
+def _selectors(path):
+    from hf_sparse_attention.selectors import load_selectors
+
+    return load_selectors(path)
+
+
+def test_train_resume_and_load_back(tiny_model, tmp_path):
+    mod = _script()
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert mod.main(_args(tiny_model, straight, 4, "--save-every", "2")) == 0
+    assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--max-minutes", "0")) == 0  # stops after 1 step
+    assert not os.path.exists(os.path.join(split, "sparse_k_selectors.safetensors"))
+    assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--resume", "latest")) == 0
+
+    with open(os.path.join(straight, "log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 and r["loss"] == r["loss"] for r in log)
+    a = _selectors(os.path.join(straight, "sparse_k_selectors.safetensors"))
+    b = _selectors(os.path.join(split, "sparse_k_selectors.safetensors"))
+    init = _selectors(os.path.join(split, "checkpoint-000001", "selectors.safetensors"))
+    for i in a:
+        # Same data and updates whether the run was split or not (CPU is deterministic here).
+        torch.testing.assert_close(a[i].weight, b[i].weight, atol=1e-6, rtol=1e-5)
+        assert not torch.equal(a[i].weight, init[i].weight)  # training moved the scorers
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_attention.selectors import get_selectors, load_selectors_for_model
+
+    with open(os.path.join(straight, "sparse_attention_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["pattern"] == "sparse_k" and cfg["top_k"] == 12
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.config.sparse_attention = cfg
+    assert load_selectors_for_model(model)
+    torch.testing.assert_close(get_selectors(model)[1].weight, a[1].weight)
+
+
+def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
+    mod = _script()
+    out = str(tmp_path / "lm")
+    assert mod.main(_args(tiny_model, out, 1, "--loss", "both", "--global-batch", "1")) == 0
+    init_gain = torch.log(torch.tensor(8.0))
+    sel = _selectors(os.path.join(out, "sparse_k_selectors.safetensors"))
+    # log_gain only learns through the attention (LM) loss: it must have moved.
+    assert any(not torch.allclose(s.log_gain, init_gain.expand_as(s.log_gain)) for s in sel.values())
+
+    out_dsa = str(tmp_path / "dsa")
+    assert mod.main(_args(tiny_model, out_dsa, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8")) == 0
+    dsa = _selectors(os.path.join(out_dsa, "sparse_k_selectors.safetensors"))
+    assert all(type(s).__name__ == "LightningIndexer" for s in dsa.values())
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--pattern", "dsa", "--loss", "lm"])
+
+
+def test_distill_loss_is_zero_for_a_perfect_student():
+    """The target is the dense block mass over the candidates: a student equal to log(mass) gives KL 0,
+    and a uniform student does not."""
+    from sparse_k.scorers import SparseKScorer
+
+    mod = _script()
+    pattern = sparse_k.SparseK(sinks=1, window=6, top_k=3, query_block=4)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 8, generator=g)
+    k = torch.randn(1, 1, 40, 8, generator=g)
+    scale = 8 ** -0.5
+    mass = mod.block_attention_mass(q, k, scale, 4)
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale + torch.full((40, 40), float("-inf")).triu(1), -1)
+    torch.testing.assert_close(mass[0, 0, 3], probs[0, :, 12:16].sum((0, 1)))
+
+    class Fixed(SparseKScorer):
+        def __init__(self, logits):
+            super().__init__(1, 8)
+            self.fixed = logits
+
+        def ranking_logits(self, value, positions, key=None):
+            return self.fixed
+
+    last = mass[:, :, 9]  # (1, 1, 40): the block of queries 36..39
+    q_last = q[:, :, 36:]
+    kl = mod.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
+    assert float(kl.abs().max()) < 1e-5  # float32 logs of probabilities
+    kl_uniform = mod.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
+    assert float(kl_uniform.min()) > 1e-3

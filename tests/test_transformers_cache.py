@@ -1,0 +1,138 @@
+"""Bounded ``SparseCache``: flat memory for streaming generation, in both position modes (design §8)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+import hf_sparse_attention
+from hf_sparse_attention import SparseCache
+from hf_sparse_attention.cache import BoundedLayer
+from test_transformers_models import VOCAB, model_windows, one_thread, tiny_model  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+
+class CacheProbe(transformers.LogitsProcessor):
+    """Records the cache's kept lengths and tensor bytes at every generation step (scores unchanged)."""
+
+    def __init__(self, cache, rss_at: int):
+        self.cache, self.rss_at = cache, rss_at
+        self.lengths, self.nbytes, self.rss = [], [], []
+
+    def __call__(self, input_ids, scores):
+        self.lengths.append(max(self.cache.cached_lengths()))
+        self.nbytes.append(self.cache.nbytes())
+        if len(self.lengths) in (self.rss_at, 0) or len(self.lengths) % 1000 == 0:
+            self.rss.append(psutil.Process().memory_info().rss)
+        return scores
+
+
+@pytest.mark.slow
+def test_original_positions_4000_tokens_flat_and_equal_to_recompute():
+    model = tiny_model("llama", seed=11)
+    hf_sparse_attention.configure(model, "streaming", sinks=4, window=256)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, VOCAB, (1, 8))
+    cache = SparseCache(model)
+    assert cache.bounded_layers == [0, 1]
+    probe = CacheProbe(cache, rss_at=600)
+    new = 4000
+    with torch.no_grad():
+        gen = model.generate(
+            ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+            logits_processor=transformers.LogitsProcessorList([probe]),
+        )
+        # One causal forward over the generated text gives the logits that recomputing the whole
+        # prefix at each step would give (logits at t depend on tokens <= t only).
+        recompute = model(gen[:, : 8 + 300], use_cache=False).logits.argmax(-1)
+    assert gen.shape[1] == 8 + new
+    assert torch.equal(gen[0, 8 : 8 + 300], recompute[0, 7 : 7 + 300])
+    assert max(probe.lengths) <= 260
+    warm = probe.nbytes[300]
+    assert all(b == warm for b in probe.nbytes[300:])
+    assert (probe.rss[-1] - probe.rss[0]) / probe.rss[0] < 0.05
+
+
+def test_rolling_positions_equal_in_cache_recompute():
+    """One layer: a step's logits equal a fresh dense forward over ``[sinks, window, token]`` at positions 0..n-1."""
+    sinks, window, prompt, new = 2, 8, 6, 30
+    model = tiny_model("llama", seed=12, layers=1)
+    hf_sparse_attention.configure(model, "streaming", sinks=sinks, window=window, cache_positions="rolling")
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, VOCAB, (1, prompt))
+    cache = SparseCache(model)
+    assert cache.mode == "rolling"
+    with torch.no_grad():
+        out = model.generate(
+            ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, output_logits=True,
+        )
+    seq = out.sequences[0]
+    model.set_attn_implementation("sdpa")
+    worst = 0.0
+    with torch.no_grad():
+        for k, logits in enumerate(out.logits):
+            t = prompt - 1 + k  # index of the token fed at this step
+            in_cache = torch.cat([seq[:sinks], seq[max(sinks, t - window + 1) : t + 1]])
+            fresh = model(in_cache[None], use_cache=False).logits[0, -1]
+            worst = max(worst, float((fresh - logits[0]).abs().max()))
+    assert worst < 1e-4
+    # Rolling differs from original positions once keys are dropped.
+    hf_sparse_attention.configure(model, "streaming", sinks=sinks, window=window, cache_positions="original")
+    model.set_attn_implementation("sparse_k")
+    with torch.no_grad():
+        orig = model.generate(
+            ids, past_key_values=SparseCache(model), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+        )
+    assert float((orig.logits[-1] - out.logits[-1]).abs().max()) > 1e-3
+
+
+def test_mixed_cache_keeps_dense_layers_whole():
+    model = tiny_model("llama", seed=13)
+    hf_sparse_attention.configure(model, "sliding_window", window=7, dense_layers=[1])
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, VOCAB, (1, 9))
+    cache = SparseCache(model)
+    assert cache.bounded_layers == [0]
+    kw = dict(max_new_tokens=25, min_new_tokens=25, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        bounded = model.generate(ids, past_key_values=cache, **kw)
+        dynamic = model.generate(ids, **kw)
+    assert torch.equal(bounded, dynamic)
+    assert cache.cached_lengths() == [6, 9 + 25 - 1]
+
+
+def test_bounded_layer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="window"):
+        BoundedLayer(2, 0)
+    with pytest.raises(ValueError, match="mode"):
+        BoundedLayer(2, 4, mode="shifted")
+    with pytest.raises(ValueError, match="inv_freq"):
+        BoundedLayer(2, 4, mode="rolling")
+    layer = BoundedLayer(1, 3)
+    layer.update(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    assert layer.keys.shape[-2] == 3 and layer.get_seq_length() == 5
+    with pytest.raises(ValueError, match="cropped"):
+        layer.crop(1)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_long_prompt_then_generate_equals_dynamic_cache(family):
+    """A prompt longer than the kept keys (prefill on all of it, then eviction), model windows included."""
+    model = tiny_model(family, seed=14)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=8)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, VOCAB, (2, 40))
+    cache = SparseCache(model)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        bounded = model.generate(ids, past_key_values=cache, **kw)
+        dynamic = model.generate(ids, **kw)
+    assert torch.equal(bounded, dynamic)
+    windows = model_windows(model)
+    for i, kept in enumerate(cache.cached_lengths()):
+        # A model-window layer keeps its window (sinks inside it need absolute positions); others sinks + window - 1.
+        assert kept <= (windows[i] - 1 if windows[i] is not None else 2 + 8 - 1), (i, kept)

@@ -1,0 +1,209 @@
+"""Model features through ``attn_implementation="sparse_k"``: gpt-oss sink logits, Gemma2 softcapping,
+chunked attention, packed batches, configuration round trip, switching implementations, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_sparse_attention
+from hf_sparse_attention.integration import key_mask
+from sparse_k import get_pattern, masked_attention, row_geometry
+from sparse_k.transformers_adapter import WithinChunk, attention_forward, restrict_pattern
+from test_transformers_models import VOCAB, one_thread, reference_logits, sparse_logits, tiny_model  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+
+def _common():
+    return dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    )
+
+
+def _eager_vs_sparse(model, ids, window):
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids).logits
+    out = sparse_logits(model, ids, "sliding_window", {"window": window})
+    return eager, out
+
+
+def test_gpt_oss_sink_logits_and_sliding_layers():
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        **_common(), head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.normal_(0, 2)  # random s_aux so they matter
+    ids = torch.randint(0, VOCAB, (2, 37))
+    eager, out = _eager_vs_sparse(model, ids, 37)
+    assert (out - eager).abs().max() < 1e-4
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+        without_sinks = model(ids).logits
+    assert (without_sinks - out).abs().max() > 1e-3
+
+
+def test_gemma2_softcapping_and_scaling():
+    torch.manual_seed(1)
+    cfg = transformers.Gemma2Config(
+        **_common(), head_dim=16, query_pre_attn_scalar=9, attn_logit_softcapping=2.0, sliding_window=10,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (2, 29))
+    eager, out = _eager_vs_sparse(model, ids, 29)
+    assert (out - eager).abs().max() < 1e-4
+    narrow = sparse_logits(model, ids, "streaming", {"sinks": 2, "window": 5})
+    assert (narrow - eager).abs().max() > 1e-3
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+
+
+def test_chunked_layers_stay_in_their_chunk():
+    """Llama 4 style: ``layer_types[i] == "chunked_attention"`` restricts the pattern to the chunk."""
+    config = transformers.PretrainedConfig()
+    config.layer_types = ["chunked_attention", "full_attention"]
+    config.attention_chunk_size = 8
+    config.sparse_attention = {"pattern": "streaming", "sinks": 2, "window": 5}
+    B, Hq, Hkv, S, D = 2, 4, 2, 27, 16
+    q, k, v = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    for layer_idx, chunk in ((0, 8), (1, None)):
+        out, weights = attention_forward(_Layer(config, layer_idx), q, k, v, None, scaling=0.3)
+        assert weights is None and out.shape == (B, S, Hq, D)
+        pos = torch.arange(S)
+        qpos, kpos = pos[:, None], pos[None, :]
+        mask = get_pattern("streaming", sinks=2, window=5).allowed(qpos, kpos)
+        if chunk is not None:
+            mask = mask & (qpos // chunk == kpos // chunk)
+        ref, _ = masked_attention(q, k, v, mask, scale=0.3)
+        assert (out - ref.float().transpose(1, 2)).abs().max() < 1e-5
+    assert isinstance(restrict_pattern(get_pattern("streaming", sinks=2, window=5), chunk=8), WithinChunk)
+
+
+def test_packed_batch_equals_sequences_one_by_one():
+    model = tiny_model("llama", seed=14)
+    lengths = [11, 23, 7]
+    seqs = [torch.randint(1, VOCAB, (n,)) for n in lengths]
+    features = [{"input_ids": s.tolist()} for s in seqs]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+    model.set_attn_implementation("sparse_k")
+    kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    with torch.no_grad():
+        packed = model(batch["input_ids"], position_ids=batch["position_ids"], **kwargs).logits[0]
+        from_positions = model(batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        singles = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (packed - singles).abs().max() < 1e-4
+    assert (from_positions - singles).abs().max() < 1e-4
+
+
+def test_configuration_round_trips_and_is_settable_before_loading(tmp_path):
+    model = tiny_model("llama", seed=15)
+    written = hf_sparse_attention.configure(
+        model, "bigbird", block=4, random_blocks=1, layers={1: {"pattern": "sliding_window", "window": 5}}
+    )
+    assert model.config.sparse_attention == written
+    model.save_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.sparse_attention == written
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_k").eval()
+    assert loaded.config._attn_implementation == "sparse_k"
+    ids = torch.randint(0, VOCAB, (1, 30))
+    model.set_attn_implementation("sparse_k")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # Before loading: through the config.
+    config.sparse_attention = {"pattern": "sliding_window", "window": 3}
+    other = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, config=config, attn_implementation="sparse_k")
+    with torch.no_grad():
+        narrow = other.eval()(ids).logits
+    ref = reference_logits(other, ids, get_pattern("sliding_window", window=3))
+    assert (narrow - ref).abs().max() < 1e-4
+
+
+def test_switching_implementations_back_and_forth():
+    model = tiny_model("mistral", seed=16)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        sdpa = model(ids).logits
+    narrow = sparse_logits(model, ids, "sliding_window", {"window": 4})
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        again = model(ids).logits
+    assert (narrow - sdpa).abs().max() > 1e-3
+    assert torch.equal(again, sdpa)
+
+
+def test_default_pattern_is_sparse_k_with_fallback():
+    model = tiny_model("llama", seed=17)
+    model.config.sparse_attention = None
+    model.set_attn_implementation("sparse_k")
+    with torch.no_grad():
+        out = model(torch.randint(0, VOCAB, (1, 20))).logits
+    assert torch.isfinite(out).all()
+
+
+def test_clear_errors():
+    model = tiny_model("llama", seed=18)
+    hf_sparse_attention.configure(model, "sliding_window", window=4)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="unknown"):
+        hf_sparse_attention.configure(model, "no_such_pattern")
+    with pytest.raises(ValueError, match="window"):
+        hf_sparse_attention.configure(model, "sliding_window", window=0)
+    with pytest.raises(TypeError, match="model or config"):
+        hf_sparse_attention.configure(object(), "dense")
+    layer = _Layer(model.config, 0)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="key mask"):
+        attention_forward(layer, q, k, k, torch.ones(1, 3, 3, dtype=torch.bool))
+    layer.is_causal = False
+    with pytest.raises(ValueError, match="causal"):
+        attention_forward(layer, q, k, k, None)
+
+
+def test_mask_function_returns_2d_or_none():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    # Prefill without padding: nothing to say.
+    assert key_mask(2, 4, 4, 0, 0, attention_mask=torch.ones(2, 4)) is None
+    # Padding: the 2-D mask itself.
+    out = key_mask(2, 4, 4, 0, 0, attention_mask=mask)
+    assert out.dtype == torch.bool and torch.equal(out, mask.bool())
+    # StaticCache of 10 slots, 4 written + 1 new: only the written slots.
+    grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    out = key_mask(2, 1, 10, torch.tensor(4), 0, attention_mask=grown)
+    assert out.shape == (2, 5) and torch.equal(out, grown.bool())
+    assert key_mask(2, 1, 10, torch.tensor(4), 0, attention_mask=None).shape == (2, 5)
+    # Sliding cache that dropped 3 slots: the mask covers the absolute slots.
+    out = key_mask(2, 1, 5, 7, 3, attention_mask=torch.ones(2, 8))
+    assert out.shape == (2, 8)
+
+
+def test_4d_mask_is_reduced_to_key_validity():
+    """The hub route: an SDPA 4-D mask (StaticCache, left padding) equals the 2-D call."""
+    config = transformers.PretrainedConfig()
+    config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 3}
+    layer = _Layer(config, 0)
+    B, S, L, D = 2, 2, 9, 16
+    q, k, v = torch.randn(B, 4, S, D), torch.randn(B, 2, 12, D), torch.randn(B, 2, 12, D)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, :2] = False
+    geo = row_geometry(B, S, L, valid)
+    qpos, kpos = geo.q_positions(S)[:, None, :, None], geo.k_positions(12)[:, None, None, :]
+    four_d = (kpos <= qpos) & (kpos >= 0) & (torch.arange(12) < L)
+    out4, _ = attention_forward(layer, q, k, v, four_d, scaling=0.25)
+    out2, _ = attention_forward(layer, q, k, v, valid, scaling=0.25)
+    assert (out4 - out2).abs().max() < 1e-6

@@ -1,0 +1,399 @@
+"""The Triton kernels against the exact reference: every pattern, forward and backward.
+
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, fp32/fp16, tiny
+shapes, 16x16 tiles); with CUDA the same tests run compiled. The interpreter is chosen when triton
+itself and the kernel modules are imported (triton's own ``tl.zeros`` & co. are jit functions too),
+so: if this module is the first to import triton, it sets the variable for the import and for each
+of its tests (an autouse fixture) without leaking it to other modules; if triton was imported
+earlier in the session (e.g. through ``import sparse_k``), ``test_interpreter_suite_in_subprocess``
+runs this file in a fresh interpreter with the variable set and every other test here is skipped.
+
+Tolerances: fp32 under the interpreter is exact float32 arithmetic (errors ~1e-6); compiled fp32
+``tl.dot`` uses tf32 (~3e-4 relative, METHOD.md), hence ``TOL32``; fp16 operands ~1e-3.
+"""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+_prev = os.environ.get("TRITON_INTERPRET")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: F401
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import sparse_k
+    from sparse_k import triton_bwd, triton_fwd
+
+    # Interpreting in this process works only if triton's own library functions are interpreted.
+    IN_PROCESS = ON_GPU or isinstance(tl.zeros, InterpretedFunction)
+    if IN_PROCESS and not ON_GPU and not isinstance(triton_fwd._attn_fwd, InterpretedFunction):
+        importlib.reload(triton_fwd)
+        importlib.reload(triton_bwd)
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton missing
+    HAVE_TRITON = IN_PROCESS = False
+finally:
+    if _prev is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _prev
+
+from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+
+_SUBPROCESS_ONLY = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET could be set: run by test_interpreter_suite_in_subprocess"
+)
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
+def test_interpreter_suite_in_subprocess():
+    """Run this file under a fresh interpreter with ``TRITON_INTERPRET=1`` set before triton loads."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-x"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", res.stdout.strip().splitlines()[-1])
+    assert passed and int(passed.group(1)) >= 30, res.stdout[-2000:]  # every kernel test ran there
+
+DEV = "cuda" if ON_GPU else "cpu"
+TOL32 = 2e-3 if ON_GPU else 1e-5
+TOL16 = 4e-3
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def triton_attn(*args, **kwargs):
+    """``sparse_attention(backend="triton")`` that fails if the backend fell back to the PyTorch path."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        return sparse_k.sparse_attention(*args, backend="triton", **kwargs)
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=DEV, dtype=dtype)
+
+
+PATTERNS = {
+    "dense": get_pattern("dense"),
+    "dense_bidir": get_pattern("dense", causal=False),
+    "sliding_window": get_pattern("sliding_window", window=11),
+    "sliding_window_bidir": get_pattern("sliding_window", window=9, causal=False),
+    "streaming": get_pattern("streaming", sinks=3, window=10),
+    "block_diagonal": get_pattern("block_diagonal", block=7),
+    "block_diagonal_bidir": get_pattern("block_diagonal", block=12, causal=False),
+    "dilated": get_pattern("dilated", window=4, scales=3),
+    "dilated_bidir": get_pattern("dilated", window=3, scales=2, causal=False),
+    "l2_aligned": get_pattern("l2_aligned", block=8, window_blocks=2, segment=24, anchor=5),
+    "bigbird": get_pattern("bigbird", block=16, window_blocks=1, global_blocks=1, random_blocks=1, seed=3),
+    "sparse_k_static": get_pattern("sparse_k", sinks=2, window=9, top_k=4, query_block=16),
+}
+
+
+def _layout(p, Sq, Skv, geo, Hkv, bq=16, bk=16):
+    return build_block_layout(p, Sq, Skv, geo, block_q=bq, block_k=bk, num_kv_heads=Hkv)
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_forward_every_pattern(name):
+    """fp32, GQA 4, odd lengths (bigbird: aligned lengths), sink logits on odd cases, softcap on even ones."""
+    p = PATTERNS[name]
+    g = torch.Generator().manual_seed(hash(name) % 10_000)
+    B, Hq, Hkv, D = 2, 4, 1, 16
+    Sq, Skv = (48, 64) if name == "bigbird" else (37, 53)
+    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+    sink = rand(Hq, gen=g) if len(name) % 2 else None
+    softcap = None if len(name) % 2 else 4.0
+    geo = row_geometry(B, Sq, Skv, None, device=DEV)
+    lay = _layout(p, Sq, Skv, geo, Hkv)
+    out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
+    o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, softcap=softcap, sink_logits=sink, out=out)
+    ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, softcap=softcap, sink_logits=sink)
+    assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
+    assert rel(o, ro) < TOL32
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), rl[finite], atol=1e-4, rtol=1e-4)
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", ["dense", "sliding_window_bidir", "streaming", "dilated", "l2_aligned", "bigbird", "block_diagonal"])
+def test_backward_every_pattern(name):
+    """dq, dk, dv and the sink-logit gradient through the custom op's autograd."""
+    p = PATTERNS[name]
+    g = torch.Generator().manual_seed(7 + len(name))
+    B, Hq, Hkv, D = 1, 4, 2, 16
+    Sq, Skv = (32, 48) if name == "bigbird" else (29, 45)
+    q, k, v = (t.requires_grad_() for t in (rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)))
+    sink = rand(Hq, gen=g).requires_grad_()
+    out = triton_attn(q, k, v, p, sink_logits=sink, softcap=3.0 if name == "dense" else None)
+    do = rand(*out.shape, gen=g)
+    grads = torch.autograd.grad(out, (q, k, v, sink), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    ref = sparse_k.sparse_attention(*leaves[:3], p, backend="reference", sink_logits=leaves[3], softcap=3.0 if name == "dense" else None)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    assert rel(out, ref) < TOL32
+    for a, b in zip(grads, refs):
+        assert rel(a, b) < 5 * TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_fp16_forward_backward():
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, S, D = 1, 2, 1, 33, 16
+    q, k, v = (rand(B, h, S, D, dtype=torch.float16, gen=g).requires_grad_() for h in (Hq, Hkv, Hkv))
+    out = triton_attn(q, k, v, p)
+    do = rand(*out.shape, dtype=torch.float16, gen=g)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = sparse_k.sparse_attention(*leaves, p, backend="reference")
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    assert rel(out, ref) < TOL16
+    for a, b in zip(grads, refs):
+        assert rel(a, b) < 3 * TOL16
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("pack", [2, 4])
+def test_gqa_packing(pack):
+    """Several query heads of one KV group share a tile (BLOCK_M = pack * block_q)."""
+    p = PATTERNS["sliding_window"]
+    g = torch.Generator().manual_seed(pack)
+    B, Hq, Hkv, Sq, Skv, D = 1, 8, 2, 21, 40, 16
+    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+    geo = row_geometry(B, Sq, Skv, None, device=DEV)
+    lay = _layout(p, Sq, Skv, geo, Hkv, bq=16 // pack)
+    o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
+    ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
+    assert rel(o, ro) < TOL32
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("q_len", [1, 3, 16])
+def test_decode_split_kv_strided_cache(q_len):
+    """Split-KV decode over a (B, S_max, Hkv, D) cache read through a transposed view; sink added once."""
+    g = torch.Generator().manual_seed(q_len)
+    B, Hq, Hkv, S_max, D = 2, 4, 1, 70, 16
+    cache_k, cache_v = rand(B, S_max, Hkv, D, gen=g), rand(B, S_max, Hkv, D, gen=g)
+    k, v = cache_k.transpose(1, 2), cache_v.transpose(1, 2)
+    q = rand(B, Hq, q_len, D, gen=g)
+    sink = rand(Hq, gen=g)
+    mask = torch.ones(B, S_max, dtype=torch.bool, device=DEV)
+    mask[1, 50:] = False  # row 1 holds 50 keys (a StaticCache-like tail)
+    for p in (PATTERNS["streaming"], PATTERNS["dense"]):
+        out = triton_attn(q, k, v, p, sink_logits=sink, attention_mask=mask, q_start=torch.tensor([S_max - q_len, 50 - q_len], device=DEV))
+        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", sink_logits=sink, attention_mask=mask, q_start=torch.tensor([S_max - q_len, 50 - q_len], device=DEV))
+        assert rel(out, ref) < TOL32
+    geo = row_geometry(B, q_len, S_max, None, device=DEV)
+    lay = _layout(PATTERNS["sliding_window"], q_len, S_max, geo, Hkv, bq=4)
+    for splits in (1, 2, 5):
+        o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
+        ro, rl = reference_attention(q, k, v, PATTERNS["sliding_window"], geo, scale=D ** -0.5, sink_logits=sink)
+        assert rel(o, ro) < TOL32
+        assert torch.allclose(lse.double(), rl, atol=1e-4)
+
+
+@_SUBPROCESS_ONLY
+def test_left_padding_and_key_holes():
+    """Positions restart at each row's first valid key; holes inside travel as a key mask (fwd + bwd)."""
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, S, D = 2, 2, 1, 40, 16
+    mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
+    mask[0, :9] = False
+    mask[1, 17:20] = False
+    p = PATTERNS["l2_aligned"]
+    q, k, v = (rand(B, h, S, D, gen=g).requires_grad_() for h in (Hq, Hkv, Hkv))
+    out = triton_attn(q, k, v, p, attention_mask=mask)
+    do = rand(*out.shape, gen=g)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = sparse_k.sparse_attention(*leaves, p, backend="reference", attention_mask=mask)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL32
+    for a, b in zip(grads, refs):
+        assert rel(a, b) < 5 * TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_packed_sequences_and_flash_varlen():
+    g = torch.Generator().manual_seed(2)
+    Hq, Hkv, D = 2, 1, 16
+    cu = torch.tensor([0, 17, 18, 49], dtype=torch.int32, device=DEV)
+    q, k, v = rand(49, Hq, D, gen=g), rand(49, Hkv, D, gen=g), rand(49, Hkv, D, gen=g)
+    out = sparse_k.flash_api.flash_attn_varlen_func(q, k, v, cu, cu, 31, 31, causal=True, window_size=(9, 0), backend="triton")
+    for s in range(3):
+        a, b = int(cu[s]), int(cu[s + 1])
+        ref = sparse_k.flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b], causal=True, window_size=(9, 0), backend="reference")
+        assert rel(out[a:b], ref[0]) < TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_flash_attn_func_window_and_kvcache():
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D = 2, 30, 4, 2, 16
+    q, k, v = rand(B, S, Hq, D, gen=g), rand(B, S, Hkv, D, gen=g), rand(B, S, Hkv, D, gen=g)
+    for causal, win in ((True, (6, 0)), (False, (5, 5)), (True, (-1, -1))):
+        o = sparse_k.flash_attn_func(q, k, v, causal=causal, window_size=win, softcap=8.0, backend="triton")
+        r = sparse_k.flash_attn_func(q, k, v, causal=causal, window_size=win, softcap=8.0, backend="reference")
+        assert o.shape == (B, S, Hq, D) and rel(o, r) < TOL32
+    with pytest.raises(ValueError, match="symmetric"):
+        sparse_k.flash_attn_func(q, k, v, causal=False, window_size=(3, 1))
+    kc, vc = rand(B, 48, Hkv, D, gen=g), rand(B, 48, Hkv, D, gen=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qn, kn, vn = rand(B, 2, Hq, D, gen=g), rand(B, 2, Hkv, D, gen=g), rand(B, 2, Hkv, D, gen=g)
+    lens = torch.tensor([10, 33], device=DEV)
+    o = sparse_k.flash_attn_with_kvcache(qn, kc, vc, kn, vn, cache_seqlens=lens, causal=True, window_size=(7, 0), backend="triton")
+    r = sparse_k.flash_attn_with_kvcache(qn, kc2, vc2, kn, vn, cache_seqlens=lens, causal=True, window_size=(7, 0), backend="reference")
+    assert torch.equal(kc[0, 10:12], kn[0]) and torch.equal(vc[1, 33:35], vn[1])
+    assert rel(o, r) < TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_tma_descriptors_and_contiguous_runs():
+    """The TMA path (2-D descriptors over B*Hkv*Skv rows) and the index-free full-tile loop agree."""
+    g = torch.Generator().manual_seed(4)
+    for Skv in (64, 53):  # the second spills the last tile into the next head's rows: must be masked
+        B, Hq, Hkv, D = 2, 2, 2, 16
+        q, k, v = rand(B, Hq, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+        p = PATTERNS["sliding_window"]
+        geo = row_geometry(B, Skv, Skv, None, device=DEV)
+        lay = _layout(p, Skv, Skv, geo, Hkv)
+        assert triton_fwd.full_tiles_contiguous(lay)
+        ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
+        for tma, contig in ((True, True), (False, False)):
+            o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, use_tma=tma, full_contig=contig)
+            assert rel(o, ro) < TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_why_unsupported(monkeypatch):
+    from sparse_k.api import AttentionCall
+    from sparse_k.triton_backend import why_unsupported
+
+    q = torch.randn(1, 2, 8, 24)
+    geo = row_geometry(1, 8, 8, None)
+    call = AttentionCall(q=q, k=q[:, :1], v=q[:, :1], pattern=PATTERNS["dense"], geometry=geo, selection=None, sink_logits=None)
+    assert "head dim 24" in why_unsupported(call)
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    call.q, call.k, call.v = q, q[:, :1], q[:, :1]
+    assert "float64" in why_unsupported(call)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if not ON_GPU:
+        call.q, call.k, call.v = q.float(), q[:, :1].float(), q[:, :1].float()
+        assert "cpu" in why_unsupported(call)
+
+
+@_SUBPROCESS_ONLY
+def test_bigbird_misaligned_falls_back():
+    """Left padding moves bigbird blocks off the tiles: the backend refuses and the call still runs exactly."""
+    p = PATTERNS["bigbird"]
+    g = torch.Generator().manual_seed(8)
+    q, k, v = rand(1, 2, 32, 16, gen=g), rand(1, 1, 32, 16, gen=g), rand(1, 1, 32, 16, gen=g)
+    mask = torch.ones(1, 32, dtype=torch.bool, device=DEV)
+    mask[0, :5] = False
+    with pytest.warns(UserWarning, match="bigbird"):
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", attention_mask=mask)
+    ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=mask)
+    assert rel(out, ref) < TOL32
+
+
+@_SUBPROCESS_ONLY
+def test_custom_op_registration():
+    """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema/fake tests."""
+    from sparse_k import ops
+
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(9)
+    q, k, v = rand(1, 2, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g)
+    geo = row_geometry(1, 20, 20, None, device=DEV)
+    lay = _layout(p, 20, 20, geo, 1)
+    pid, params = triton_fwd.pattern_code(p)
+    args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
+            pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
+    torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _random_selection(B, Hkv, Sq, Skv, query_block, top_k, geo, gen, weights=True):
+    """A ``TokenLayout`` with random sorted keys per (row, KV head, query block); some weights zero."""
+    from sparse_k import TokenLayout
+
+    qpos = geo.q_positions(Sq).expand(B, Sq)
+    first = torch.div(qpos[:, 0], query_block, rounding_mode="floor")
+    NB = int((torch.div(qpos[:, -1], query_block, rounding_mode="floor") - first).max()) + 1
+    idx = torch.full((B, Hkv, NB, top_k), -1, dtype=torch.int32)
+    cnt = torch.randint(0, top_k + 1, (B, Hkv, NB), generator=gen, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            for n in range(NB):
+                keys = torch.randperm(Skv, generator=gen)[:top_k].sort().values
+                idx[b, h, n, : cnt[b, h, n]] = keys[: cnt[b, h, n]].int()
+    w = None
+    if weights:
+        w = torch.rand(B, Hkv, NB, top_k, generator=gen) * (torch.rand(B, Hkv, NB, top_k, generator=gen) > 0.2)
+        w = w.to(DEV)
+    return TokenLayout(idx.to(DEV), cnt.to(DEV), query_block, first.to(DEV), w)
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_token_layout_forward_backward_with_weight_grad(softcap):
+    """Learned top-k keys fused with the sinks + window layout: outputs, dq/dk/dv, sink and weight gradients."""
+    g = torch.Generator().manual_seed(21 if softcap is None else 22)
+    B, Hq, Hkv, Sq, Skv, D, QB = 2, 4, 2, 37, 53, 16, 8
+    p = get_pattern("sparse_k", sinks=2, window=7, top_k=12, query_block=QB)
+    geo = row_geometry(B, Sq, Skv, None, device=DEV)
+    sel = _random_selection(B, Hkv, Sq, Skv, QB, 12, geo, g)
+    sel.weights.requires_grad_()
+    q, k, v = (t.requires_grad_() for t in (rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)))
+    sink = rand(Hq, gen=g).requires_grad_()
+    out = triton_attn(q, k, v, p, selection=sel, sink_logits=sink, softcap=softcap)
+    do = rand(*out.shape, gen=g)
+    grads = torch.autograd.grad(out, (q, k, v, sink, sel.weights), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink, sel.weights)]
+    sel_ref = sparse_k.TokenLayout(sel.indices, sel.counts, QB, sel.first_block, leaves[4])
+    ref = sparse_k.sparse_attention(*leaves[:3], p, backend="reference", selection=sel_ref, sink_logits=leaves[3], softcap=softcap)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    assert rel(out, ref) < TOL32
+    for name, a, b in zip(("dq", "dk", "dv", "dsink", "dweights"), grads, refs):
+        assert rel(a, b) < 5 * TOL32, name
+
+
+@_SUBPROCESS_ONLY
+def test_token_layout_decode_split():
+    """Decode with a selection: packed heads, split-KV over block tiles and selected keys together."""
+    g = torch.Generator().manual_seed(23)
+    B, Hq, Hkv, Skv, D, QB = 2, 8, 2, 90, 16, 16
+    p = get_pattern("dsa", sinks=1, window=9, top_k=20, query_block=QB)
+    for q_len in (1, 4):
+        geo = row_geometry(B, q_len, Skv, None, device=DEV)
+        sel = _random_selection(B, Hkv, q_len, Skv, QB, 20, geo, g, weights=False)
+        q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+        out = triton_attn(q, k, v, p, selection=sel)
+        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", selection=sel)
+        assert rel(out, ref) < TOL32
