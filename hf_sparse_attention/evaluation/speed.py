@@ -3,8 +3,9 @@
 Prefill runs the prompt (random token ids, seeded) once with a cache; decode then feeds
 ``decode_tokens`` greedy tokens one at a time. On CUDA, times use ``torch.cuda.synchronize`` and
 memory is ``torch.cuda.max_memory_allocated`` (bytes, reset per measurement). On CPU, memory is the
-peak growth of the process's resident set over the measurement, sampled every 5 ms with ``psutil``
-(``memory_kind`` says which).
+peak resident set size of the whole process during the measurement (model weights included),
+sampled every 5 ms with ``psutil``; the allocator keeps freed memory, so CPU numbers never drop
+below earlier peaks of the process (``memory_kind`` says which measure a row holds).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["benchmark_lengths", "measure_once"]
 
 
 class _RssPeak:
-    """Peak resident-set growth (bytes) of this process while the context is open (CPU)."""
+    """Peak resident set size (bytes) of this process while the context is open (CPU)."""
 
     def __init__(self, interval: float = 0.005):
         import psutil
@@ -29,7 +30,7 @@ class _RssPeak:
         self.peak = 0
 
     def __enter__(self):
-        self._base = self._proc.memory_info().rss
+        self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -37,13 +38,13 @@ class _RssPeak:
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+            self.peak = max(self.peak, self._proc.memory_info().rss)
             time.sleep(self._interval)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def _sync(device: torch.device) -> None:
@@ -86,7 +87,7 @@ def measure_once(model, length: int, decode_tokens: int, *, seed: int = 0) -> di
     if device.type == "cuda":
         peak, kind = int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
     else:
-        peak, kind = int(tracker.peak), "cpu_rss_growth"
+        peak, kind = int(tracker.peak), "cpu_peak_rss"
     return {"prefill_seconds": prefill, "decode_seconds": decode,
             "decode_tokens_per_second": decode_tokens / decode if decode_tokens and decode > 0 else None,
             "peak_memory_bytes": peak, "memory_kind": kind}
