@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import warnings
 
 __all__ = [
     "GUTENBERG_TEST_PLAYS",
@@ -92,8 +93,10 @@ def load_documents(
     ``"pg19"``. For line-based corpora such as wikitext, the rows of the split are joined with
     newlines into one document (the Transformers perplexity recipe).
     """
-    import datasets
-
+    try:
+        import datasets
+    except ImportError:  # local text files still load; Hub corpora need the package
+        datasets = None
     if not isinstance(corpus, str) or not corpus:
         raise TypeError(f"corpus must be a non-empty string, got {corpus!r}")
     if max_documents is not None and (isinstance(max_documents, bool) or not isinstance(max_documents, int) or max_documents < 1):
@@ -102,8 +105,17 @@ def load_documents(
         files = gutenberg_files(split) if corpus == "gutenberg" else _text_files(corpus)
         if max_documents is not None:
             files = files[:max_documents]
+        if datasets is None:
+            warnings.warn("`datasets` is not installed: reading the text files directly (pip install datasets)", stacklevel=2)
+            texts = []
+            for f in files:
+                with open(f, encoding="utf-8") as fh:
+                    texts.append(fh.read())
+            return [t for t in texts if t.strip()]
         ds = datasets.load_dataset("text", data_files={"docs": files}, sample_by="document", split="docs")
         return [t for t in ds["text"] if t.strip()]
+    if datasets is None:
+        raise ImportError(f"corpus {corpus!r} is loaded through `datasets`: pip install datasets")
     ds = datasets.load_dataset(corpus, config, split=split)
     if text_column not in ds.column_names:
         raise ValueError(f"corpus {corpus!r} has no column {text_column!r}; columns: {ds.column_names}")
