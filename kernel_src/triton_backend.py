@@ -48,13 +48,13 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tu
     rows = 1
     while rows < q_len:
         rows *= 2
-    pack = group
     min_m = 16
     max_m = 128 if head_dim <= 128 else 64
-    while pack > 1 and rows * pack > max_m:
-        pack //= 2
-        while group % pack:
-            pack -= 1
+    # Pack the largest power of two of heads that divides the group, so BLOCK_M = rows * pack stays a
+    # power of two (tl.arange needs one); a group of 3 (SmolLM2: 9 query heads, 3 KV heads) packs 1.
+    pack = 1
+    while group % (pack * 2) == 0 and rows * pack * 2 <= max_m:
+        pack *= 2
     if rows * pack < min_m:
         rows = min_m // pack
     block_n = 16 if device_type != "cuda" else (64 if head_dim > 128 else 128)

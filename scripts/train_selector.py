@@ -446,14 +446,16 @@ def main(argv=None) -> int:
             break
     bar.close()
     acc.wait_for_everyone()
-    if acc.is_main_process and not stopped_early:
+    if acc.is_main_process:
+        # The latest selectors are written also when --max-minutes stops the run, so every call of a
+        # resumed recipe leaves a usable file.
         path = save_selectors(selectors, os.path.join(args.output_dir, SELECTOR_FILE), pattern=pattern)
         cfg = {**{k: v for k, v in pattern.to_dict().items() if k not in ("causal", "selector")},
                "selector_path": os.path.abspath(path)}
         with open(os.path.join(args.output_dir, "sparse_attention_config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        acc.print(f"saved {path}; use config.sparse_attention = {json.dumps(cfg)}")
-    elif stopped_early:
+        acc.print(f"saved {path} (step {step}); use config.sparse_attention = {json.dumps(cfg)}")
+    if stopped_early:
         acc.print(f"stopped at step {step} after {args.max_minutes} min; continue with --resume latest")
     acc.end_training()
     return 0

@@ -55,7 +55,10 @@ def test_train_resume_and_load_back(tiny_model, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert mod.main(_args(tiny_model, straight, 4, "--save-every", "2")) == 0
     assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--max-minutes", "0")) == 0  # stops after 1 step
-    assert not os.path.exists(os.path.join(split, "sparse_k_selectors.safetensors"))
+    # A run stopped by --max-minutes still leaves its latest selectors, equal to its last checkpoint.
+    early = _selectors(os.path.join(split, "sparse_k_selectors.safetensors"))
+    last = _selectors(os.path.join(split, "checkpoint-000001", "selectors.safetensors"))
+    assert all(torch.equal(early[i].weight, last[i].weight) for i in early)
     assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--resume", "latest")) == 0
 
     with open(os.path.join(straight, "log.jsonl")) as f:

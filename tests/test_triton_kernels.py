@@ -218,6 +218,31 @@ def test_decode_split_kv_strided_cache(q_len):
         assert torch.allclose(lse.double(), rl, atol=1e-4)
 
 
+def test_decode_tiles_are_powers_of_two_for_every_group_size():
+    """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
+    from sparse_k.triton_backend import decode_config
+
+    for group in range(1, 17):
+        for q_len in range(1, 17):
+            for head_dim in (64, 128, 256):
+                rows, pack, _ = decode_config(q_len, group, "cuda", head_dim)
+                m = rows * pack
+                assert group % pack == 0 and rows >= q_len and m >= 16 and m & (m - 1) == 0, (group, q_len, rows, pack)
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (9, 3), (12, 2)])
+def test_decode_with_odd_gqa_groups(hq, hkv):
+    """Decode through the backend with groups of 3 and 6 query heads per KV head."""
+    g = torch.Generator().manual_seed(hq)
+    B, S, D = 1, 45, 16
+    q, k, v = rand(B, hq, 1, D, gen=g), rand(B, hkv, S, D, gen=g), rand(B, hkv, S, D, gen=g)
+    for p in (PATTERNS["streaming"], PATTERNS["sliding_window"]):
+        out = triton_attn(q, k, v, p)
+        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference")
+        assert rel(out, ref) < TOL32
+
+
 @_SUBPROCESS_ONLY
 def test_left_padding_and_key_holes():
     """Positions restart at each row's first valid key; holes inside travel as a key mask (fwd + bwd)."""
