@@ -17,7 +17,7 @@ from .geometry import RowGeometry
 from .patterns import Pattern
 from .token_layout import TokenLayout
 
-__all__ = ["masked_attention", "pattern_mask", "reference_attention"]
+__all__ = ["masked_attention", "pattern_mask", "reference_attention", "softmax_with_sink"]
 
 
 def masked_attention(
@@ -60,21 +60,33 @@ def masked_attention(
         s = s + per_q_head(log_weights).to(dtype)
     mask = mask.expand_as(s)
     s = s.masked_fill(~mask, float("-inf"))
+    sink = None if sink_logits is None else sink_logits.to(dtype).view(1, Hq, 1, 1)
+    p, lse = softmax_with_sink(s, sink)
+    out = torch.einsum("bhqk,bhkd->bhqd", p, vf)
+    out = torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out))
+    return out, lse
+
+
+def softmax_with_sink(s: torch.Tensor, sink: torch.Tensor | None):
+    """Softmax over the last dim of masked logits ``s`` (``-inf`` = masked) whose denominator also
+    holds ``exp(sink)`` (broadcastable to ``s[..., :1]``) once.
+
+    Returns ``(p, lse)``: probabilities (all zero in a row with no allowed key) and the natural-log
+    denominator with the last dim dropped (``-inf`` for a row with neither keys nor sink). Safe for
+    autograd on fully-masked rows.
+    """
     m = s.amax(-1, keepdim=True)
-    if sink_logits is not None:
-        sink = sink_logits.to(dtype).view(1, Hq, 1, 1)
+    if sink is not None:
         m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
-    if sink_logits is not None:
+    if sink is not None:
         denom = denom + torch.exp(sink - m)
     has = denom > 0
     safe = torch.where(has, denom, torch.ones_like(denom))
-    out = torch.einsum("bhqk,bhkd->bhqd", p / safe, vf)
-    out = torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out))
     lse = torch.where(has, torch.log(safe) + m, torch.full_like(m, float("-inf"))).squeeze(-1)
-    return out, lse
+    return p / safe, lse
 
 
 def pattern_mask(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .block_layout import BlockLayout
+from .reference import softmax_with_sink
 from .token_layout import TokenLayout
 
 __all__ = ["torch_sparse_attention"]
@@ -166,23 +167,10 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
 
 def _softmax_combine(s, vals, v_sel, sink_logits, Hkv, G, cdt):
     """Softmax over the last dim of ``s`` (B, Hkv, G, C, bq, N) with an optional per-head sink."""
-    B, _, _, C, bq, N = s.shape
-    m = s.amax(-1, keepdim=True)
-    sink = None
-    if sink_logits is not None:
-        sink = sink_logits.to(cdt).view(1, Hkv, G, 1, 1, 1)
-        m = torch.maximum(m, sink)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
-    p = torch.exp(s - m)
-    denom = p.sum(-1, keepdim=True)
-    if sink is not None:
-        denom = denom + torch.exp(sink - m)
-    has = denom > 0
-    safe = torch.where(has, denom, torch.ones_like(denom))
-    p = p / safe
+    sink = None if sink_logits is None else sink_logits.to(cdt).view(1, Hkv, G, 1, 1, 1)
+    p, lse = softmax_with_sink(s, sink)
     n_static = vals.shape[3]
     out = torch.einsum("bhgcqn,bhcnd->bhgcqd", p[..., :n_static], vals.to(cdt))
     if v_sel is not None:
         out = out + torch.einsum("bhgcqn,bhcnd->bhgcqd", p[..., n_static:], v_sel.to(cdt))
-    lse = torch.where(has, torch.log(safe) + m, torch.full_like(m, float("-inf"))).squeeze(-1)
     return out, lse
