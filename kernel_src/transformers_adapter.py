@@ -44,18 +44,20 @@ __all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern
 
 
 @dataclass(frozen=True)
-class WithinWindow(Pattern):
-    """``base`` restricted to the causal window ``i - window < j`` (a model's own sliding window)."""
+class _Restricted(Pattern):
+    """A static ``base`` pattern intersected with a model's own locality rule (``limit``, an int >= 1)."""
 
-    name: ClassVar[str] = "within_window"
     base: Pattern = Dense()
-    window: int = 1
+
+    #: Name of the int field that holds the limit (``window`` or ``chunk``).
+    limit_field: ClassVar[str] = ""
 
     def _validate(self):
         if not isinstance(self.base, Pattern) or self.base.learned:
-            raise TypeError(f"within_window: `base` must be a static Pattern, got {self.base!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"within_window: `window` must be an int >= 1, got {self.window!r}")
+            raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
+        limit = getattr(self, self.limit_field)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{self.name}: `{self.limit_field}` must be an int >= 1, got {limit!r}")
 
     @property
     def per_head(self):
@@ -64,6 +66,15 @@ class WithinWindow(Pattern):
     @property
     def uses_layer(self):
         return self.base.uses_layer
+
+
+@dataclass(frozen=True)
+class WithinWindow(_Restricted):
+    """``base`` restricted to the causal window ``i - window < j`` (a model's own sliding window)."""
+
+    name: ClassVar[str] = "within_window"
+    limit_field: ClassVar[str] = "window"
+    window: int = 1
 
     def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
         return self.base._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (qpos - kpos < self.window)
@@ -80,26 +91,12 @@ class WithinWindow(Pattern):
 
 
 @dataclass(frozen=True)
-class WithinChunk(Pattern):
+class WithinChunk(_Restricted):
     """``base`` restricted to the query's chunk ``i // chunk == j // chunk`` (Llama 4 chunked attention)."""
 
     name: ClassVar[str] = "within_chunk"
-    base: Pattern = Dense()
+    limit_field: ClassVar[str] = "chunk"
     chunk: int = 1
-
-    def _validate(self):
-        if not isinstance(self.base, Pattern) or self.base.learned:
-            raise TypeError(f"within_chunk: `base` must be a static Pattern, got {self.base!r}")
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"within_chunk: `chunk` must be an int >= 1, got {self.chunk!r}")
-
-    @property
-    def per_head(self):
-        return self.base.per_head
-
-    @property
-    def uses_layer(self):
-        return self.base.uses_layer
 
     def _chunk(self, x):
         return torch.div(x, self.chunk, rounding_mode="floor")
