@@ -7,8 +7,6 @@ from sparse_k.config import validate_sparse_config
 
 __all__ = ["configure"]
 
-_UNSET = object()
-
 
 def _configs(target):
     """The config objects whose attention layers read ``sparse_attention`` (outer and text config)."""

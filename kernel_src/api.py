@@ -287,10 +287,6 @@ def _packed(q, k, v, p, cu_q, cu_k, scale, softcap, sink_logits, layer_idx, back
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got {cu_q.numel()-1} and {cu_k.numel()-1}")
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    if backend in _BACKENDS or backend == "auto":
-        for name in ([backend] if backend != "auto" else _AUTO_ORDER):
-            if name in _BACKENDS and hasattr(_BACKENDS[name][1], "varlen"):
-                return _BACKENDS[name][1].varlen(q, k, v, p, cu_q, cu_k, scale, softcap, sink_logits, layer_idx)
     outs, lses = [], []
     for s in range(len(cq) - 1):
         qs, ks_ = q[:, :, cq[s] : cq[s + 1]], k[:, :, ck[s] : ck[s + 1]]

@@ -65,7 +65,6 @@ def torch_sparse_attention(
     )
     M = idx.shape[-1]
 
-    sel_k = sel_v = None
     if selection is not None:
         sel_blocks = selection.block_of_queries(geo, Sq)  # (B, Sq)
 
