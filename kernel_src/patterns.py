@@ -270,8 +270,22 @@ class BigBird(Pattern):
         """Random key blocks, ``(num_kv_heads, num_q_blocks, random_blocks)`` int64, -1 where none.
 
         ``num_k_blocks`` (bidirectional only) bounds the candidates to the blocks that exist.
+        Rows of different query blocks are drawn independently, so a table built for more query
+        blocks holds this one as a prefix: tables are cached per (pattern, layer, heads, key blocks,
+        device) with room for the next power of two of ``num_q_blocks`` and sliced (decoding asks
+        for one more query block at a time).
         """
-        return _bigbird_random_table(self, layer_idx, num_kv_heads, num_q_blocks, num_k_blocks, device)
+        if not self.causal and num_k_blocks is None:
+            num_k_blocks = num_q_blocks
+        key = (self, layer_idx, num_kv_heads, num_k_blocks, str(torch.device(device) if device is not None else "cpu"))
+        table = _RANDOM_TABLES.get(key)
+        if table is None or table.shape[1] < num_q_blocks:
+            if len(_RANDOM_TABLES) >= _RANDOM_TABLES_MAX:
+                _RANDOM_TABLES.clear()
+            room = max(64, 1 << max(0, num_q_blocks - 1).bit_length())
+            table = _bigbird_random_table(self, layer_idx, num_kv_heads, room, num_k_blocks, device)
+            _RANDOM_TABLES[key] = table
+        return table[:, :num_q_blocks]
 
     def _blocks(self, x):
         return torch.div(x, self.block, rounding_mode="floor")
@@ -341,6 +355,11 @@ class BigBird(Pattern):
             full = full | (one_block & rnd)
         return full
 
+
+
+#: BigBird random tables by (pattern, layer, heads, key blocks, device); see ``BigBird.random_table``.
+_RANDOM_TABLES: dict = {}
+_RANDOM_TABLES_MAX = 512
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -279,6 +279,29 @@ def test_smollm2_perplexity_and_passkey():
     (item,) = retrieval_items("passkey", [512], [0.3], 1, seed=0)
     out = run_retrieval_item(lm.model, lm.tokenizer, item)
     assert out["correct"], out
+    # A left-padded batch answers each trial as the trial alone does (prompts of different lengths).
+    from hf_sparse_attention.evaluation import run_retrieval_batch
+
+    trials = retrieval_items("passkey", [384, 512], [0.2], 1, seed=1) + [item]
+    batch = run_retrieval_batch(lm.model, lm.tokenizer, trials)
+    assert len({r["prompt_tokens"] for r in batch}) > 1
+    for it, rec in zip(trials, batch):
+        alone = run_retrieval_item(lm.model, lm.tokenizer, it)
+        assert rec["prediction"] == alone["prediction"] and rec["correct"], (rec, alone)
+        assert rec["batch_size"] == 3 and alone["batch_size"] == 1
+
+
+def test_retrieval_work_batches_trials_per_variant_and_context():
+    from hf_sparse_attention.evaluation.runner import retrieval_work
+
+    work = retrieval_work("passkey", ["streaming"], [256, 512], [0.1, 0.5, 0.9], 2, None, 0, batch_size=4)
+    sizes = [(w["variant"].label, w["items"][0].context, len(w["items"])) for w in work]
+    assert sizes == [(v, c, n) for c in (256, 512) for v in ("dense", "streaming") for n in (4, 2)]
+    assert all(len({it.context for it in w["items"]}) == 1 for w in work)
+    flat = [it for w in work if w["variant"].label == "dense" for it in w["items"]]
+    assert flat == retrieval_items("passkey", [256, 512], [0.1, 0.5, 0.9], 2, seed=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        retrieval_work("passkey", ["streaming"], [256], [0.5], 1, None, 0, batch_size=0)
 
 
 def test_compare_results_flags_differences():

@@ -107,8 +107,16 @@ def test_bigbird_random_blocks_are_deterministic_distinct_and_outside_window_and
             cands = [kb for kb in range(2, qb - 1)]  # not global (kb<2), not window (qb-1..qb)
             assert len(set(picks)) == len(picks) == min(3, len(cands))
             assert set(picks) <= set(cands)
-    # Decode equals recompute: the table for a prefix of query blocks is a prefix of the table.
+    # Decode equals recompute: the table for a prefix of query blocks is a prefix of the table
+    # (the cache relies on it: it builds for more query blocks and slices).
+    from sparse_k.patterns import _bigbird_random_table
+
     assert torch.equal(p.random_table(3, 4, 10), t1[:, :10])
+    assert torch.equal(_bigbird_random_table(p, 3, 4, 10, None, None), t1[:, :10])
+    assert torch.equal(_bigbird_random_table(p, 3, 4, 40, None, None), t1)
+    b = sk.BigBird(block=16, window_blocks=1, global_blocks=2, random_blocks=3, seed=5, causal=False)
+    assert torch.equal(b.random_table(3, 4, 7, num_k_blocks=40), _bigbird_random_table(b, 3, 4, 7, 40, None))
+    assert torch.equal(b.random_table(3, 4, 40), _bigbird_random_table(b, 3, 4, 40, None, None))
 
 
 def test_l2_segment_is_resolved_once_and_stored():

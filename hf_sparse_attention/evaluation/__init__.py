@@ -9,7 +9,8 @@ from .corpora import GUTENBERG_TEST_PLAYS, gutenberg_files, load_documents
 from .models import DEFAULT_MODEL, LoadedModel, apply_variant, default_gguf, load_model
 from .perplexity import strided_perplexity, tokenize_corpus
 from .report import SCHEMA_PATH, load_schema, validate_results, write_outputs
-from .retrieval import RetrievalItem, passkey_prompt, retrieval_items, run_retrieval_item, score_answer
+from .retrieval import (RetrievalItem, passkey_prompt, retrieval_items, run_retrieval_batch, run_retrieval_item,
+                        score_answer)
 from .speed import benchmark_lengths
 from .variants import DEFAULT_PATTERNS, Variant, make_variants, preset_params
 
@@ -32,6 +33,7 @@ __all__ = [
     "passkey_prompt",
     "preset_params",
     "retrieval_items",
+    "run_retrieval_batch",
     "run_retrieval_item",
     "score_answer",
     "strided_perplexity",

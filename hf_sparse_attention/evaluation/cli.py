@@ -19,10 +19,11 @@ DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
 PROFILES: dict[str, dict] = {
     "small": dict(contexts=[1024], depths=DEPTHS5, trials_per_depth=1, needle_depths=[0.5], needle_trials_per_depth=1,
                   baseline_context=2048, baseline_trials_per_depth=2, ppl_tokens=2048, stride=0,
-                  speed_lengths=[512, 1024], decode_tokens=4, repeats=1),
+                  speed_lengths=[512, 1024], decode_tokens=4, repeats=1, retrieval_batch_size=5),
     "full": dict(contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
                  needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384,
-                 stride=None, speed_lengths=[1024, 2048, 4096, 8192], decode_tokens=32, repeats=3),
+                 stride=None, speed_lengths=[1024, 2048, 4096, 8192], decode_tokens=16, repeats=2,
+                 retrieval_batch_size=20),
 }
 
 TOOLS = {
@@ -113,6 +114,9 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
         g.add_argument("--baseline-context", type=_nonneg_int, default=None,
                        help="extra passkey context run by dense only (0: none)")
         g.add_argument("--baseline-trials-per-depth", type=_nonneg_int, default=None)
+        g.add_argument("--retrieval-batch-size", type=_positive_int, default=None,
+                       help="trials of one pattern and context answered by one batched generate call "
+                            "(left-padded); default: 5 (small profile), 20 (full)")
         g.add_argument("--max-new-tokens", type=_positive_int, default=7,
                        help="greedy tokens generated per trial (SmolLM2: ' ' + 5 digits + '.')")
     if "speed" in parts:
@@ -190,17 +194,19 @@ def run(tool: str, argv=None) -> dict:
         runner_kw["max_new_tokens"] = args.max_new_tokens
         if "passkey" in args.tasks:
             items += retrieval_work("passkey", args.patterns, args.contexts, args.depths, args.trials_per_depth,
-                                    args.budget, args.seed)
+                                    args.budget, args.seed, batch_size=args.retrieval_batch_size)
             if args.baseline_context and args.baseline_trials_per_depth and args.baseline_context not in args.contexts:
                 items += retrieval_work("passkey", args.patterns, [args.baseline_context], args.depths,
-                                        args.baseline_trials_per_depth, args.budget, args.seed, only_dense=True)
+                                        args.baseline_trials_per_depth, args.budget, args.seed, only_dense=True,
+                                        batch_size=args.retrieval_batch_size)
         if "needle" in args.tasks:
             hay_docs = load_documents("gutenberg", split="test")
             need = max(args.contexts) + 64
             hay = tokenize_corpus(lm.tokenizer, hay_docs[2:] or hay_docs, 4 * need)[0].tolist()
             runner_kw["haystack_ids"] = hay
             items += retrieval_work("needle", args.patterns, args.contexts, args.needle_depths,
-                                    args.needle_trials_per_depth, args.budget, args.seed)
+                                    args.needle_trials_per_depth, args.budget, args.seed,
+                                    batch_size=args.retrieval_batch_size)
     if "speed" in parts:
         runner_kw.update(decode_tokens=args.decode_tokens, repeats=args.repeats)
         too_long = [n for n in args.speed_lengths if n > lm.max_context]
@@ -219,6 +225,8 @@ def run(tool: str, argv=None) -> dict:
         if kind == "speed":
             results.setdefault("speed", []).extend(
                 {**{k: res[k] for k in ("variant", "pattern", "params")}, **row} for row in res["rows"])
+        elif kind == "retrieval":
+            results.setdefault("retrieval", []).extend(res["records"])
         else:
             results.setdefault(kind, []).append(res)
     timing["total_seconds"] = time.perf_counter() - t_start

@@ -37,6 +37,7 @@ __all__ = [
     "needle_prompt",
     "passkey_prompt",
     "retrieval_items",
+    "run_retrieval_batch",
     "run_retrieval_item",
     "score_answer",
 ]
@@ -148,16 +149,37 @@ def score_answer(generated: str, key: int | str) -> bool:
 
 
 @torch.no_grad()
-def run_retrieval_item(model, tokenizer, item: RetrievalItem, haystack_ids=None, max_new_tokens: int = 7) -> dict:
-    """Greedy-generate the answer to one item and score it; a JSON-friendly record."""
-    prompt = build_prompt(tokenizer, item, haystack_ids)
+def run_retrieval_batch(model, tokenizer, items: list[RetrievalItem], haystack_ids=None,
+                        max_new_tokens: int = 7) -> list[dict]:
+    """Greedy-generate the answers to several items in one left-padded batch and score each.
+
+    One ``generate`` call serves the whole batch (the prompts are padded on the left, so each row's
+    answer starts right after its own prompt). Each record's ``seconds`` is the batch's wall time
+    divided by the batch size; ``batch_size`` says how many trials shared the call.
+    """
+    if not items:
+        return []
+    prompts = [build_prompt(tokenizer, it, haystack_ids) for it in items]
     device = next(model.parameters()).device
-    enc = tokenizer(prompt, return_tensors="pt").to(device)
-    t0 = time.perf_counter()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+    lengths = enc["attention_mask"].sum(-1).tolist()
+    t0 = time.perf_counter()
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
                          temperature=None, top_p=None, top_k=None)
-    seconds = time.perf_counter() - t0
-    generated = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return {**item.to_dict(), "prompt_tokens": int(enc["input_ids"].shape[1]), "prediction": generated.strip(),
-            "correct": score_answer(generated, item.key), "seconds": seconds}
+    seconds = (time.perf_counter() - t0) / len(items)
+    width = enc["input_ids"].shape[1]
+    records = []
+    for row, (it, n) in enumerate(zip(items, lengths)):
+        generated = tokenizer.decode(out[row, width:], skip_special_tokens=True)
+        records.append({**it.to_dict(), "prompt_tokens": int(n), "prediction": generated.strip(),
+                        "correct": score_answer(generated, it.key), "seconds": seconds,
+                        "batch_size": len(items)})
+    return records
+
+
+def run_retrieval_item(model, tokenizer, item: RetrievalItem, haystack_ids=None, max_new_tokens: int = 7) -> dict:
+    """Greedy-generate the answer to one item and score it; a JSON-friendly record."""
+    return run_retrieval_batch(model, tokenizer, [item], haystack_ids, max_new_tokens)[0]

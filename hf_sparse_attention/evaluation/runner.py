@@ -1,6 +1,8 @@
 """Work items of the three evaluations and the function that runs one item on a loaded model.
 
-An item is a plain dict: ``{"kind": "perplexity" | "retrieval" | "speed", "variant": Variant, ...}``.
+An item is a plain dict: ``{"kind": "perplexity" | "retrieval" | "speed", "variant": Variant, ...}``;
+a retrieval item holds a batch of trials of one variant, task and context (``"items"``), answered by
+one batched ``generate`` call, and its result lists one record per trial (``"records"``).
 ``Runner`` holds the model and the data the items share (corpus tokens, haystack tokens), switches
 the model to an item's variant only when it changes, and returns a JSON-friendly record per item.
 """
@@ -11,7 +13,7 @@ import time
 
 from .models import apply_variant
 from .perplexity import strided_perplexity
-from .retrieval import RetrievalItem, retrieval_items, run_retrieval_item
+from .retrieval import retrieval_items, run_retrieval_batch
 from .speed import benchmark_lengths
 from .variants import make_variants
 
@@ -34,14 +36,23 @@ def perplexity_items(patterns, contexts, budget, stride) -> list[dict]:
 
 
 def retrieval_work(task, patterns, contexts, depths, trials_per_depth, budget, seed,
-                   only_dense: bool = False) -> list[dict]:
-    """One item per (trial, variant); ``only_dense`` restricts to the dense baseline."""
+                   only_dense: bool = False, batch_size: int = 1) -> list[dict]:
+    """Items of up to ``batch_size`` trials of one (variant, context); ``only_dense``: dense only.
+
+    The batches are fixed here, before any work splitting, so every process count runs the same
+    batches and produces the same records.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    trials = retrieval_items(task, list(contexts), list(depths), trials_per_depth, seed)
     items = []
-    for it in retrieval_items(task, list(contexts), list(depths), trials_per_depth, seed):
-        for v in make_variants(patterns, budget_for(it.context, budget)):
+    for c in dict.fromkeys(it.context for it in trials):
+        group = [it for it in trials if it.context == c]
+        for v in make_variants(patterns, budget_for(c, budget)):
             if only_dense and v.pattern != "dense":
                 continue
-            items.append({"kind": "retrieval", "variant": v, "item": it})
+            for start in range(0, len(group), batch_size):
+                items.append({"kind": "retrieval", "variant": v, "items": group[start:start + batch_size]})
     return items
 
 
@@ -88,9 +99,9 @@ class Runner:
             return {**base, "context": item["context"], "stride": item["stride"], **r,
                     "seconds": time.perf_counter() - t0}
         if item["kind"] == "retrieval":
-            it: RetrievalItem = item["item"]
-            return {**base, **run_retrieval_item(self.model, self.tokenizer, it, self.haystack_ids,
-                                                 self.max_new_tokens)}
+            records = run_retrieval_batch(self.model, self.tokenizer, item["items"], self.haystack_ids,
+                                          self.max_new_tokens)
+            return {**base, "records": [{**base, **r} for r in records]}
         if item["kind"] == "speed":
             rows = benchmark_lengths(self.model, item["lengths"], decode_tokens=self.decode_tokens,
                                      repeats=self.repeats, seed=self.seed)
