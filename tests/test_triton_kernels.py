@@ -33,13 +33,14 @@ try:
     from triton.runtime.interpreter import InterpretedFunction
 
     import sparse_k
-    from sparse_k import triton_bwd, triton_fwd
+    from sparse_k import triton_bwd, triton_fwd, triton_structured
 
     # Interpreting in this process works only if triton's own library functions are interpreted.
     IN_PROCESS = ON_GPU or isinstance(tl.zeros, InterpretedFunction)
     if IN_PROCESS and not ON_GPU and not isinstance(triton_fwd._attn_fwd, InterpretedFunction):
         importlib.reload(triton_fwd)
         importlib.reload(triton_bwd)
+        importlib.reload(triton_structured)
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton missing
     HAVE_TRITON = IN_PROCESS = False
@@ -422,3 +423,54 @@ def test_token_layout_decode_split():
         out = triton_attn(q, k, v, p, selection=sel)
         ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", selection=sel)
         assert rel(out, ref) < TOL32
+
+
+STRUCTURED_CASES = {
+    # name: (pattern, Sq, Skv, left padding of row 1, key holes)
+    "dense_square": (get_pattern("dense"), 45, 45, 0, False),
+    "dense_chunk": (get_pattern("dense"), 19, 61, 7, False),
+    "dense_bidir_holes": (get_pattern("dense", causal=False), 33, 50, 5, True),
+    "window_lt_tile": (get_pattern("sliding_window", window=5), 47, 47, 3, False),
+    "window_gt_tile": (get_pattern("sliding_window", window=37), 71, 83, 9, True),
+    "window_bidir": (get_pattern("sliding_window", window=20, causal=False), 50, 66, 11, False),
+    "streaming_sinks_span_tiles": (get_pattern("streaming", sinks=21, window=18), 80, 80, 6, False),
+    "streaming_window_reaches_sinks": (get_pattern("streaming", sinks=3, window=40), 29, 64, 0, True),
+    "q_longer_than_k": (get_pattern("sliding_window", window=12), 40, 30, 0, False),
+}
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", list(STRUCTURED_CASES))
+def test_structured_tile_ranges(name):
+    """The arithmetic tile ranges (sink / left edge / full / right edge) give the exact reference for
+    bottom-right chunks, left padding, key holes, bidirectional windows, windows shorter and longer
+    than a tile, sinks over several tiles, and every program order; the layout path agrees."""
+    p, Sq, Skv, pad, holes = STRUCTURED_CASES[name]
+    g = torch.Generator().manual_seed(len(name) * 31)
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+    mask = torch.ones(B, Skv, dtype=torch.bool, device=DEV)
+    mask[1, :pad] = False
+    if holes:
+        mask[0, Skv // 2 : Skv // 2 + 4] = False
+    geo = row_geometry(B, Sq, Skv, mask, device=DEV)
+    key_mask = mask if holes else None
+    sink = rand(Hq, gen=g) if Sq % 2 else None
+    softcap = 5.0 if "bidir" in name else None
+    ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink, softcap=softcap, key_mask=key_mask)
+    pid, params = triton_fwd.pattern_code(p)
+    for order in range(4):
+        out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
+        o, lse = triton_structured.structured_forward(
+            q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
+            softcap=softcap, sink_logits=sink, key_mask=key_mask, out=out, order=order, pipeline_qk=order == 1,
+        )
+        assert not o.isnan().any(), order
+        assert rel(o, ro) < TOL32, order
+        finite = torch.isfinite(rl)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert torch.allclose(lse[finite].double(), rl[finite], atol=1e-4, rtol=1e-4)
+    lay = _layout(p, Sq, Skv, geo, Hkv)
+    o_lay, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
+                                            key_mask=key_mask, structured=False)
+    assert rel(o_lay, ro) < TOL32
