@@ -22,6 +22,8 @@ Sections (each fits in a few minutes on an H100):
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
   over stages / program order / pipelined ``Q K^T`` beside the layout-path kernel, FlexAttention and
   (dense) cuDNN, for each ``--patterns`` entry at the first ``--seqlens``.
+* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages (dK/dV and
+  dQ kernels) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -637,6 +639,64 @@ def section_tune_structured(args, results):
                     r[key] = other / r["ours_ms"]
 
 
+STRUCTURED_BWD_VARIANTS = [  # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)
+    (128, 64, 8, 2, 128, 64, 8, 2), (128, 64, 8, 3, 128, 64, 8, 3), (128, 32, 4, 3, 128, 32, 4, 3),
+    (128, 64, 4, 2, 128, 64, 4, 2), (64, 64, 4, 2, 64, 64, 4, 2), (128, 128, 8, 2, 128, 128, 8, 2),
+    (64, 128, 8, 2, 128, 64, 4, 3),
+]
+
+
+def section_tune_structured_bwd(args, results):
+    """Structured backward configurations vs the layout-path backward and Flex (sliding window)."""
+    from sparse_k import triton_bwd, triton_fwd, triton_structured_bwd
+
+    dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
+    S = args.seqlens[0]
+    p = _patterns(args.window, args.sinks)["sliding_window"]
+    q, k, v = _inputs(1, S, D, dtype, dev, 14)
+    geo = row_geometry(1, S, S, None, device=dev)
+    scale = D ** -0.5
+    do = torch.randn_like(q)
+    lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=HKV)
+    out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
+    pairs = allowed_pairs(lay, S) * HQ
+    pid, params = triton_fwd.pattern_code(p)
+    fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
+    for cfg in STRUCTURED_BWD_VARIANTS:
+        fns["st " + "/".join(map(str, cfg))] = lambda cfg=cfg: triton_structured_bwd.structured_backward(
+            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg)[:3]
+    ref = None
+    flex_ms = None
+    if S <= args.flex_max:
+        qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        bmask = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV).to_block_mask(1, HQ)
+        o_flex = flex_fn()(qf, kf, vf, block_mask=bmask, enable_gqa=True, scale=scale)
+        flex_ms = bench(lambda: torch.autograd.grad(o_flex, (qf, kf, vf), do, retain_graph=True))
+        results.append(dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile="flex", ours_ms=flex_ms,
+                            tflops_ours=10.0 * pairs * D / flex_ms / 1e9))
+        print(json.dumps(results[-1]), flush=True)
+        del o_flex
+    for label, fn in fns.items():
+        row = dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile=label)
+        try:
+            grads = fn()
+            if ref is None:
+                ref = grads
+            row["err_vs_first"] = max(rel_err(a, b) for a, b in zip(grads, ref))
+            del grads
+            if row["err_vs_first"] < TOL:
+                row["ours_ms"] = bench(fn)
+                row["tflops_ours"] = 10.0 * pairs * D / row["ours_ms"] / 1e9
+                if flex_ms:
+                    row["ratio_vs_flex"] = flex_ms / row["ours_ms"]
+            else:
+                row["error"] = "gradients disagree with the layout path: row void"
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def section_l2(args, results):
     """Program order vs L2 behaviour (timing here; hit rates from ncu over ``--single-launch``)."""
     from sparse_k import resolve_l2_segment, triton_fwd
@@ -703,7 +763,7 @@ def print_table(results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "l2"), required=True)
+    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
     ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
@@ -728,7 +788,7 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     results = []
     {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd,
-     "tune_structured": section_tune_structured, "l2": section_l2}[args.section](args, results)
+     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2}[args.section](args, results)
     print_table(results)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
