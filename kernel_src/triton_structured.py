@@ -3,13 +3,17 @@
 For these patterns the key tiles a query tile visits form at most two runs (the sink tiles of
 ``streaming``, then one contiguous window), and inside the window run the *full* tiles (no element
 mask) are the middle of the run. So instead of walking a ``BlockLayout``'s index lists, each program
-computes from its row geometry (design §3) three ranges and runs one loop per range, the element
-mask a constexpr flag of each loop (no run-time branch inside a pipelined loop)::
+computes its tile ranges from its row geometry (design §3) and runs two loops, the element mask a
+constexpr flag of each (no run-time branch inside a pipelined loop; the tile index of a step is a
+select over the runs, so each loop drains the software pipeline once)::
 
-    sink tiles       [s_lo, s_hi)   masked   (streaming only, tiles before the window run)
-    left edge        [n_lo, f_lo)   masked   (window edge, or keys before k_start)
-    full             [f_lo, f_hi)   unmasked (every valid row may see every key of the tile)
-    right edge       [f_hi, n_hi)   masked   (causal diagonal, k_end, bidirectional window edge)
+    full loop     [fs_lo, fs_hi) + [f_lo, f_hi)                      unmasked
+    masked loop   [s_lo, fs_lo) + [fs_hi, s_hi) + [n_lo, f_lo) + [f_hi, n_hi)   element rule
+
+``[s_lo, s_hi)`` are the sink tiles before the window run (streaming; ``[fs_lo, fs_hi)`` those wholly
+made of sink keys that every row of the tile sees), ``[n_lo, n_hi)`` the window run, ``[f_lo, f_hi)``
+its full middle: ``[n_lo, f_lo)`` is the window edge (or keys before ``k_start``), ``[f_hi, n_hi)``
+the causal diagonal / ``k_end`` / bidirectional window edge.
 
 For query tile ``m`` with valid query indices ``qlo..qhi`` (key-index space, ``q_start + i``) the
 window run covers the keys some row may see and the full run the keys every row may see:
@@ -110,49 +114,14 @@ def _st_tile(
 
 
 @triton.jit
-def _st_full_pipelined(
-    acc, l_i, m_i, q, K, V, f_lo, f_hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0, scale_log2,
-    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    """Full tiles ``[f_lo, f_hi)`` (``f_hi > f_lo``, no softcap / key mask) with ``Q K^T`` of the next
-    tile issued before the softmax of the current one, so the tensor cores can run under the exp."""
-    kidx = offs_n.to(tl.int64) + f_lo * BLOCK_N
-    if USE_TMA:
-        kt = tl.trans(K.load([(kv_row0 + f_lo * BLOCK_N).to(tl.int32), 0]))
-    else:
-        kt = tl.load(K + kidx[None, :] * stride_kn + offs_d[:, None])
-    s = tl.dot(q, kt)
-    for n in range(f_lo, f_hi - 1):
-        nxt = n + 1
-        if USE_TMA:
-            row = (kv_row0 + n * BLOCK_N).to(tl.int32)
-            kt_n = tl.trans(K.load([(kv_row0 + nxt * BLOCK_N).to(tl.int32), 0]))
-            vt = V.load([row, 0])
-        else:
-            kn = offs_n.to(tl.int64) + nxt * BLOCK_N
-            kc = offs_n.to(tl.int64) + n * BLOCK_N
-            kt_n = tl.load(K + kn[None, :] * stride_kn + offs_d[:, None])
-            vt = tl.load(V + kc[:, None] * stride_vn + offs_d[None, :])
-        s_n = tl.dot(q, kt_n)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
-        m_i = m_new
-        s = s_n
-    last = f_hi - 1
-    if USE_TMA:
-        vt = V.load([(kv_row0 + last * BLOCK_N).to(tl.int32), 0])
-    else:
-        kc = offs_n.to(tl.int64) + last * BLOCK_N
-        vt = tl.load(V + kc[:, None] * stride_vn + offs_d[None, :])
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
-    return acc, l_i, m_new
+def _run_tile(t, a0, c0, a1, c1, a2, c2, a3):
+    """Tile index of step ``t`` over the concatenated runs ``[a0, a0 + c0)``, ``[a1, a1 + c1)``,
+    ``[a2, a2 + c2)``, ``[a3, ...)`` (one loop instead of four, so the pipeline drains once)."""
+    n = a3 + t - (c0 + c1 + c2)
+    n = tl.where(t < c0 + c1 + c2, a2 + t - (c0 + c1), n)
+    n = tl.where(t < c0 + c1, a1 + t - c0, n)
+    n = tl.where(t < c0, a0 + t, n)
+    return n
 
 
 @triton.jit
@@ -163,7 +132,7 @@ def _st_fwd(
     B, Sq, Skv, Hq, Hkv, NQ, scale_log2, softcap, P0, P1,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
-    USE_TMA: tl.constexpr, ORDER: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    USE_TMA: tl.constexpr, ORDER: tl.constexpr,
 ):
     G = Hq // Hkv
     if ORDER == 0:
@@ -237,39 +206,38 @@ def _st_fwd(
         Vb = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
     kmask_row = KMASK + b64 * stride_kmb
 
+    # streaming: sink tiles before the window run; those wholly inside the sinks and below every
+    # row's first query are full, the others masked
+    s_lo = n_lo
+    s_hi = n_lo
+    fs_lo = n_lo
+    fs_hi = n_lo
+    if PATTERN == 2:
+        s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)  # some row sees sink keys below
+        fs_end = tl.minimum(tl.minimum(k_start + P1, k_end), qlo + 1)  # every row sees sink keys below
+        s_lo = tl.minimum(k_start // BLOCK_N, n_lo)
+        s_hi = tl.maximum(tl.minimum(_cdiv(tl.maximum(s_end, k_start), BLOCK_N), n_lo), s_lo)
+        fs_lo = tl.minimum(_cdiv(k_start, BLOCK_N), s_hi)
+        fs_hi = tl.minimum(tl.maximum(tl.maximum(fs_end, 0) // BLOCK_N, fs_lo), s_hi)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PATTERN == 2:  # sink tiles that lie before the window run
-        s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)
-        s_lo = k_start // BLOCK_N
-        s_hi = tl.minimum(_cdiv(tl.maximum(s_end, k_start), BLOCK_N), n_lo)
-        for n in range(s_lo, s_hi):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-    for n in range(n_lo, f_lo):
+    # full tiles: [fs_lo, fs_hi) then [f_lo, f_hi), one loop without the element rule
+    n_fs = fs_hi - fs_lo
+    for t in range(0, n_fs + f_hi - f_lo):
+        n = tl.where(t < n_fs, fs_lo + t, f_lo + t - n_fs)
         acc, l_i, m_i = _st_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
             qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-            PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+            PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
         )
-    if PIPELINE_QK and not HAS_SOFTCAP and not HAS_KMASK:
-        if f_hi > f_lo:
-            acc, l_i, m_i = _st_full_pipelined(
-                acc, l_i, m_i, q, Kb, Vb, f_lo, f_hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0, scale_log2,
-                BLOCK_N, USE_TMA,
-            )
-    else:
-        for n in range(f_lo, f_hi):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-    for n in range(f_hi, n_hi):
+    # masked tiles: [s_lo, fs_lo), [fs_hi, s_hi), [n_lo, f_lo), [f_hi, n_hi), one loop with the rule
+    c0 = fs_lo - s_lo
+    c1 = s_hi - fs_hi
+    c2 = f_lo - n_lo
+    for t in range(0, c0 + c1 + c2 + n_hi - f_hi):
+        n = _run_tile(t, s_lo, c0, fs_hi, c1, n_lo, c2, f_hi)
         acc, l_i, m_i = _st_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
             qpos, k_start, k_end, scale_log2, softcap, P0, P1,
@@ -302,7 +270,7 @@ def structured_ok(pattern_id: int, causal: bool, *, pack: int, num_splits: int, 
 
 def structured_forward(
     q, k, v, geometry, *, pattern_id, params, causal, scale, block_m, block_n, softcap=None, sink_logits=None,
-    key_mask=None, out=None, num_warps=None, num_stages=None, use_tma=None, order=None, pipeline_qk=False,
+    key_mask=None, out=None, num_warps=None, num_stages=None, use_tma=None, order=None,
 ):
     """Launch the structured forward.
 
@@ -343,7 +311,7 @@ def structured_forward(
         B, Sq, Skv, Hq, Hkv, NQ, scale * LOG2E, float(softcap or 1.0), int(params[0]), int(params[1]),
         PATTERN=pattern_id, CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None, HAS_KMASK=key_mask is not None,
-        USE_TMA=bool(use_tma), ORDER=int(order), PIPELINE_QK=bool(pipeline_qk),
+        USE_TMA=bool(use_tma), ORDER=int(order),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

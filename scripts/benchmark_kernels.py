@@ -20,7 +20,7 @@ Sections (each fits in a few minutes on an H100):
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
-  over stages / program order / pipelined ``Q K^T`` beside the layout-path kernel, FlexAttention and
+  over tile shapes / warps / stages / program order beside the layout-path kernel, FlexAttention and
   (dense) cuDNN, for each ``--patterns`` entry at the first ``--seqlens``.
 * ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages (dK/dV and
   dQ kernels) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``.
@@ -582,9 +582,9 @@ def section_tune_bwd(args, results):
         print(json.dumps(row), flush=True)
 
 
-STRUCTURED_VARIANTS = [  # (stages, warps, order, pipeline_qk)
-    (2, 8, 0, False), (3, 8, 0, False), (4, 8, 0, False), (3, 8, 1, False), (3, 8, 3, False), (3, 8, 2, False),
-    (3, 8, 0, True), (2, 8, 0, True), (3, 4, 0, False),
+STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order)
+    (128, 128, 3, 8, 0), (128, 128, 3, 8, 2), (128, 128, 3, 8, 3), (64, 128, 3, 4, 0), (64, 128, 2, 4, 0),
+    (128, 64, 3, 8, 0), (128, 64, 4, 8, 0), (128, 64, 3, 4, 0), (64, 64, 4, 4, 0),
 ]
 
 
@@ -604,11 +604,11 @@ def section_tune_structured(args, results):
         pairs = allowed_pairs(lay, S) * HQ
         pid, params = triton_fwd.pattern_code(p)
         fns = {"layout path": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False)}
-        for stages, warps, order, pipe in STRUCTURED_VARIANTS:
-            fns[f"st s{stages} w{warps} o{order}{' pipe' if pipe else ''}"] = (
-                lambda stages=stages, warps=warps, order=order, pipe=pipe: triton_structured.structured_forward(
-                    q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=128,
-                    block_n=128, num_warps=warps, num_stages=stages, order=order, pipeline_qk=pipe))
+        for bm, bn, stages, warps, order in STRUCTURED_VARIANTS:
+            fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
+                lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
+                    q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
+                    block_n=bn, num_warps=warps, num_stages=stages, order=order))
         if S <= args.flex_max:
             bmask = lay.to_block_mask(1, HQ)
             flex = flex_fn()
@@ -640,10 +640,26 @@ def section_tune_structured(args, results):
 
 
 STRUCTURED_BWD_VARIANTS = [  # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)
-    (128, 64, 8, 2, 128, 64, 8, 2), (128, 64, 8, 3, 128, 64, 8, 3), (128, 32, 4, 3, 128, 32, 4, 3),
-    (128, 64, 4, 2, 128, 64, 4, 2), (64, 64, 4, 2, 64, 64, 4, 2), (128, 128, 8, 2, 128, 128, 8, 2),
-    (64, 128, 8, 2, 128, 64, 4, 3),
+    (64, 64, 4, 2, 64, 64, 4, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 64, 8, 2, 64, 64, 4, 2),
 ]
+
+
+def kernel_times(fn, iters=3) -> dict:
+    """Mean GPU milliseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            times[e.key[:40]] = round(t / iters / 1000, 3)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:4])
 
 
 def section_tune_structured_bwd(args, results):
@@ -687,6 +703,7 @@ def section_tune_structured_bwd(args, results):
             if row["err_vs_first"] < TOL:
                 row["ours_ms"] = bench(fn)
                 row["tflops_ours"] = 10.0 * pairs * D / row["ours_ms"] / 1e9
+                row["kernels_ms"] = kernel_times(fn)
                 if flex_ms:
                     row["ratio_vs_flex"] = flex_ms / row["ours_ms"]
             else:
@@ -716,7 +733,7 @@ def section_l2(args, results):
         p = pats[name]
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
         pairs = allowed_pairs(lay, S) * HQ
-        for order in ((0, 2) if name == "l2_aligned" else (0, 2, 3)):
+        for order in ((0, 2) if name == "l2_aligned" else (0, 1, 2, 3) if name == "dense" else (0, 2, 3)):
             row = dict(section="l2", pattern=name, S=S, D=D, tile=f"order {order}")
             fn = lambda order=order: triton_fwd.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
             try:
@@ -752,7 +769,7 @@ def print_table(results):
         ("tflops_ours", "TF/s"), ("flex_ms", "flex ms"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
-        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("error", "note"),
+        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
     print("| " + " | ".join(h for _, h in used) + " |")

@@ -464,7 +464,7 @@ def test_structured_tile_ranges(name):
         out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
         o, lse = triton_structured.structured_forward(
             q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
-            softcap=softcap, sink_logits=sink, key_mask=key_mask, out=out, order=order, pipeline_qk=order == 1,
+            softcap=softcap, sink_logits=sink, key_mask=key_mask, out=out, order=order,
         )
         assert not o.isnan().any(), order
         assert rel(o, ro) < TOL32, order
