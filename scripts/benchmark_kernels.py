@@ -601,10 +601,11 @@ def section_tune_structured(args, results):
     for name in args.patterns:
         p = pats[name]
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
-        pairs = allowed_pairs(lay, S) * HQ
+        pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
         pid, params = triton_fwd.pattern_code(p)
-        fns = {"layout path": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False)}
-        for bm, bn, stages, warps, order in STRUCTURED_VARIANTS:
+        fns = {"layout path": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False),
+               "layout path s3": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False, num_stages=3)}
+        for bm, bn, stages, warps, order in STRUCTURED_VARIANTS if pid in triton_structured.STRUCTURED_PATTERNS else ():
             fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
                 lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
                     q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
