@@ -278,7 +278,8 @@ def structured_forward(
         q: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)`` (unit last stride).
         geometry: a ``RowGeometry`` (or namespace with ``q_start``/``k_start``/``k_end`` int64 ``(B,)`` or ``(1,)``).
         pattern_id, params: from ``triton_fwd.pattern_code`` (``P0`` = window, ``P1`` = sinks).
-        order: program order (module docstring); default 1 (longest first) for dense causal, else 0.
+        order: program order (module docstring); default 1 (longest first) for dense causal, else 3 (the
+            query heads of a KV group adjacent: on the H100 at S=128K, 1% faster than 0 for sliding_window).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     from .triton_fwd import _kv_descriptor, _tma_ok
@@ -299,7 +300,7 @@ def structured_forward(
     if use_tma is None:
         use_tma = _tma_ok(k, v)
     if order is None:
-        order = 1 if (pattern_id == 0 and causal) else 0
+        order = 1 if (pattern_id == 0 and causal) else 3
     grid = (NQ, B * Hq) if order != 2 else (B * Hq, NQ)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
     geo = geometry

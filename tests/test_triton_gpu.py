@@ -131,20 +131,22 @@ def _compiled_variants(fn) -> int:
 
 
 def test_bounded_compiles_over_30_lengths():
-    """30 different sequence lengths compile a bounded number of forward variants (Skv % BLOCK_N and
-    Triton's divisibility-by-16 specialisation of the sizes), never one per length."""
-    from sparse_k import triton_fwd
+    """30 different sequence lengths compile a bounded number of forward variants (Triton's
+    divisibility-by-16 specialisation of the sizes; the layout path also ``Skv % BLOCK_N``), never one
+    per length: the structured kernel (sliding_window) and the layout kernel (dilated)."""
+    from sparse_k import triton_fwd, triton_structured
 
-    p = get_pattern("sliding_window", window=512)
     g = torch.Generator().manual_seed(0)
     lengths = sorted(set(torch.randint(600, 6000, (40,), generator=g).tolist()))[:30]
-    before = _compiled_variants(triton_fwd._attn_fwd)
-    for S in lengths:
-        q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=S)
-        sparse_k.sparse_attention(q, k, v, p, backend="triton")
-    added = _compiled_variants(triton_fwd._attn_fwd) - before
-    print(f"compiled forward variants for {len(lengths)} lengths: {added}")
-    assert added <= 8
+    for p, kernel in ((get_pattern("sliding_window", window=512), triton_structured._st_fwd),
+                      (get_pattern("dilated", window=64, scales=2), triton_fwd._attn_fwd)):
+        before = _compiled_variants(kernel)
+        for S in lengths:
+            q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=S)
+            sparse_k.sparse_attention(q, k, v, p, backend="triton")
+        added = _compiled_variants(kernel) - before
+        print(f"{p.name}: compiled forward variants for {len(lengths)} lengths: {added}")
+        assert added <= 8 and _compiled_variants(kernel) >= 1
 
 
 def test_token_layout_bf16_forward_backward():
