@@ -345,7 +345,8 @@ def attention_backward(
         ``selection``: the forward's ``TokenLayout``, if any.
         ``structured``: dense / sliding_window / streaming through ``triton_structured_bwd`` (arithmetic
         tile ranges, its own tile shapes). Off by default: on the H100 (2026-11-22, sliding window 4096,
-        S=64K) it ran 49-51 ms against 35.9 ms for this layout-path backward.
+        S=64K) its first, three-loop version ran 49-51 ms against 35.9 ms for this layout-path
+        backward; the two-loop version (far fewer register spills) has not been timed yet.
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """

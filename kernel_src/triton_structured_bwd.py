@@ -4,11 +4,16 @@ The companion of ``triton_structured`` for the gradients, in the FlashAttention-
 atomics and with *separate* tile shapes for the two kernels:
 
 * ``_st_dkdv``: one program per (key tile of ``BLOCK_N1`` keys, batch row, KV head); for every query
-  head of the KV group it walks the query tiles (``BLOCK_M1`` rows) that see its keys — a masked
-  left edge (causal diagonal / keys before ``k_start``), the full run, a masked right edge (window
-  end) — so dK/dV of a GQA group are summed in registers.
+  head of the KV group it walks the query tiles (``BLOCK_M1`` rows) that see its keys — one masked
+  loop over both edges (the causal diagonal / keys before ``k_start`` and the window end), one
+  unmasked loop over the full run — so dK/dV of a GQA group are summed in registers.
 * ``_st_dq``: one program per (query tile of ``BLOCK_M2`` rows, batch row, query head) over the
-  forward's key ranges (``BLOCK_N2`` keys per tile).
+  forward's key ranges (``BLOCK_N2`` keys per tile): one masked loop over the sink tiles and both
+  window edges, one unmasked loop over the full tiles.
+
+Two loops rather than one per run: compiled for sm_90 (triton 3.9, 64x64 tiles, 4 warps) the
+three-loop dK/dV kernel needed a 3688-byte stack frame of spills, the two-loop one 504 bytes (dQ:
+512 -> 112).
 
 For a key tile with valid keys ``kl..kh`` (key-index space) the queries (``q_start + i``) that see
 some key, and those that see every key, are:
@@ -167,13 +172,16 @@ def _st_dkdv(
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    n_left = fm_lo - m_lo
+    n_mask = n_left + m_hi - fm_hi
     for gi in range(0, G):
         head = hkv * G + gi
         Qh = Q + b * stride_qb + head * stride_qh
         DOh = DO + b * stride_dob + head * stride_doh
         LSEh = LSE + b * stride_lb + head * stride_lh
         DELTAh = DELTA + b * stride_lb + head * stride_lh
-        for m in range(m_lo, fm_lo):
+        for t in range(0, n_mask):
+            m = tl.where(t < n_left, m_lo + t, fm_hi + t - n_left)
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
                 kidx, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1,
@@ -184,12 +192,6 @@ def _st_dkdv(
                 dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
                 kidx, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1,
                 PATTERN, CAUSAL, BLOCK_M, False, HAS_SOFTCAP, HAS_KMASK,
-            )
-        for m in range(fm_hi, m_hi):
-            dk, dv = _dkdv_tile(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
-                kidx, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_M, True, HAS_SOFTCAP, HAS_KMASK,
             )
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hkv * stride_dkh + kidx[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kin[:, None])
@@ -292,16 +294,17 @@ def _st_dq(
     kmask_row = KMASK + b * stride_kmb
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    s_lo = n_lo
+    s_hi = n_lo
     if PATTERN == 2:
         s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)
-        s_lo = k_start // BLOCK_N
-        s_hi = tl.minimum(_cdiv(tl.maximum(s_end, k_start), BLOCK_N), n_lo)
-        for n in range(s_lo, s_hi):
-            dq = _dq_tile(
-                dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK,
-            )
-    for n in range(n_lo, f_lo):
+        s_lo = tl.minimum(k_start // BLOCK_N, n_lo)
+        s_hi = tl.maximum(tl.minimum(_cdiv(tl.maximum(s_end, k_start), BLOCK_N), n_lo), s_lo)
+    c0 = s_hi - s_lo
+    c1 = f_lo - n_lo
+    for t in range(0, c0 + c1 + n_hi - f_hi):
+        n = tl.where(t < c0 + c1, n_lo + t - c0, f_hi + t - c0 - c1)
+        n = tl.where(t < c0, s_lo + t, n)
         dq = _dq_tile(
             dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qpos, k_start, k_end, scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK,
@@ -310,11 +313,6 @@ def _st_dq(
         dq = _dq_tile(
             dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qpos, k_start, k_end, scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK,
-        )
-    for n in range(f_hi, n_hi):
-        dq = _dq_tile(
-            dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qpos, k_start, k_end, scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK,
         )
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + head * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
