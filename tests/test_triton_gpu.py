@@ -173,3 +173,34 @@ def test_token_layout_bf16_forward_backward():
     assert rel(out, ref) < TOL[torch.bfloat16]
     for name, a, b in zip(("dq", "dk", "dv", "dw"), grads, refs):
         assert rel(a, b) < 2 * TOL[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("pattern", [get_pattern("sliding_window", window=300), get_pattern("streaming", sinks=130, window=256),
+                                     get_pattern("dense", causal=False)], ids=lambda p: p.name)
+def test_structured_forward_and_opt_in_backward_bf16(pattern):
+    """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
+    and the opt-in structured backward at its GPU tile shapes, against float64 autograd of the reference."""
+    from sparse_k import triton_fwd, triton_structured_bwd
+
+    B, Hq, Hkv, S, D = 2, 8, 2, 901, 128
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    mask[1, :45] = False
+    mask[0, 400:410] = False
+    sink = torch.randn(Hq, device="cuda")
+    out = sparse_k.sparse_attention(q, k, v, pattern, backend="triton", attention_mask=mask, sink_logits=sink)
+    geo = row_geometry(B, S, S, mask, device="cuda")
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    ref, _ = reference_attention(*leaves[:3], pattern, geo, scale=D ** -0.5, sink_logits=leaves[3], key_mask=mask)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    do = torch.randn_like(out)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    pid, params = triton_fwd.pattern_code(pattern)
+    from sparse_k.triton_structured import structured_forward
+
+    o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
+                                block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
+    grads = triton_structured_bwd.structured_backward(do, q, k, v, o, lse, geo, pattern_id=pid, params=params,
+                                                      causal=pattern.causal, scale=D ** -0.5, sink_logits=sink, key_mask=mask)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
+        assert rel(a, b) < 2 * TOL[torch.bfloat16], name
