@@ -235,11 +235,15 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
-    HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr,
+    HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
+        pid_m = tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     n_packs = G // PACK
     b = pid_bh // (Hkv * n_packs)
@@ -395,7 +399,7 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None,
+    full_contig=None, selection=None, structured=None, order=None,
 ):
     """Launch the block-sparse forward.
 
@@ -405,6 +409,10 @@ def attention_forward(
         pack: query heads per program (divides ``Hq // Hkv``); ``BLOCK_M = pack * layout.block_q``.
         num_splits: split-KV factor (decode); results are merged by ``combine_splits``.
         out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
+        structured: run dense / sliding_window / streaming through ``triton_structured`` (tile ranges by
+            arithmetic, no index lists); default: whenever ``structured_ok`` allows it.
+        order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
+            and 2, heads fastest).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
@@ -418,6 +426,16 @@ def attention_forward(
     pid, params = pattern_code(pat)
     is_causal = pat.causal if causal is None else causal
     geo = layout.geometry
+    from .triton_structured import structured_forward, structured_ok
+
+    if structured is None:
+        structured = structured_ok(pid, bool(is_causal), pack=pack, num_splits=num_splits, selection=selection)
+    if structured:
+        return structured_forward(
+            q, k, v, geo, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale, block_m=block_m,
+            block_n=block_n, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
+            num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
+        )
     dev = q.device
     NQ = triton.cdiv(Sq, layout.block_q)
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
@@ -450,7 +468,12 @@ def attention_forward(
         num_warps = 4 if block_m * block_n <= 64 * 64 or D != 128 else 8
     if num_stages is None:
         num_stages = 2 if D > 128 or (block_m * block_n >= 128 * 128 and D > 64) else 3
+    if order not in (None, 0, 2):
+        raise ValueError(f"order={order!r}: the layout path runs order 0 (query tiles fastest) or 2 (heads fastest)")
+    heads_first = order == 2
     grid = (NQ, B * Hkv * (G // pack), num_splits)
+    if heads_first:
+        grid = (grid[1], grid[0], num_splits)
     if use_tma is None:  # decode: descriptor set-up costs more than it saves; selections gather rows
         use_tma = _tma_ok(k, v) and not split and pack == 1 and selection is None
     sel_args = _selection_args(selection, dev)
@@ -470,7 +493,7 @@ def attention_forward(
         EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
         HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h, USE_TMA=use_tma,
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
-        HAS_SELW=selection is not None and selection.weights is not None,
+        HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -19,6 +19,15 @@ Sections (each fits in a few minutes on an H100):
   graph, i.e. GPU time without launch overhead; ``api us``: ``sparse_attention`` end to end).
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
+* ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
+  over tile shapes / warps / stages / program order beside the layout-path kernel, FlexAttention and
+  (dense) cuDNN, for each ``--patterns`` entry at the first ``--seqlens``.
+* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages (dK/dV and
+  dQ kernels) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``.
+* ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
+  each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
+  times each; with ``--single-launch`` every configuration launches exactly once (after one
+  compile launch), in the printed order, for ``ncu --metrics lts__t_sector_hit_rate.pct ...``.
 
 Effective TFLOP/s count only allowed (query, key) pairs: ``4 * Hq * D`` flops per pair (forward),
 ``10 * Hq * D`` (backward: 2.5x). Prints a table and writes JSON (``--json``).
@@ -573,6 +582,183 @@ def section_tune_bwd(args, results):
         print(json.dumps(row), flush=True)
 
 
+STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order)
+    (128, 128, 3, 8, 0), (128, 128, 3, 8, 2), (128, 128, 3, 8, 3), (64, 128, 3, 4, 0), (64, 128, 2, 4, 0),
+    (128, 64, 3, 8, 0), (128, 64, 4, 8, 0), (128, 64, 3, 4, 0), (64, 64, 4, 4, 0),
+]
+
+
+def section_tune_structured(args, results):
+    """Structured forward variants vs the layout path, Flex (same BlockMask) and cuDNN (dense), one S."""
+    from sparse_k import triton_fwd, triton_structured
+
+    dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
+    S = args.seqlens[0]
+    pats = _patterns(args.window, args.sinks)
+    q, k, v = _inputs(1, S, D, dtype, dev, 13)
+    geo = row_geometry(1, S, S, None, device=dev)
+    scale = D ** -0.5
+    for name in args.patterns:
+        p = pats[name]
+        lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
+        pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
+        pid, params = triton_fwd.pattern_code(p)
+        fns = {"layout path": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False),
+               "layout path s3": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False, num_stages=3)}
+        for bm, bn, stages, warps, order in STRUCTURED_VARIANTS if pid in triton_structured.STRUCTURED_PATTERNS else ():
+            fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
+                lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
+                    q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
+                    block_n=bn, num_warps=warps, num_stages=stages, order=order))
+        if S <= args.flex_max:
+            bmask = lay.to_block_mask(1, HQ)
+            flex = flex_fn()
+            fns["flex"] = lambda: (flex(q, k, v, block_mask=bmask, enable_gqa=True, scale=scale), None)
+        if name == "dense":
+            fns["cudnn"] = lambda: (sdpa(q, k, v, "cudnn"), None)
+        for label, fn in fns.items():
+            row = dict(section="tune_structured", pattern=name, S=S, D=D, tile=label)
+            try:
+                out = fn()[0]
+                row["err_large"] = large_check(q, k, v, lay, out)
+                del out
+                if row["err_large"] < TOL:
+                    row["ours_ms"] = bench(fn)
+                    row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
+                else:
+                    row["error"] = "correctness check failed: row void"
+            except Exception as e:  # noqa: BLE001 — a variant that fails to compile is reported
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        ref = {r["tile"]: r.get("ours_ms") for r in results if r.get("pattern") == name and r["section"] == "tune_structured"}
+        for r in results:
+            if r.get("pattern") != name or r["section"] != "tune_structured" or not r.get("ours_ms"):
+                continue
+            for key, other in (("ratio_vs_flex", ref.get("flex")), ("ratio_vs_cudnn", ref.get("cudnn"))):
+                if other:
+                    r[key] = other / r["ours_ms"]
+
+
+STRUCTURED_BWD_VARIANTS = [  # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)
+    (64, 64, 4, 2, 64, 64, 4, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 64, 8, 2, 64, 64, 4, 2),
+]
+
+
+def kernel_times(fn, iters=3) -> dict:
+    """Mean GPU milliseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            times[e.key[:40]] = round(t / iters / 1000, 3)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:4])
+
+
+def section_tune_structured_bwd(args, results):
+    """Structured backward configurations vs the layout-path backward and Flex (sliding window)."""
+    from sparse_k import triton_bwd, triton_fwd, triton_structured_bwd
+
+    dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
+    S = args.seqlens[0]
+    p = _patterns(args.window, args.sinks)["sliding_window"]
+    q, k, v = _inputs(1, S, D, dtype, dev, 14)
+    geo = row_geometry(1, S, S, None, device=dev)
+    scale = D ** -0.5
+    do = torch.randn_like(q)
+    lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=HKV)
+    out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
+    pairs = allowed_pairs(lay, S) * HQ
+    pid, params = triton_fwd.pattern_code(p)
+    fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
+    for cfg in STRUCTURED_BWD_VARIANTS:
+        fns["st " + "/".join(map(str, cfg))] = lambda cfg=cfg: triton_structured_bwd.structured_backward(
+            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg)[:3]
+    ref = None
+    flex_ms = None
+    if S <= args.flex_max:
+        qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        bmask = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV).to_block_mask(1, HQ)
+        o_flex = flex_fn()(qf, kf, vf, block_mask=bmask, enable_gqa=True, scale=scale)
+        flex_ms = bench(lambda: torch.autograd.grad(o_flex, (qf, kf, vf), do, retain_graph=True))
+        results.append(dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile="flex", ours_ms=flex_ms,
+                            tflops_ours=10.0 * pairs * D / flex_ms / 1e9))
+        print(json.dumps(results[-1]), flush=True)
+        del o_flex
+    for label, fn in fns.items():
+        row = dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile=label)
+        try:
+            grads = fn()
+            if ref is None:
+                ref = grads
+            row["err_vs_first"] = max(rel_err(a, b) for a, b in zip(grads, ref))
+            del grads
+            if row["err_vs_first"] < TOL:
+                row["ours_ms"] = bench(fn)
+                row["tflops_ours"] = 10.0 * pairs * D / row["ours_ms"] / 1e9
+                row["kernels_ms"] = kernel_times(fn)
+                if flex_ms:
+                    row["ratio_vs_flex"] = flex_ms / row["ours_ms"]
+            else:
+                row["error"] = "gradients disagree with the layout path: row void"
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def section_l2(args, results):
+    """Program order vs L2 behaviour (timing here; hit rates from ncu over ``--single-launch``)."""
+    from sparse_k import resolve_l2_segment, triton_fwd
+
+    dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
+    S = args.seqlens[0]
+    q, k, v = _inputs(1, S, D, dtype, dev, 17)
+    geo = row_geometry(1, S, S, None, device=dev)
+    scale = D ** -0.5
+    pats = {
+        "dense": get_pattern("dense"),
+        "sliding_window": get_pattern("sliding_window", window=args.window),
+        "l2_aligned": resolve_l2_segment(get_pattern("l2_aligned"), 2 * HKV * D * 2),
+    }
+    launch = 0
+    for name in args.patterns:
+        p = pats[name]
+        lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
+        pairs = allowed_pairs(lay, S) * HQ
+        for order in ((0, 2) if name == "l2_aligned" else (0, 1, 2, 3) if name == "dense" else (0, 2, 3)):
+            row = dict(section="l2", pattern=name, S=S, D=D, tile=f"order {order}")
+            fn = lambda order=order: triton_fwd.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
+            try:
+                out = fn()[0]
+                torch.cuda.synchronize()
+                if args.single_launch:
+                    launch += 1  # the compile launch above is launch 2n-1, this one 2n (1-based)
+                    fn()
+                    torch.cuda.synchronize()
+                    row["ncu_launch"] = 2 * launch
+                else:
+                    row["err_large"] = large_check(q, k, v, lay, out)
+                    if row["err_large"] < TOL:
+                        row["ours_ms"] = bench(fn)
+                        row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
+                    else:
+                        row["error"] = "correctness check failed: row void"
+                del out
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+
 def _fmt(x, nd=2):
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
@@ -584,7 +770,7 @@ def print_table(results):
         ("tflops_ours", "TF/s"), ("flex_ms", "flex ms"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
-        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("error", "note"),
+        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
     print("| " + " | ".join(h for _, h in used) + " |")
@@ -595,7 +781,7 @@ def print_table(results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd"), required=True)
+    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
     ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
@@ -604,6 +790,7 @@ def main(argv=None):
     ap.add_argument("--sinks", type=int, default=128)
     ap.add_argument("--flex-max", type=int, default=131072, help="largest S given to the FlexAttention baseline")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--single-launch", action="store_true", help="l2: one timed-free launch per configuration (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmark_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -618,7 +805,8 @@ def main(argv=None):
     )
     print(json.dumps(meta), flush=True)
     results = []
-    {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd}[args.section](args, results)
+    {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd,
+     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2}[args.section](args, results)
     print_table(results)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -131,20 +131,22 @@ def _compiled_variants(fn) -> int:
 
 
 def test_bounded_compiles_over_30_lengths():
-    """30 different sequence lengths compile a bounded number of forward variants (Skv % BLOCK_N and
-    Triton's divisibility-by-16 specialisation of the sizes), never one per length."""
-    from sparse_k import triton_fwd
+    """30 different sequence lengths compile a bounded number of forward variants (Triton's
+    divisibility-by-16 specialisation of the sizes; the layout path also ``Skv % BLOCK_N``), never one
+    per length: the structured kernel (sliding_window) and the layout kernel (dilated)."""
+    from sparse_k import triton_fwd, triton_structured
 
-    p = get_pattern("sliding_window", window=512)
     g = torch.Generator().manual_seed(0)
     lengths = sorted(set(torch.randint(600, 6000, (40,), generator=g).tolist()))[:30]
-    before = _compiled_variants(triton_fwd._attn_fwd)
-    for S in lengths:
-        q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=S)
-        sparse_k.sparse_attention(q, k, v, p, backend="triton")
-    added = _compiled_variants(triton_fwd._attn_fwd) - before
-    print(f"compiled forward variants for {len(lengths)} lengths: {added}")
-    assert added <= 8
+    for p, kernel in ((get_pattern("sliding_window", window=512), triton_structured._st_fwd),
+                      (get_pattern("dilated", window=64, scales=2), triton_fwd._attn_fwd)):
+        before = _compiled_variants(kernel)
+        for S in lengths:
+            q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=S)
+            sparse_k.sparse_attention(q, k, v, p, backend="triton")
+        added = _compiled_variants(kernel) - before
+        print(f"{p.name}: compiled forward variants for {len(lengths)} lengths: {added}")
+        assert added <= 8 and _compiled_variants(kernel) >= 1
 
 
 def test_token_layout_bf16_forward_backward():
@@ -170,4 +172,35 @@ def test_token_layout_bf16_forward_backward():
     refs = torch.autograd.grad(ref, leaves, do.double())
     assert rel(out, ref) < TOL[torch.bfloat16]
     for name, a, b in zip(("dq", "dk", "dv", "dw"), grads, refs):
+        assert rel(a, b) < 2 * TOL[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("pattern", [get_pattern("sliding_window", window=300), get_pattern("streaming", sinks=130, window=256),
+                                     get_pattern("dense", causal=False)], ids=lambda p: p.name)
+def test_structured_forward_and_opt_in_backward_bf16(pattern):
+    """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
+    and the opt-in structured backward at its GPU tile shapes, against float64 autograd of the reference."""
+    from sparse_k import triton_fwd, triton_structured_bwd
+
+    B, Hq, Hkv, S, D = 2, 8, 2, 901, 128
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    mask[1, :45] = False
+    mask[0, 400:410] = False
+    sink = torch.randn(Hq, device="cuda")
+    out = sparse_k.sparse_attention(q, k, v, pattern, backend="triton", attention_mask=mask, sink_logits=sink)
+    geo = row_geometry(B, S, S, mask, device="cuda")
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    ref, _ = reference_attention(*leaves[:3], pattern, geo, scale=D ** -0.5, sink_logits=leaves[3], key_mask=mask)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    do = torch.randn_like(out)
+    refs = torch.autograd.grad(ref, leaves, do.double())
+    pid, params = triton_fwd.pattern_code(pattern)
+    from sparse_k.triton_structured import structured_forward
+
+    o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
+                                block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
+    grads = triton_structured_bwd.structured_backward(do, q, k, v, o, lse, geo, pattern_id=pid, params=params,
+                                                      causal=pattern.causal, scale=D ** -0.5, sink_logits=sink, key_mask=mask)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
         assert rel(a, b) < 2 * TOL[torch.bfloat16], name
