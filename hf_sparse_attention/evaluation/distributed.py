@@ -27,6 +27,15 @@ def process_state():
     return PartialState(cpu=not torch.cuda.is_available())
 
 
+def _describe(item) -> str:
+    """Short label of a work item for the progress bar (kind, variant, context)."""
+    if not isinstance(item, dict):
+        return ""
+    variant = getattr(item.get("variant"), "label", "")
+    context = item.get("context") or (item["items"][0].context if item.get("items") else "")
+    return " ".join(str(x) for x in (item.get("kind", ""), variant, context) if x != "")
+
+
 def run_items(items: list, fn: Callable[[object], dict], *, state=None, desc: str = "work items",
               progress: bool = True, key=None) -> list[dict]:
     """Run ``fn`` on this process's share of ``items`` and return all results in item order.
@@ -42,6 +51,7 @@ def run_items(items: list, fn: Callable[[object], dict], *, state=None, desc: st
     out = []
     bar = tqdm(mine, desc=desc if n == 1 else f"{desc} [rank {rank}/{n}]", disable=not progress)
     for i in bar:
+        bar.set_postfix_str(_describe(items[i]), refresh=False)
         res = fn(items[i])
         out.append({**res, "_index": i})
     if n > 1:
