@@ -132,3 +132,19 @@ def test_distill_loss_is_zero_for_a_perfect_student():
     assert float(kl.abs().max()) < 1e-5  # float32 logs of probabilities
     kl_uniform = mod.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
     assert float(kl_uniform.min()) > 1e-3
+
+
+def test_compare_loss_curves(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("compare_loss_curves", os.path.join(ROOT, "scripts", "compare_loss_curves.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n" for s in range(1, 21)))
+    # Step 5 differs by 10% (before the skip), step 15 by 1.5%; a resumed log repeats step 20.
+    b.write_text("".join(json.dumps({"step": s, "loss": (2.0 - s / 100) * (1.1 if s == 5 else 1.015 if s == 15 else 1.0)}) + "\n"
+                         for s in [*range(1, 21), 20]))
+    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.02"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.01"]) == 1
+    assert mod.main([str(a), str(b), "--skip", "4", "--tolerance", "0.02"]) == 1
+    assert mod.main([str(a), str(b), "--skip", "30"]) == 2
