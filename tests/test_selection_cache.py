@@ -219,7 +219,7 @@ def test_build_selection_does_not_synchronise_on_the_gpu(masked):
              (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev))]
     for pattern, sel in cases:
         for Sq in (S, 1):
-            geo = sparse_k.row_geometry(B, Sq, S, mask if masked else None)
+            geo = sparse_k.row_geometry(B, Sq, S, mask if masked else None, device=dev)
             warnings.simplefilter("ignore")
             build_selection(pattern, q[:, :, S - Sq :], k, v, geo, layer_idx=0, selector=sel)  # warm-up
             torch.cuda.synchronize()
