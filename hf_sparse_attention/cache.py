@@ -24,20 +24,41 @@ Position modes:
   sequence at positions ``0 .. n-1`` (exactly so for the first layer, whose keys depend only on
   the token and its position). Needs the model's rotary frequencies (Llama-style ``rotate_half`` RoPE).
 
+Learned layers (``sparse_k``, ``dsa``) get a ``SelectionLayer``, which the attention function
+recognises (the key tensor it receives is the one the layer just returned) and which keeps the
+layer's decode state between steps:
+
+* ``sparse_k``: the running selection (``sparse_k.decode_selection.SparseKDecodeState``): when a new
+  query block starts, only its new candidates are scored and merged (no re-sort of all candidates).
+  With ``evict=True`` (default) the keys that can never be selected again are dropped: the layer
+  keeps the sinks, the current block's ``top_k`` selection and the keys from the current block's
+  first candidate-to-be onwards, at most ``sinks + top_k + window + query_block - 2`` keys between
+  steps (``query_block - 1`` more than ``sinks + window + top_k``: the keys that left the window
+  since the block started wait for the next block's selection). Each kept key keeps its original
+  RoPE phase and position (both position modes); generation equals the non-evicting run, which
+  equals recomputing the prefix, token for token.
+* ``dsa``: nothing is evicted (design §7: every key stays a candidate); the indexer keys of the
+  cached tokens are kept, so a decode step computes them for its new tokens only.
+
 Limitations: batches without padding (a padded row would count its padding as sinks); no
-``crop`` (assisted decoding).
+``crop`` (assisted decoding) on layers that dropped keys.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from sparse_k.patterns import SlidingWindow, Streaming
 from sparse_k.config import validate_sparse_config
-from sparse_k.transformers_adapter import WithinWindow, _translation_invariant, layer_pattern
+from sparse_k.decode_selection import SparseKDecodeState
+from sparse_k.patterns import DSA, SlidingWindow, SparseK, Streaming
+from sparse_k.selectors import build_selection, training_free_scores
+from sparse_k.token_layout import TokenLayout
+from sparse_k.transformers_adapter import CACHE_LAYER_ATTR, WithinWindow, _translation_invariant, layer_pattern
 
-__all__ = ["BoundedLayer", "SparseCache", "bounded_keep"]
+__all__ = ["BoundedLayer", "SelectionLayer", "SparseCache", "bounded_keep"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +157,219 @@ class BoundedLayer(CacheLayerMixin):
         raise ValueError("a bounded SparseCache cannot be cropped (it no longer holds the dropped keys)")
 
 
+_BIG = torch.iinfo(torch.int64).max
+#: ``TokenLayout.query_block`` of the one-block layouts a ``SelectionLayer`` hands to attention: every
+#: query of the call is in block 0.
+_ONE_BLOCK = 1 << 30
+
+
+class SelectionLayer(CacheLayerMixin):
+    """Cache layer of a learned-selection attention layer (module docstring).
+
+    Slots of ``keys``/``values``: a *front* of ``F`` slots (the sinks and the current selection, at
+    positions ``front_pos (B, Hkv, F)``, ascending; empty slots at ``_BIG``), then the *tail*: the
+    contiguous positions ``tail_start ..`` up to the newest token. Before anything is evicted
+    ``F == 0`` and ``tail_start == 0`` (slot = position).
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, pattern, module: torch.nn.Module, evict: bool = True):
+        super().__init__()
+        if not isinstance(pattern, (SparseK, DSA)):
+            raise TypeError(f"SelectionLayer needs a sparse_k or dsa pattern, got {type(pattern).__name__}")
+        self.pattern, self.evict = pattern, bool(evict) and isinstance(pattern, SparseK)
+        self._module = weakref.ref(module)
+        self.cumulative_length = 0
+        self.front_pos: torch.Tensor | None = None
+        self.tail_start = 0
+        self.state: SparseKDecodeState | None = None
+        self.index_keys: torch.Tensor | None = None
+        self._index_owner = None
+        self._returned = None
+        self._new_tokens = 0
+
+    # -- Transformers cache-layer interface ------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append this step's keys/values; return every kept slot (the attention function then runs
+        ``attend`` on them and, with eviction, drops what no later query can use)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        self._new_tokens = key_states.shape[-2]
+        self._returned = weakref.ref(self.keys)
+        module = self._module()
+        if module is not None:
+            module.__dict__[CACHE_LAYER_ATTR] = weakref.ref(self)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kept = self.keys.shape[-2] if self.is_initialized else 0
+        return kept + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.front_pos = self.state = self.index_keys = None
+        self.is_initialized = False
+        self.cumulative_length, self.tail_start = 0, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
+        self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
+        if self.state is not None:
+            for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
+                setattr(self.state, name, pick(getattr(self.state, name)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.front_pos is not None:
+            raise ValueError("a SparseCache layer that evicted keys cannot be cropped")
+        if tokens_to_remove <= 0:
+            return
+        self.keys, self.values = self.keys[:, :, :-tokens_to_remove], self.values[:, :, :-tokens_to_remove]
+        self.cumulative_length -= tokens_to_remove
+        self.state = None  # rebuilt from scratch at the next call
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[:, : self.cumulative_length]
+
+    # -- attention ----------------------------------------------------------------------------------
+
+    def owns(self, key: torch.Tensor) -> bool:
+        """True when ``key`` is the tensor this layer's last ``update`` returned."""
+        return self._returned is not None and self._returned() is key
+
+    def attend(self, query, key, value, pattern, key_mask, run, *, selector, layer_idx: int):
+        """Attention of this call's queries over the slots ``key``/``value`` that ``update`` returned.
+
+        ``run(q, k, v, pattern, selection, q_start, key_mask)`` runs ``sparse_attention`` with the
+        layer's other arguments. Returns ``(B, Hq, Sq, D)``.
+        """
+        if key_mask is not None and not bool(key_mask.all()):
+            raise ValueError("SparseCache supports unpadded batches only (a padded row would count its padding as sinks)")
+        if pattern != self.pattern:
+            raise ValueError(f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.pattern!r}")
+        if isinstance(pattern, DSA):
+            return self._attend_dsa(query, key, value, run, selector, layer_idx)
+        weighted = selector is not None
+        if self.state is not None and self.state.weighted != weighted:
+            if self.front_pos is not None:
+                raise ValueError("SparseCache: the layer's selector changed after keys were evicted")
+            self.state = None
+        if self.state is None:
+            geo_sel = build_selection(pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector)
+            out = run(query, key, value, pattern if geo_sel is not None else pattern.static_part(), geo_sel, None, None)
+            self.state = SparseKDecodeState(pattern, weighted=weighted)
+        else:
+            out = self._attend_blocks(query, key, value, run, selector)
+        self._after_call(key, value, selector)
+        return out
+
+    def _attend_dsa(self, query, key, value, run, selector, layer_idx):
+        index_keys = None
+        if selector is not None:
+            old = key.shape[2] - self._new_tokens
+            fresh = self._index_owner is selector and self.index_keys is not None and self.index_keys.shape[1] == old
+            with torch.no_grad():
+                if fresh:  # indexer keys of the new tokens only
+                    self.index_keys = torch.cat([self.index_keys, selector.index_keys(key[:, :, old:])], 1)
+                else:
+                    self.index_keys = selector.index_keys(key)
+            self._index_owner = selector
+            index_keys = self.index_keys
+        sel = build_selection(self.pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector,
+                              index_keys=index_keys)
+        return run(query, key, value, self.pattern if sel is not None else self.pattern.static_part(), sel, None, None)
+
+    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slot index of key positions ``pos (B, Hkv, n)`` (-1 stays -1)."""
+        F = 0 if self.front_pos is None else self.front_pos.shape[-1]
+        idx = F + pos - self.tail_start
+        if F:
+            front = torch.searchsorted(self.front_pos, pos.contiguous())
+            idx = torch.where(pos >= self.tail_start, idx, front)
+        return torch.where(pos >= 0, idx, torch.full_like(idx, -1))
+
+    def _scores(self, key, value, selector):
+        def scores(lo: int, hi: int) -> torch.Tensor:
+            F = 0 if self.front_pos is None else self.front_pos.shape[-1]
+            i0 = F + lo - self.tail_start
+            k, v = key[:, :, i0 : i0 + hi - lo + 1], value[:, :, i0 : i0 + hi - lo + 1]
+            with torch.no_grad():
+                if selector is None:
+                    return training_free_scores(k)
+                return selector(v, torch.arange(lo, hi + 1, device=k.device)[None], k)
+
+        return scores
+
+    def _attend_blocks(self, query, key, value, run, selector):
+        B, _, Sq, _ = query.shape
+        Skv, bq = key.shape[2], self.pattern.query_block
+        q0 = self.cumulative_length - Sq  # position of the call's first query
+        scores = self._scores(key, value, selector)
+        outs, t = [], 0
+        while t < Sq:
+            blk = (q0 + t) // bq
+            t1 = min(Sq, (blk + 1) * bq - q0)
+            self.state.advance(blk, scores)
+            st = self.state
+            if st.positions is None:  # no candidate yet: sinks + window
+                outs.append(run(query[:, :, t:t1], key, value, self.pattern.static_part(), None, Skv - Sq + t, None))
+            else:
+                lay = TokenLayout(
+                    indices=self._slots(st.positions)[:, :, None].to(torch.int32),
+                    counts=st.counts[:, :, None].to(torch.int32), query_block=_ONE_BLOCK,
+                    first_block=torch.zeros(B, dtype=torch.int64, device=key.device),
+                    weights=None if st.weights is None else st.weights[:, :, None],
+                )
+                outs.append(run(query[:, :, t:t1], key, value, self.pattern, lay, Skv - Sq + t, None))
+            t = t1
+        return torch.cat(outs, 2)
+
+    def _after_call(self, key, value, selector):
+        """Advance the state to the next query's block; with eviction, keep only what it can use."""
+        p = self.pattern
+        nxt = self.cumulative_length // p.query_block
+        self.state.advance(nxt, self._scores(key, value, selector))
+        new_tail = nxt * p.query_block - p.window + 1
+        if not self.evict or new_tail <= p.sinks or self.state.positions is None:
+            return
+        B, H = key.shape[:2]
+        dev = key.device
+        sinks = torch.arange(p.sinks, device=dev).expand(B, H, p.sinks)
+        sel = torch.where(self.state.positions >= 0, self.state.positions, torch.full_like(self.state.positions, _BIG))
+        front = torch.cat([sinks, sel], -1)
+        idx = self._slots(torch.where(front == _BIG, torch.full_like(front, -1), front))
+        ok = idx >= 0
+        g = idx.clamp_min(0)[..., None]
+        fk = torch.where(ok[..., None], key.gather(2, g.expand(-1, -1, -1, key.shape[-1])), torch.zeros((), dtype=key.dtype, device=dev))
+        fv = torch.where(ok[..., None], value.gather(2, g.expand(-1, -1, -1, value.shape[-1])), torch.zeros((), dtype=value.dtype, device=dev))
+        t0 = (0 if self.front_pos is None else self.front_pos.shape[-1]) + new_tail - self.tail_start
+        self.keys = torch.cat([fk, key[:, :, t0:]], 2)
+        self.values = torch.cat([fv, value[:, :, t0:]], 2)
+        self.front_pos, self.tail_start = front, new_tail
+
+
+def _geometry(query, key):
+    from sparse_k.geometry import row_geometry
+
+    return row_geometry(query.shape[0], query.shape[2], key.shape[2], device=query.device)
+
+
 def bounded_keep(pattern) -> tuple[int, int] | None:
     """``(sinks, window)`` a ``BoundedLayer`` must keep for ``pattern``, or None when its rule does not
     survive the compression (see the module docstring)."""
@@ -178,21 +412,32 @@ class SparseCache(Cache):
     Args:
         model: the Transformers model (its config, and for ``"rolling"`` its rotary embedding).
         mode: ``"original"`` or ``"rolling"``; default ``config.sparse_attention["cache_positions"]``.
-    ``bounded_layers`` lists the layers with a ``BoundedLayer``; the others keep a Transformers layer
-    (``DynamicSlidingWindowLayer`` under a model window, else a growing ``DynamicLayer``).
+        evict: ``sparse_k`` layers drop the keys that can never be selected again (module docstring).
+    ``bounded_layers`` lists the layers with a ``BoundedLayer``, ``selection_layers`` those with a
+    ``SelectionLayer`` (learned patterns; needs the model, not just its config); the others keep a
+    Transformers layer (``DynamicSlidingWindowLayer`` under a model window, else a ``DynamicLayer``).
     Batches must be unpadded (see the module docstring).
     """
 
-    def __init__(self, model, mode: str | None = None):
+    def __init__(self, model, mode: str | None = None, evict: bool = True):
         config = _text_model_config(model)
         mode = mode or validate_sparse_config(getattr(config, "sparse_attention", None))["cache_positions"]
         if mode not in ("original", "rolling"):
             raise ValueError(f"SparseCache: `mode` must be 'original' or 'rolling', got {mode!r}")
         n_layers = config.num_hidden_layers
         windows, types = _model_windows(config, n_layers)
-        layers, self.bounded_layers = [], []
+        modules = {}
+        if isinstance(model, torch.nn.Module):
+            from .selectors import attention_modules
+
+            modules = attention_modules(model)
+        layers, self.bounded_layers, self.selection_layers = [], [], []
         for i in range(n_layers):
             pattern = layer_pattern(config, i, windows[i])
+            if pattern.learned and i in modules:
+                layers.append(SelectionLayer(pattern, modules[i], evict))
+                self.selection_layers.append(i)
+                continue
             keep = bounded_keep(pattern)
             if keep is None:
                 # A model window still bounds what is kept (absolute slots; the adapter re-aligns them).

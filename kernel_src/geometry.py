@@ -12,7 +12,7 @@ first True of the key mask (0 without one), ``k_end`` = one past its last True (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,10 @@ class RowGeometry:
     q_start: torch.Tensor
     k_start: torch.Tensor
     k_end: torch.Tensor
+    #: The same offsets as host ints ``(q_start, k_start, k_end)`` (lists of ``rows`` ints) when they
+    #: are known without reading the device (no mask, bottom-right or int ``q_start``), else None.
+    #: Learned-selection builders use it to size their outputs without a host synchronisation.
+    host: tuple | None = field(default=None, compare=False)
 
     @property
     def rows(self) -> int:
@@ -51,7 +55,17 @@ class RowGeometry:
 
     def select(self, b: int) -> "RowGeometry":
         b = b if self.rows > 1 else 0
-        return RowGeometry(self.q_start[b : b + 1], self.k_start[b : b + 1], self.k_end[b : b + 1])
+        host = None if self.host is None else tuple([x[b]] for x in self.host)
+        return RowGeometry(self.q_start[b : b + 1], self.k_start[b : b + 1], self.k_end[b : b + 1], host)
+
+    def host_offsets(self) -> tuple | None:
+        """``(q_start, k_start, k_end)`` as lists of ints, read without a device synchronisation (from
+        ``host``, or from the tensors when they live on the CPU); None when only the device knows them."""
+        if self.host is not None:
+            return self.host
+        if self.q_start.device.type == "cpu":
+            return self.q_start.tolist(), self.k_start.tolist(), self.k_end.tolist()
+        return None
 
 
 def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:
@@ -97,4 +111,7 @@ def row_geometry(
     else:
         q_start_t = _as_rows("q_start", q_start, batch, k_start.device)
     rows = max(q_start_t.shape[0], k_start.shape[0])
-    return RowGeometry(q_start_t.expand(rows).contiguous(), k_start.expand(rows).contiguous(), k_end.expand(rows).contiguous())
+    host = None
+    if attention_mask is None and (q_start is None or isinstance(q_start, int)):
+        host = ([kv_len - q_len if q_start is None else int(q_start)], [0], [kv_len])
+    return RowGeometry(q_start_t.expand(rows).contiguous(), k_start.expand(rows).contiguous(), k_end.expand(rows).contiguous(), host)

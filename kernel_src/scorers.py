@@ -96,7 +96,9 @@ class SparseKScorer(nn.Module):
             )
         x = _compute(value)
         w = self.weight.to(device=x.device, dtype=x.dtype)
-        u = torch.einsum("bhsd,hd->bhs", x, w) + self.bias.to(device=x.device, dtype=x.dtype)[None, :, None]
+        # A per-key product and sum (not a batched matmul): a key's score does not depend on how many
+        # keys are scored together, so incremental decoding scores exactly like a full recompute.
+        u = (x * w[None, :, None, :]).sum(-1) + self.bias.to(device=x.device, dtype=x.dtype)[None, :, None]
         if self.pos_weight is not None:
             pos = positions.to(device=x.device, dtype=x.dtype)[:, None, :] / self.position_scale
             u = u + self.pos_weight.to(device=x.device, dtype=x.dtype)[None, :, None] * pos

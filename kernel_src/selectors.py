@@ -52,18 +52,43 @@ def training_free_scores(key: torch.Tensor) -> torch.Tensor:
     return -key.float().norm(dim=-1)
 
 
-def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int):
+def _host_extent(pattern, host, q_len: int, kv_len: int):
+    """``(blocks spanned, most candidates of a block, last candidate key index + 1)`` from host offsets.
+
+    ``host``: ``RowGeometry.host_offsets()`` or None; without it, bounds that hold for any offsets
+    (the layout may then carry empty trailing blocks and slots, which no query reads).
+    """
+    bq, lo = pattern.query_block, pattern.sinks
+    if host is None:
+        return (q_len + bq - 2) // bq + 1, max(0, kv_len - lo), kv_len
+    nb = n_cand = span = 0
+    rows = max(len(x) for x in host)
+    for r in range(rows):
+        qs, ks, ke = (x[r if len(x) > 1 else 0] for x in host)
+        p0, p1 = max(0, qs - ks), max(0, qs - ks + q_len - 1)
+        nb = max(nb, p1 // bq - p0 // bq + 1)
+        hi = min((p1 // bq) * bq - pattern.window, ke - ks - 1)  # the last block has the most candidates
+        if hi >= lo:
+            n_cand = max(n_cand, hi - lo + 1)
+            span = max(span, ks + hi + 1)
+    return nb, n_cand, min(max(span, 1), kv_len)
+
+
+def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
     """The query blocks of a call and their candidate masks.
 
     Returns ``first_block (B,)`` int64, ``block_start (B, NB)`` int64 positions, ``block_ok (B, NB)``
     bool (the block holds a query of this row), ``cand (B, NB, Skv)`` bool candidate mask on key
-    tensor indices and ``kpos (B, Skv)`` key positions.
+    tensor indices and ``kpos (B, Skv)`` key positions. ``nb``: the number of blocks (default: from
+    ``geometry.host_offsets()``, or a bound when only the device knows the offsets); nothing here
+    reads the device.
     """
     bq = pattern.query_block
+    if nb is None:
+        nb = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)[0]
     qpos = geometry.q_positions(q_len).expand(batch, q_len)
     first = torch.div(qpos[:, 0].clamp_min(0), bq, rounding_mode="floor")
     last = torch.div(qpos[:, -1].clamp_min(0), bq, rounding_mode="floor")
-    nb = int((last - first).max().item()) + 1
     blocks = first[:, None] + torch.arange(nb, device=first.device)
     block_ok = blocks <= last[:, None]
     block_start = blocks * bq
@@ -109,6 +134,7 @@ def build_selection(
     *,
     layer_idx: int,
     selector: nn.Module | None = None,
+    index_keys: torch.Tensor | None = None,
 ) -> TokenLayout | None:
     """The learned selection of one attention call (module docstring for the rules).
 
@@ -118,11 +144,17 @@ def build_selection(
         geometry: the call's ``RowGeometry`` (positions = key index - ``k_start``).
         layer_idx: the layer (for messages; the selector is already the layer's own).
         selector: the layer's ``SparseKScorer`` / ``LightningIndexer``, or None (training-free).
+        index_keys: DSA only: the indexer keys ``(B, Skv, d_I)`` of ``key`` when the caller caches them
+            (decoding computes them for the new keys only); default: computed here.
     Returns:
         ``TokenLayout`` with ``indices (B, Hkv, NB, K)`` key tensor indices (ascending, -1 past the
         count), ``counts (B, Hkv, NB)``, ``first_block (B,)``, ``weights`` (SparseK with a scorer:
         ``p``; otherwise None) and ``K = min(top_k, most candidates of any block)``; None when the
         pattern is not learned, ``top_k == 0`` or no block has a candidate.
+
+    No host synchronisation: output sizes come from ``geometry.host_offsets()`` (or bounds when only
+    the device knows the offsets, e.g. a padded batch on the GPU: then ``K = top_k`` and blocks
+    without a candidate have count 0); nothing reads a device value.
     """
     if not getattr(pattern, "learned", False):
         return None
@@ -131,11 +163,11 @@ def build_selection(
         return None
     B, _, Sq, _ = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
-    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv)
-    n_cand = cand.sum(-1)  # (B, NB)
-    max_c = int(n_cand.max().item())
+    host = geometry.host_offsets()
+    nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
     if max_c == 0:
         return None
+    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
     K = min(pattern.top_k, max_c)
     if selector is None:
         warn_once(
@@ -144,12 +176,17 @@ def build_selection(
             "config.sparse_attention['selector_path']."
         )
         u = training_free_scores(key)[:, :, None, :]  # (B, Hkv, 1, Skv)
-        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, weighted=False)
+        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
     if isinstance(selector, SparseKScorer):
         u = selector(value, kpos, key)[:, :, None, :]
-        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, weighted=True)
-    scores = _dsa_block_scores(selector, query, key, geometry, first, block_start, block_ok)  # (B, NB, Skv)
-    lay = _topk_layout(scores[:, None], cand[:, None], K, pattern.top_k, first, pattern.query_block, weighted=False)
+        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=True)
+    if index_keys is None:
+        index_keys = selector.index_keys(key)
+    elif tuple(index_keys.shape) != (B, Skv, selector.indexer_dim):
+        raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.indexer_dim}), got {tuple(index_keys.shape)}")
+    scores = _dsa_block_scores(selector, query, index_keys, geometry, host, pattern.query_block, first, block_start,
+                               block_ok)  # (B, NB, Skv)
+    lay = _topk_layout(scores[:, None], cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
     shape = (B, Hkv, *lay.indices.shape[2:])
     return TokenLayout(
         indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
@@ -157,11 +194,11 @@ def build_selection(
     )
 
 
-def _topk_layout(u, cand, K, top_k, first, query_block, *, weighted: bool) -> TokenLayout:
-    """Top-``K`` per block from scores ``u (B, H, NB', S)`` (NB' in {1, NB}) and candidates ``cand (B, 1, NB, S)``."""
+def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool) -> TokenLayout:
+    """Top-``K`` per block from scores ``u (B, H, NB', S)`` (NB' in {1, NB}) and candidates ``cand (B, 1, NB, S)``;
+    keys at tensor indices ``>= span`` are never candidates."""
     B, H, S = u.shape[0], u.shape[1], u.shape[-1]
     NB = cand.shape[2]
-    span = int(cand.any(2).any(1).nonzero()[:, -1].max().item()) + 1  # keys past the last candidate never count
     u, cand = u[..., :span], cand[..., :span]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, B * H * span))
     idx_out, w_out, cnt_out = [], [], []
@@ -189,8 +226,13 @@ def _topk_layout(u, cand, K, top_k, first, query_block, *, weighted: bool) -> To
     )
 
 
-def _dsa_block_scores(indexer: LightningIndexer, query, key, geometry, first, block_start, block_ok) -> torch.Tensor:
-    """Indexer scores ``(B, NB, Skv)`` of every block's first query (design §7; module docstring)."""
+def _dsa_block_scores(indexer: LightningIndexer, query, index_keys, geometry, host, query_block, first, block_start,
+                      block_ok) -> torch.Tensor:
+    """Indexer scores ``(B, NB, Skv)`` of every block's first query (design §7; module docstring).
+
+    Reads the device only when a row starts inside a block and the offsets are host-known (to check
+    the memo and warn); with device-only offsets the memo is applied where it matches, without a check.
+    """
     B, _, Sq, _ = query.shape
     q_index, w = indexer.index_queries(query)  # (B, Sq, H_I, d_I), (B, Sq, H_I)
     qpos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
@@ -200,32 +242,34 @@ def _dsa_block_scores(indexer: LightningIndexer, query, key, geometry, first, bl
     qb = q_index[b_ix, qi.clamp(0, Sq - 1)]  # (B, NB, H_I, d_I)
     wb = w[b_ix, qi.clamp(0, Sq - 1)]
     need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
-    if bool(need.any()):
-        memo = indexer._block_memo
-        usable = (
-            memo is not None and memo["block"].shape[0] == B and memo["block"].device == first.device
-            and bool((memo["block"][need] == first[need]).all())
-        )
-        if usable:
-            qb[:, 0] = torch.where(need[:, None, None], memo["q"].to(qb.dtype), qb[:, 0])
-            wb[:, 0] = torch.where(need[:, None], memo["w"].to(wb.dtype), wb[:, 0])
-        else:
-            warn_once(
-                "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
-                "selector on every call of a generation); using the call's first query for that block"
-            )
+    memo = indexer._block_memo
+    memo_ok = memo is not None and memo["block"].shape[0] == B and memo["block"].device == first.device
+    if host is not None:
+        p0 = [qs - ks for qs, ks in zip(*host[:2])]
+        if any(p > 0 and p % query_block != 0 for p in p0):
+            if memo_ok and bool((memo["block"][need] == first[need]).all()):
+                qb[:, 0] = torch.where(need[:, None, None], memo["q"].to(qb.dtype), qb[:, 0])
+                wb[:, 0] = torch.where(need[:, None], memo["w"].to(wb.dtype), wb[:, 0])
+            else:
+                warn_once(
+                    "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
+                    "selector on every call of a generation); using the call's first query for that block"
+                )
+    elif memo_ok:
+        use = need & (memo["block"] == first)
+        qb[:, 0] = torch.where(use[:, None, None], memo["q"].to(qb.dtype), qb[:, 0])
+        wb[:, 0] = torch.where(use[:, None], memo["w"].to(wb.dtype), wb[:, 0])
     last = block_ok.sum(-1) - 1  # (B,) each row's last block
     ql = qi.gather(1, last[:, None]).squeeze(1)
     seen = (ql >= 0) & (ql < Sq)  # rows whose last block's first query is in this call
     rows = torch.arange(B, device=query.device)
     new = {"block": torch.where(seen, first + last, torch.full_like(first, -1)),
            "q": qb[rows, last].detach(), "w": wb[rows, last].detach()}
-    memo = indexer._block_memo
-    if memo is not None and memo["block"].shape[0] == B and memo["block"].device == first.device:
+    if memo_ok:
         new = {
             "block": torch.where(seen, new["block"], memo["block"]),
             "q": torch.where(seen[:, None, None], new["q"], memo["q"].to(new["q"].dtype)),
             "w": torch.where(seen[:, None], new["w"], memo["w"].to(new["w"].dtype)),
         }
     indexer._block_memo = new
-    return indexer.scores(qb, wb, indexer.index_keys(key))
+    return indexer.scores(qb, wb, index_keys)

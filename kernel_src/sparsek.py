@@ -142,7 +142,11 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> torch.Tenso
             raise TypeError("sparsek: `mask` must be a bool tensor (True = candidate)")
         if mask.shape != u.shape:
             mask = mask.expand(u.shape)
-    if not bool(torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all()):
-        raise ValueError("sparsek: candidate scores `u` must be finite")
+    finite = torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all()
+    if u.device.type == "cpu":
+        if not bool(finite):
+            raise ValueError("sparsek: candidate scores `u` must be finite")
+    else:  # checked on the device, without a host synchronisation (a device-side assert)
+        torch._assert_async(finite, "sparsek: candidate scores `u` must be finite")
     work = u if u.dtype == torch.float64 else u.float()
     return SparseKFunction.apply(work, k, mask).to(u.dtype)

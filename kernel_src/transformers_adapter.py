@@ -40,7 +40,18 @@ from .config import pattern_for_layer, validate_sparse_config
 from .geometry import row_geometry
 from .patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
 
-__all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern"]
+__all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern", "CACHE_LAYER_ATTR"]
+
+#: Attribute of an attention module holding a weak reference to the cache layer that last updated it
+#: (``hf_sparse_attention.SparseCache``'s ``SelectionLayer``: it keeps the learned layers' decode state).
+CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
+
+
+def _cache_layer(module, key):
+    """The cache layer that returned ``key`` for this call (it has ``attend``), or None."""
+    ref = getattr(module, "__dict__", {}).get(CACHE_LAYER_ATTR)
+    layer = ref() if ref is not None else None
+    return layer if layer is not None and layer.owns(key) else None
 
 
 @dataclass(frozen=True)
@@ -293,6 +304,19 @@ def attention_forward(
             query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layer_idx=layer_idx, backend=backend,
         )
+        return out.transpose(1, 2).contiguous(), None
+
+    layer = _cache_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
+    if layer is not None:
+        if key_mask is not None and key_mask.dim() == 4:
+            key_mask = _reduce_4d(key_mask, key.shape[2])
+
+        def run(q, k, v, p, sel, qs, km):
+            return sparse_attention(q, k, v, p, scale=scaling, softcap=softcap, sink_logits=sink_logits, attention_mask=km,
+                                    layer_idx=layer_idx, backend=backend, selection=sel, q_start=qs)
+
+        out = layer.attend(query, key, value, pattern, key_mask, run, selector=getattr(module, "_sparse_k_selector", None),
+                           layer_idx=layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
     if key_mask is not None:

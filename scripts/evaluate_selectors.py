@@ -66,10 +66,30 @@ def _variants(args) -> list[dict]:
         {"label": f"streaming ({budget} keys)", "pattern": "streaming", "params": {"sinks": args.sinks, "window": budget - args.sinks}},
     ]
     for name, path in args.selector:
-        out.append({"label": f"{name} (trained)", "pattern": name, "params": dict(learned), "selector_path": path})
+        out.append({"label": f"{name} (trained)", "pattern": name, "params": _trained_params(name, path, learned),
+                    "selector_path": path})
     for name in args.training_free:
         out.append({"label": f"{name} (training-free)", "pattern": name, "params": dict(learned)})
     return out
+
+
+def _trained_params(name: str, path: str, learned: dict) -> dict:
+    """The table's budget with the selector file's own ``query_block`` (and DSA indexer shape), so the
+    evaluation runs the selection the selectors were trained for; a file trained for another budget
+    (sinks, window, top_k) is refused."""
+    from hf_sparse_attention.selectors import read_selector_metadata
+
+    trained = read_selector_metadata(path)["pattern"] or {}
+    if trained.get("pattern", name) != name:
+        raise SystemExit(f"{path} holds selectors for {trained['pattern']!r}, not {name!r}")
+    for field in ("sinks", "window", "top_k"):
+        if field in trained and trained[field] != learned[field]:
+            raise SystemExit(f"{path} was trained with {field}={trained[field]}, the table uses {learned[field]}")
+    params = dict(learned)
+    for field in ("query_block", "indexer_heads", "indexer_dim"):
+        if field in trained:
+            params[field] = trained[field]
+    return params
 
 
 def _apply(model, variant: dict) -> None:

@@ -9,6 +9,12 @@ The LM stays frozen; only the per-layer selectors learn. Losses (``--loss``):
   first query, target summed over all heads). Loss = KL(target || student), averaged over the
   blocks that have more than ``top_k`` candidates, the heads and the layers. The LM forward runs
   dense attention without autograd, so memory stays that of inference.
+  ``--answer-weight`` (default 4) adds, for the synthetic passkey sequences, the same KL on the
+  blocks of the *answer* queries (the last prompt token and the key's digits, teacher-forced) with
+  the target taken from those queries only: the attention mass of the queries that retrieve, which
+  the block-summed target dilutes with the block's other queries. ``--distill-blocks N`` trains on
+  N random query blocks per sequence (plus the answer blocks) instead of all of them (DSA with a
+  small ``--query-block`` needs it for memory).
 * ``lm``: the LM runs with the sparse pattern and the selectors' selection (PyTorch path, SparseK
   weights as ``log p``), next-token cross-entropy; gradients reach the scorers through ``p``
   (SparseK only: DSA's selection carries no weights).
@@ -20,9 +26,19 @@ holds out (``hf_sparse_attention.evaluation.corpora.GUTENBERG_TEST_PLAYS``: King
 Macbeth, The Tempest, both editions) are never trained on.
 Any other value is a Hugging Face ``datasets`` corpus (``--dataset-config``, ``--split``,
 ``--text-column``). ``--passkey-fraction`` (default 0.25) of every batch are synthetic passkey
-sequences: a training text chunk with "The pass key is NNNNN. Remember it. NNNNN is the pass key."
-inserted at a random depth in 0.1-0.9 and "What is the pass key? The pass key is NNNNN." at the end,
-so the selectors also see long-range retrieval (``--passkey-fraction 0`` trains on plain text only).
+sequences, so the selectors also see long-range retrieval (``--passkey-fraction 0`` trains on plain
+text only). ``--passkey-style``:
+
+* ``gutenberg``: a training text chunk with "The pass key is NNNNN. Remember it. NNNNN is the pass
+  key." inserted at a random depth in 0.1-0.9 and "What is the pass key? The pass key is NNNNN." at
+  the end;
+* ``landmark``: the landmark-attention prompt that the evaluation uses
+  (``hf_sparse_attention.evaluation.retrieval.passkey_prompt``: task line, repeated filler sentences,
+  the key line at a random depth in 0.1-0.9, the question) of a random length between 3/4 and all
+  of ``--seq-len``, followed by the answer " NNNNN." and preceded by training text up to
+  ``--seq-len``. Keys are drawn from the training seed, not the evaluation's; this is synthetic
+  retrieval data in the evaluation's format, documented as such in the README;
+* ``mixed`` (default): half of each.
 
 Determinism across GPU counts: the sequences of global step ``s`` depend only on (seed, s); with
 ``W`` processes, process ``r`` takes slots ``r, r + W, ...`` of the ``--global-batch`` and runs them
@@ -80,6 +96,11 @@ def parse_args(argv=None):
     p.add_argument("--text-column", default="text")
     p.add_argument("--max-texts", type=int, default=None, help="use at most this many texts/files")
     p.add_argument("--passkey-fraction", type=float, default=0.25)
+    p.add_argument("--passkey-style", choices=["gutenberg", "landmark", "mixed"], default="mixed")
+    p.add_argument("--answer-weight", type=float, default=4.0,
+                   help="weight of the answer-query distillation term on passkey sequences (0: off)")
+    p.add_argument("--distill-blocks", type=int, default=0,
+                   help="distil on this many random query blocks per sequence (+ answer blocks); 0: all")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all processes")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward pass on one process")
@@ -101,6 +122,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.global_batch < 1 or args.micro_batch < 1 or args.steps < 1 or args.seq_len < 2:
         p.error("--global-batch, --micro-batch, --steps must be >= 1 and --seq-len >= 2")
+    if args.answer_weight < 0 or args.distill_blocks < 0:
+        p.error("--answer-weight and --distill-blocks must be >= 0")
     if not 0.0 <= args.passkey_fraction <= 1.0:
         p.error(f"--passkey-fraction must be in [0, 1], got {args.passkey_fraction}")
     if args.pattern == "dsa" and args.loss != "distill":
@@ -148,7 +171,8 @@ def load_texts(args) -> list[str]:
 class TokenStream:
     """Token chunks of ``seq_len`` from the corpus, and deterministic per-slot sequences."""
 
-    def __init__(self, tokenizer, texts: list[str], seq_len: int, seed: int, passkey_fraction: float):
+    def __init__(self, tokenizer, texts: list[str], seq_len: int, seed: int, passkey_fraction: float,
+                 passkey_style: str = "mixed"):
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         ids: list[int] = []
         for t in texts:
@@ -156,27 +180,57 @@ class TokenStream:
             ids.append(eos)
         self.ids = torch.tensor(ids, dtype=torch.long)
         self.seq_len, self.seed, self.passkey_fraction = seq_len, seed, passkey_fraction
+        self.passkey_style = passkey_style
         self.n_chunks = len(ids) // seq_len
         if self.n_chunks < 1:
             raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one sequence of {seq_len}")
-        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
-        self._enc = enc
+        self.tokenizer = tokenizer
+        self._enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
 
     def sequence(self, step: int, slot: int) -> torch.Tensor:
         """The ``slot``-th sequence ``(seq_len,)`` of global step ``step`` (same on every process)."""
+        return self.sample(step, slot)[0]
+
+    def sample(self, step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids (seq_len,), answer (seq_len,) bool)``: the sequence and its answer queries (the
+        positions whose next token is part of a passkey answer; all False for plain text)."""
         rng = random.Random((self.seed * 1_000_003 + step) * 4099 + slot)
         start = rng.randrange(self.n_chunks) * self.seq_len
         chunk = self.ids[start : start + self.seq_len]
+        none = torch.zeros(self.seq_len, dtype=torch.bool)
         if rng.random() >= self.passkey_fraction:
-            return chunk
+            return chunk, none
         key = rng.randrange(10000, 100000)
-        needle = torch.tensor(self._enc(f" The pass key is {key}. Remember it. {key} is the pass key. "))
-        tail = torch.tensor(self._enc(f" What is the pass key? The pass key is {key}."))
-        room = self.seq_len - len(needle) - len(tail)
+        style = self.passkey_style
+        if style == "mixed":
+            style = "landmark" if rng.random() < 0.5 else "gutenberg"
+        if style == "landmark":
+            return self._landmark(rng, key, chunk)
+        needle = self._enc(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        question = self._enc(" What is the pass key? The pass key is")
+        answer = self._enc(f" {key}.")
+        room = self.seq_len - len(needle) - len(question) - len(answer)
         if room < 2:
-            return chunk
+            return chunk, none
         depth = int(room * rng.uniform(0.1, 0.9))
-        return torch.cat([chunk[:depth], needle, chunk[depth:room], tail])
+        ids = torch.cat([chunk[:depth], torch.tensor(needle), chunk[depth:room], torch.tensor(question + answer)])
+        ans = none.clone()
+        ans[self.seq_len - len(answer) - 1 : self.seq_len - 1] = True
+        return ids, ans
+
+    def _landmark(self, rng: random.Random, key: int, chunk: torch.Tensor):
+        """The evaluation's passkey prompt + answer at the end, training text before it."""
+        from hf_sparse_attention.evaluation.retrieval import passkey_prompt
+
+        answer = self._enc(f" {key}.")
+        context = rng.randint(max(64, self.seq_len * 3 // 4), self.seq_len) - len(answer)
+        prompt = self.tokenizer(passkey_prompt(self.tokenizer, max(64, context), rng.uniform(0.1, 0.9), key))["input_ids"]
+        tail = (prompt + answer)[-self.seq_len :]
+        n = len(tail)
+        ids = torch.cat([chunk[: self.seq_len - n], torch.tensor(tail, dtype=torch.long)])
+        ans = torch.zeros(self.seq_len, dtype=torch.bool)
+        ans[self.seq_len - len(answer) - 1 : self.seq_len - 1] = True
+        return ids, ans
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,13 +243,20 @@ class TrainState:
     pattern = None
     mode = "distill"
     losses: ClassVar[list] = []
+    #: ``(B, N)`` int64 query blocks to distil on (-1: none), or None for every block.
+    blocks = None
+    #: ``(B, S)`` bool answer queries of this micro-batch, or None.
+    answer = None
+    answer_weight = 0.0
 
 
-def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, query_block: int, chunk_queries: int = 512):
+def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, query_block: int, chunk_queries: int = 512,
+                         query_weight: torch.Tensor | None = None):
     """Dense causal attention mass of every query block on every key: ``(B, Hkv, NB, Skv)`` float32.
 
     ``q (B, Hq, S, D)`` with queries at the last ``S`` key positions of ``k (B, Hkv, Skv, D)``;
     the mass of a block is summed over its queries and the query heads of each KV group.
+    ``query_weight (B, S)``: optional weight of every query (chunks whose weights are all zero are skipped).
     """
     B, Hq, S, _ = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -209,48 +270,113 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, query_b
     for c0 in range(0, NB, step):
         c1 = min(NB, c0 + step)
         q0, q1 = c0 * query_block, min(S, c1 * query_block)
+        if query_weight is not None and not bool(query_weight[:, q0:q1].any()):
+            continue
         s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, q0:q1].float(), kf) * scale
         i = torch.arange(q0, q1, device=q.device)[:, None] + off
         s = s.masked_fill(j[None, :] > i, float("-inf"))
         p = torch.softmax(s, -1)
+        if query_weight is not None:
+            p = p * query_weight[:, None, q0:q1, None].to(p.dtype)
         p = torch.nn.functional.pad(p, (0, 0, 0, (c1 - c0) * query_block - (q1 - q0)))
         out[:, :, c0:c1] = p.view(B, Hkv, G, c1 - c0, query_block, Skv).sum((2, 4))
     return out
 
 
-def distill_loss(pattern, selector, query, key, value, scale: float) -> torch.Tensor | None:
-    """Per-sequence KL(target || student) ``(B,)`` of one layer (module docstring), or None when no
-    block has more than ``top_k`` candidates."""
+def _block_kl(target, logits, cand, active):
+    """Per-sequence mean over ``active`` blocks of KL(target || softmax(logits)) over the candidates.
+
+    ``target (B, H, N, Skv)`` unnormalised mass, ``logits`` broadcastable to it, ``cand (B, 1, N, Skv)``,
+    ``active (B, N)``; returns ``(B,)`` (0 for a sequence without an active block).
+    """
+    target = torch.where(cand, target, torch.zeros_like(target))
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    logq = torch.log_softmax(logits.expand(target.shape).masked_fill(~cand, float("-inf")), -1)
+    pos = target > 0
+    kl = torch.where(pos, target * (torch.log(torch.where(pos, target, torch.ones_like(target))) - logq),
+                     torch.zeros_like(target)).sum(-1)
+    act = active[:, None].expand(kl.shape)
+    return torch.where(act, kl, torch.zeros_like(kl)).sum((1, 2)) / act.sum((1, 2)).clamp_min(1)
+
+
+def _student_logits(selector, query, key, value, kpos, first_query):
+    """Selector logits on the keys: SparseK ``(B, Hkv, 1, Skv)`` (``u / gain``, one row for all blocks);
+    DSA ``(B, 1, N, Skv)`` from the indexer query of each block's first query ``first_query (B, N)``."""
+    from sparse_k.scorers import SparseKScorer
+
+    if isinstance(selector, SparseKScorer):
+        return selector.ranking_logits(value, kpos, key)[:, :, None, :]
+    q_index, w = selector.index_queries(query)
+    rows = torch.arange(query.shape[0], device=query.device)[:, None]
+    return selector.scores(q_index[rows, first_query], w[rows, first_query], selector.index_keys(key))[:, None]
+
+
+def _gather_blocks(t, blocks):
+    """``t (B, H, NB, Skv)`` at ``blocks (B, N)`` (clamped; callers mask invalid ones) -> ``(B, H, N, Skv)``."""
+    B, H, _, Skv = t.shape
+    idx = blocks.clamp(0, t.shape[2] - 1)[:, None, :, None].expand(B, H, blocks.shape[1], Skv)
+    return t.gather(2, idx)
+
+
+def distill_loss(pattern, selector, query, key, value, scale: float, *, blocks: torch.Tensor | None = None,
+                 answer: torch.Tensor | None = None, answer_weight: float = 0.0) -> torch.Tensor | None:
+    """Per-sequence distillation loss ``(B,)`` of one layer (module docstring), or None when no block
+    has more than ``top_k`` candidates.
+
+    ``blocks (B, N)``: the query blocks to distil on (-1 entries ignored; None: all). ``answer (B, S)``
+    bool: answer queries; with ``answer_weight > 0`` their own attention mass adds a weighted KL on
+    the blocks that hold them (SparseK: summed over the heads of a group; DSA: over all heads).
+    """
     import sparse_k
     from sparse_k.scorers import SparseKScorer
     from sparse_k.selectors import selection_blocks
 
     B, _, S, _ = query.shape
     Skv = key.shape[2]
+    qb = pattern.query_block
     geo = sparse_k.row_geometry(B, S, Skv, device=query.device)
     _, block_start, _, cand, kpos = selection_blocks(pattern, geo, B, S, Skv)
-    active = cand.sum(-1) > pattern.top_k  # (B, NB)
-    if not bool(active.any()):
+    NB = cand.shape[1]
+    n_cand = cand.sum(-1)  # (B, NB)
+    if not bool((n_cand > pattern.top_k).any()):
         return None
-    with torch.no_grad():
-        mass = block_attention_mass(query, key, scale, pattern.query_block)
-    if isinstance(selector, SparseKScorer):
-        logits = selector.ranking_logits(value, kpos, key)[:, :, None, :]  # (B, Hkv, 1, Skv)
-        target = mass
-    else:
-        q_index, w = selector.index_queries(query)
-        qi = (block_start - (Skv - S)).clamp(0, S - 1)  # first query of each block
-        rows = torch.arange(B, device=query.device)[:, None]
-        logits = selector.scores(q_index[rows, qi], w[rows, qi], selector.index_keys(key))[:, None]  # (B, 1, NB, Skv)
-        target = mass.sum(1, keepdim=True)
-    cm = cand[:, None]
-    target = torch.where(cm, target, torch.zeros_like(target))
-    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    logq = torch.log_softmax(logits.expand(target.shape).masked_fill(~cm, float("-inf")), -1)
-    pos = target > 0
-    kl = torch.where(pos, target * (torch.log(torch.where(pos, target, torch.ones_like(target))) - logq), torch.zeros_like(target)).sum(-1)
-    act = active[:, None].expand(kl.shape)
-    return torch.where(act, kl, torch.zeros_like(kl)).sum((1, 2)) / act.sum((1, 2)).clamp_min(1)
+    sk = isinstance(selector, SparseKScorer)
+    all_blocks = torch.arange(NB, device=query.device).expand(B, NB)
+    sets = [(all_blocks if blocks is None else blocks.to(query.device), None, 1.0)]
+    if answer is not None and answer_weight > 0 and bool(answer.any()):
+        pos = torch.arange(S, device=query.device) + (Skv - S)
+        ab = torch.where(answer.to(query.device), torch.div(pos, qb, rounding_mode="floor") - (Skv - S) // qb, -1)
+        ab = torch.sort(ab, dim=-1, descending=True).values  # answer blocks first (duplicates are harmless)
+        n = int((ab >= 0).sum(-1).max())
+        sets.append((ab[:, :n], answer, answer_weight))
+    total = torch.zeros(B, device=query.device)
+    for blk, qweight, weight in sets:
+        with torch.no_grad():
+            mass = block_attention_mass(query, key, scale, qb, query_weight=qweight)
+        if not sk:
+            mass = mass.sum(1, keepdim=True)
+        ok = blk >= 0
+        blk_c = blk.clamp(0, NB - 1)
+        active = ok & (n_cand.gather(1, blk_c) > pattern.top_k)
+        if qweight is not None:
+            active = active & (_gather_blocks(mass, blk_c).sum((1, 3)) > 0)
+        first_query = (block_start.gather(1, blk_c) - (Skv - S)).clamp(0, S - 1)
+        logits = _student_logits(selector, query, key, value, kpos, first_query)
+        cm = _gather_blocks(cand[:, None], blk_c)
+        total = total + weight * _block_kl(_gather_blocks(mass, blk_c), logits, cm, active)
+    return total
+
+
+def distill_blocks(pattern, seq_len: int, n: int, seed: int, step: int, slot: int) -> torch.Tensor:
+    """``(n,)`` int64 random query blocks of sequence (``step``, ``slot``) that have more than ``top_k``
+    candidates (-1 padding when fewer exist); depends only on its arguments (same on every process)."""
+    qb = pattern.query_block
+    n_blocks = -(-seq_len // qb)
+    # Block b has candidates [sinks, b * qb - window]: more than top_k once b * qb >= sinks + window + top_k.
+    first = -(-(pattern.sinks + pattern.window + pattern.top_k) // qb)
+    pool = list(range(min(first, n_blocks), n_blocks))
+    picked = random.Random(f"{seed}-{step}-{slot}-blocks").sample(pool, min(n, len(pool)))
+    return torch.tensor(sorted(picked) + [-1] * (n - len(picked)), dtype=torch.long)
 
 
 def train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -264,7 +390,8 @@ def train_attention(module, query, key, value, attention_mask, scaling=None, dro
     st = TrainState
     if selector is not None and st.mode in ("distill", "both"):
         with torch.enable_grad():
-            loss = distill_loss(st.pattern, selector, query, key, value, scale)
+            loss = distill_loss(st.pattern, selector, query, key, value, scale, blocks=st.blocks, answer=st.answer,
+                                answer_weight=st.answer_weight)
         if loss is not None:
             st.losses.append(loss)
     if st.mode == "distill" or selector is None:
@@ -363,7 +490,7 @@ def main(argv=None) -> int:
     register_attention()
     model, tok = load_model(args, device, dtype)
     model.set_attn_implementation(IMPL_NAME)
-    stream = TokenStream(tok, load_texts(args), args.seq_len, args.seed, args.passkey_fraction)
+    stream = TokenStream(tok, load_texts(args), args.seq_len, args.seed, args.passkey_fraction, args.passkey_style)
 
     start_step, history = 0, []
     resume_dir = None
@@ -391,7 +518,7 @@ def main(argv=None) -> int:
         scheduler.load_state_dict(st["scheduler"])
         acc.print(f"resumed from {resume_dir} at step {start_step}")
 
-    TrainState.pattern, TrainState.mode = pattern, args.loss
+    TrainState.pattern, TrainState.mode, TrainState.answer_weight = pattern, args.loss, args.answer_weight
     my_slots = list(range(rank, args.global_batch, world))
     log_path = os.path.join(args.output_dir, "log.jsonl")
     if acc.is_main_process:
@@ -405,7 +532,14 @@ def main(argv=None) -> int:
         loss_sum = torch.zeros((), device=device)
         for m0 in range(0, len(my_slots), args.micro_batch):
             slots = my_slots[m0 : m0 + args.micro_batch]
-            ids = torch.stack([stream.sequence(step, s) for s in slots]).to(device)
+            samples = [stream.sample(step, s) for s in slots]
+            ids = torch.stack([x[0] for x in samples]).to(device)
+            TrainState.answer = torch.stack([x[1] for x in samples]).to(device)
+            TrainState.blocks = None
+            if args.distill_blocks:
+                TrainState.blocks = torch.stack(
+                    [distill_blocks(pattern, args.seq_len, args.distill_blocks, args.seed, step, s) for s in slots]
+                ).to(device)
             TrainState.losses = []
             if args.loss == "distill":
                 with torch.no_grad():

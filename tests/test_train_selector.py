@@ -102,6 +102,37 @@ def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
     with pytest.raises(SystemExit):
         mod.parse_args(["--pattern", "dsa", "--loss", "lm"])
 
+    # Per-query DSA (query_block 1) on sampled blocks, every sequence a passkey one (both styles),
+    # with the answer-query term: runs, logs finite losses and moves the indexers.
+    out_q = str(tmp_path / "dsa_q")
+    assert mod.main(_args(tiny_model, out_q, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8",
+                          "--query-block", "1", "--distill-blocks", "8", "--passkey-fraction", "1",
+                          "--answer-weight", "4", "--seq-len", "400")) == 0
+    with open(os.path.join(out_q, "log.jsonl")) as f:
+        assert all(0 < json.loads(line)["loss"] < float("inf") for line in f)
+
+
+def test_passkey_samples_mark_their_answer_queries(tiny_model):
+    from transformers import AutoTokenizer
+
+    mod = _script()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    stream = mod.TokenStream(tok, ["the quick brown fox jumps over the lazy dog. " * 40], 400, 0, 1.0, "mixed")
+    styles = set()
+    for slot in range(8):
+        ids, ans = stream.sample(0, slot)
+        assert ids.shape == ans.shape == (400,)
+        spell = lambda t: "".join(tok.convert_ids_to_tokens(t.tolist()))  # character-level tokenizer
+        text = spell(ids)
+        styles.add("There is an important info" in text)
+        key = text.rsplit("The pass key is", 1)[1].strip().rstrip(".")
+        assert key.isdigit() and len(key) == 5
+        # The answer queries predict " NNNNN.": the tokens after them spell the answer.
+        assert spell(ids[1:][ans[:-1]]).strip() == f"{key}."
+    assert styles == {True, False}
+    blocks = mod.distill_blocks(sparse_k.SparseK(sinks=2, window=24, top_k=12, query_block=16), 400, 5, 0, 3, 1)
+    assert blocks.tolist() == sorted(blocks.tolist()) and min(blocks.tolist()) >= 3 and len(set(blocks.tolist())) == 5
+
 
 def test_distill_loss_is_zero_for_a_perfect_student():
     """The target is the dense block mass over the candidates: a student equal to log(mass) gives KL 0,
@@ -132,3 +163,19 @@ def test_distill_loss_is_zero_for_a_perfect_student():
     assert float(kl.abs().max()) < 1e-5  # float32 logs of probabilities
     kl_uniform = mod.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
     assert float(kl_uniform.min()) > 1e-3
+
+
+def test_compare_loss_curves(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("compare_loss_curves", os.path.join(ROOT, "scripts", "compare_loss_curves.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n" for s in range(1, 21)))
+    # Step 5 differs by 10% (before the skip), step 15 by 1.5%; a resumed log repeats step 20.
+    b.write_text("".join(json.dumps({"step": s, "loss": (2.0 - s / 100) * (1.1 if s == 5 else 1.015 if s == 15 else 1.0)}) + "\n"
+                         for s in [*range(1, 21), 20]))
+    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.02"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.01"]) == 1
+    assert mod.main([str(a), str(b), "--skip", "4", "--tolerance", "0.02"]) == 1
+    assert mod.main([str(a), str(b), "--skip", "30"]) == 2

@@ -1,0 +1,232 @@
+"""Incremental learned selection for decoding: the SparseK decode state, SparseCache's SelectionLayer
+(eviction for sparse_k, cached indexer keys for dsa) and the synchronisation-free build path."""
+
+import warnings
+
+import pytest
+import sparse_k
+import torch
+from sparse_k.decode_selection import SparseKDecodeState
+from sparse_k.scorers import LightningIndexer, SparseKScorer
+from sparse_k.selectors import build_selection, training_free_scores
+
+
+def _random_scorer(hkv, d, seed):
+    scorer = SparseKScorer(hkv, d)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in scorer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype))
+        scorer.log_gain.fill_(0.0)  # gain 1: many fractional SparseK weights, a large support
+    return scorer.double()
+
+
+def _recomputed(pattern, k, v, pos, selector):
+    """Selection of the block of query position ``pos`` from scratch (build_selection on the prefix)."""
+    B, H, _, D = k.shape
+    q = torch.zeros(B, H, 1, D, dtype=k.dtype)
+    geo = sparse_k.row_geometry(B, 1, pos + 1)
+    with torch.no_grad():
+        lay = build_selection(pattern, q, k[:, :, : pos + 1], v[:, :, : pos + 1], geo, layer_idx=0, selector=selector)
+    return lay
+
+
+@pytest.mark.parametrize("weighted,quantise", [(True, False), (True, True), (False, False)])
+def test_decode_state_equals_recompute_at_every_step(weighted, quantise):
+    """Position by position, the incremental state's selection (indices and SparseK weights) equals
+    build_selection from scratch; ``quantise`` rounds the values so many scores tie exactly."""
+    pattern = sparse_k.SparseK(sinks=3, window=11, top_k=7, query_block=5)
+    B, H, S, D = 2, 2, 140, 4
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    if quantise:
+        v = v.round()
+    scorer = _random_scorer(H, D, seed=3) if weighted else None
+    if scorer is not None and quantise:
+        with torch.no_grad():
+            scorer.pos_weight.zero_()
+            scorer.key_norm_weight.zero_()
+    state = SparseKDecodeState(pattern, weighted=weighted)
+    merged = []
+
+    def scores(lo, hi):
+        merged.append(hi - lo + 1)
+        with torch.no_grad():
+            if scorer is None:
+                return training_free_scores(k[:, :, lo : hi + 1])
+            return scorer(v[:, :, lo : hi + 1], torch.arange(lo, hi + 1)[None], k[:, :, lo : hi + 1])
+
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for pos in range(S):
+            state.advance(pos // pattern.query_block, scores)
+            want = _recomputed(pattern, k, v, pos, scorer)
+            if want is None:
+                assert state.positions is None
+                continue
+            n = want.indices.shape[2] - 1  # the last block of the prefix holds the query
+            c = want.counts[:, :, n].long()
+            assert torch.equal(state.counts, c)
+            for b in range(B):
+                for h in range(H):
+                    got = state.positions[b, h, : c[b, h]]
+                    assert torch.equal(got, want.indices[b, h, n, : c[b, h]].long()), (pos, b, h)
+                    if weighted:
+                        # The float64 threshold sums the fractional entries in another order: rounding only.
+                        torch.testing.assert_close(state.weights[b, h, : c[b, h]], want.weights[b, h, n, : c[b, h]],
+                                                   atol=1e-12, rtol=0)
+            checked += 1
+    assert checked > 100
+    assert max(merged) <= pattern.query_block  # one block of new candidates per advance (after the first)
+    assert state.sup_u.shape[-1] < S - pattern.window - pattern.sinks  # the support was pruned
+
+
+def _tiny_llama(layers=3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg)
+
+
+def _model(name, params, trained=True):
+    import hf_sparse_attention
+    from hf_sparse_attention.selectors import attach_selectors, create_selectors
+
+    model = _tiny_llama()
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    if trained:
+        torch.manual_seed(1)
+        sels = create_selectors(model)
+        with torch.no_grad():
+            for sel in sels.values():
+                for prm in sel.parameters():
+                    prm.copy_(torch.randn_like(prm))
+        attach_selectors(model, sels)
+    return model
+
+
+def _step_logits(model, seq, prefill, cache):
+    with torch.no_grad():
+        out = model(seq[:, :prefill], past_key_values=cache, use_cache=True)
+        logits, lengths = [out.logits[:, -1]], []
+        for t in range(prefill, seq.shape[1]):
+            out = model(seq[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            if hasattr(cache, "cached_lengths"):
+                lengths.append(cache.cached_lengths())
+    return torch.stack(logits), lengths
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_sparse_cache_evicts_and_equals_recompute(trained):
+    """sparse_k through the Transformers integration: SparseCache with eviction == without eviction ==
+    recomputing the prefix at every step, and the evicting cache stays bounded."""
+    from hf_sparse_attention import SparseCache
+
+    params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
+    model = _model("sparse_k", params, trained)
+    seq = torch.randint(1, 50, (2, 70), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evicting, lengths = _step_logits(model, seq, 13, SparseCache(model))
+        keeping, _ = _step_logits(model, seq, 13, SparseCache(model, evict=False))
+        with torch.no_grad():
+            recomputed = torch.stack([model(seq[:, :t], use_cache=False).logits[:, -1] for t in range(13, 71)])
+    # float32 forwards of different lengths and slot orders: summation order only.
+    torch.testing.assert_close(keeping, recomputed, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(evicting, keeping, atol=1e-4, rtol=1e-4)
+    bound = params["sinks"] + params["top_k"] + params["window"] + params["query_block"] - 2
+    assert max(max(x) for x in lengths[20:]) <= bound
+    assert min(min(x) for x in lengths[20:]) >= params["sinks"] + params["top_k"] + params["window"] - 1
+
+
+def test_dsa_cache_keeps_indexer_keys(monkeypatch):
+    """dsa with SparseCache: decode computes indexer keys of the new token only, logits == recompute."""
+    from hf_sparse_attention import SparseCache
+
+    params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 1}
+    model = _model("dsa", params)
+    seq = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        recomputed = torch.stack([model(seq[:, :t], use_cache=False).logits[:, -1] for t in range(11, 41)])
+    seen = []
+    original = LightningIndexer.index_keys
+
+    def counting(self, key):
+        seen.append(key.shape[2])
+        return original(self, key)
+
+    monkeypatch.setattr(LightningIndexer, "index_keys", counting)
+    cached, _ = _step_logits(model, seq, 11, SparseCache(model))
+    torch.testing.assert_close(cached, recomputed, atol=1e-4, rtol=1e-4)
+    n_layers = 3
+    assert seen[:n_layers] == [11] * n_layers and set(seen[n_layers:]) == {1}
+
+
+def test_build_without_host_offsets_equals_host_build(monkeypatch):
+    """The build path sized from bounds (offsets only on the device, as for a padded batch on a GPU)
+    selects exactly what the host-sized build selects; only empty trailing blocks/slots differ."""
+    from sparse_k.geometry import RowGeometry
+
+    pattern = sparse_k.SparseK(sinks=3, window=9, top_k=6, query_block=8)
+    B, Hq, Hkv, S, D = 2, 4, 2, 75, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :6] = False
+    scorer = _random_scorer(Hkv, D, seed=1).float()
+    indexer = LightningIndexer(Hq, Hkv, D, indexer_heads=2, indexer_dim=4)
+    for pat, sel in ((pattern, scorer), (sparse_k.DSA(sinks=3, window=9, top_k=6, query_block=8), indexer)):
+        for Sq in (S, 1, 13):
+            geo = sparse_k.row_geometry(B, Sq, S, mask)
+            with torch.no_grad():
+                indexer._block_memo = None
+                host = build_selection(pat, q[:, :, S - Sq :], k, v, geo, layer_idx=0, selector=sel)
+                monkeypatch.setattr(RowGeometry, "host_offsets", lambda self: None)
+                indexer._block_memo = None
+                blind = build_selection(pat, q[:, :, S - Sq :], k, v, geo, layer_idx=0, selector=sel)
+                monkeypatch.undo()
+            nb, kk = host.indices.shape[2:]
+            assert blind.indices.shape[2] >= nb and blind.indices.shape[3] >= kk
+            assert torch.equal(blind.counts[:, :, :nb], host.counts) and not bool(blind.counts[:, :, nb:].any())
+            assert torch.equal(blind.first_block, host.first_block)
+            ok = torch.arange(kk) < host.counts[..., None]
+            assert torch.equal(torch.where(ok, blind.indices[:, :, :nb, :kk], -1), torch.where(ok, host.indices, -1))
+            if host.weights is not None:
+                torch.testing.assert_close(torch.where(ok, blind.weights[:, :, :nb, :kk], 0.0),
+                                           torch.where(ok, host.weights, 0.0), atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("masked", [False, True])
+def test_build_selection_does_not_synchronise_on_the_gpu(masked):
+    """Issue #4 item 5: top-k over scores into the token layout with no host synchronisation
+    (torch.cuda.set_sync_debug_mode('error') raises on any), prefill and decode, SparseK and DSA."""
+    dev = torch.device("cuda")
+    B, Hq, Hkv, S, D = 2, 8, 2, 1000, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(B, h, S, D, generator=g, device=dev, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    mask = torch.ones(B, S, dtype=torch.bool, device=dev)
+    mask[1, :37] = False
+    cases = [(sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), SparseKScorer(Hkv, D).to(dev)),
+             (sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), None),
+             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev))]
+    for pattern, sel in cases:
+        for Sq in (S, 1):
+            geo = sparse_k.row_geometry(B, Sq, S, mask if masked else None, device=dev)
+            warnings.simplefilter("ignore")
+            build_selection(pattern, q[:, :, S - Sq :], k, v, geo, layer_idx=0, selector=sel)  # warm-up
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.no_grad():
+                    lay = build_selection(pattern, q[:, :, S - Sq :], k, v, geo, layer_idx=0, selector=sel)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert lay is not None and lay.indices.is_cuda
