@@ -30,10 +30,12 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _WARNED: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    """Emit ``message`` as a ``UserWarning`` the first time it is seen in this process."""
-    if message not in _WARNED:
-        _WARNED.add(message)
+def warn_once(message: str, key: str | None = None) -> None:
+    """Emit ``message`` as a ``UserWarning`` the first time its ``key`` (default: the message
+    itself) is seen in this process."""
+    key = message if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(message, stacklevel=3)
 
 

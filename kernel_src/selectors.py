@@ -173,7 +173,8 @@ def build_selection(
         warn_once(
             f"{pattern.name}: no trained selector for layer {layer_idx} (and maybe others); using the training-free "
             "score -||key|| (see sparse_k.selectors). Train one with scripts/train_selector.py and set "
-            "config.sparse_attention['selector_path']."
+            "config.sparse_attention['selector_path'].",
+            key=f"{pattern.name}: training-free selection",
         )
         u = training_free_scores(key)[:, :, None, :]  # (B, Hkv, 1, Skv)
         return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)

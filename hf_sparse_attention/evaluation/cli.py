@@ -22,7 +22,7 @@ PROFILES: dict[str, dict] = {
                   speed_lengths=[512, 1024], decode_tokens=4, repeats=1, retrieval_batch_size=5),
     "full": dict(contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
                  needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384,
-                 stride=None, speed_lengths=[2048, 8192], decode_tokens=16, repeats=2,
+                 stride=None, speed_lengths=[2048, 8192], decode_tokens=16, repeats=1,
                  retrieval_batch_size=20),
 }
 
@@ -236,6 +236,8 @@ def run(tool: str, argv=None) -> dict:
         paths = write_outputs(results, timestamped_dir(args.output_dir))
         print(f"wrote {paths['report']} and {paths['results']} ({timing['total_seconds']:.1f} s)")
     state.wait_for_everyone()
+    if state.num_processes > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return {"results": results, "paths": paths}
 
 

@@ -93,17 +93,22 @@ def measure_once(model, length: int, decode_tokens: int, *, seed: int = 0) -> di
             "peak_memory_bytes": peak, "memory_kind": kind}
 
 
-def benchmark_lengths(model, lengths, *, decode_tokens: int = 16, repeats: int = 1, warmup_length: int = 64,
+def benchmark_lengths(model, lengths, *, decode_tokens: int = 16, repeats: int = 1,
                       seed: int = 0) -> list[dict]:
-    """Median over ``repeats`` of ``measure_once`` at each length, after one short warm-up run."""
+    """Median over ``repeats`` of ``measure_once`` at each length.
+
+    Each length first gets one untimed run (prefill plus two decode steps), so that one-time
+    costs at a new shape (Triton compilation, allocator growth, layout caches) stay out of the
+    timed runs.
+    """
     for name, value, low in (("decode_tokens", decode_tokens, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    measure_once(model, warmup_length, min(decode_tokens, 2), seed=seed)
     rows = []
     for length in lengths:
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"lengths must be positive ints, got {length!r}")
+        measure_once(model, length, min(decode_tokens, 2), seed=seed)
         runs = [measure_once(model, length, decode_tokens, seed=seed) for _ in range(repeats)]
         tps = [r["decode_tokens_per_second"] for r in runs if r["decode_tokens_per_second"] is not None]
         rows.append({
