@@ -74,7 +74,23 @@ def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch
     return keys * cos + _rotate_half(keys) * sin
 
 
-class BoundedLayer(CacheLayerMixin):
+class _KeptKeysLayer(CacheLayerMixin):
+    """A cache layer that keeps a subset of the keys seen: ``cumulative_length`` counts every key,
+    ``keys`` holds the kept ones, and the next update's key tensor starts at slot 0."""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The key tensor of the next update: kept keys + the new ones, from slot 0."""
+        kept = self.keys.shape[-2] if self.is_initialized else 0
+        return kept + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BoundedLayer(_KeptKeysLayer):
     """Keeps the first ``sinks`` keys and the last ``window - 1`` keys of one attention layer.
 
     ``update`` returns ``[kept | new]`` for this step's attention and then drops what no future
@@ -132,17 +148,6 @@ class BoundedLayer(CacheLayerMixin):
             self.values = torch.cat(kept_v, dim=-2)
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """The key tensor of the next update: kept keys + the new ones, from slot 0."""
-        kept = self.keys.shape[-2] if self.is_initialized else 0
-        return kept + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None
         self.is_initialized = False
@@ -163,7 +168,7 @@ _BIG = torch.iinfo(torch.int64).max
 _ONE_BLOCK = 1 << 30
 
 
-class SelectionLayer(CacheLayerMixin):
+class SelectionLayer(_KeptKeysLayer):
     """Cache layer of a learned-selection attention layer (module docstring).
 
     Slots of ``keys``/``values``: a *front* of ``F`` slots (the sinks and the current selection, at
@@ -212,16 +217,6 @@ class SelectionLayer(CacheLayerMixin):
         if module is not None:
             module.__dict__[CACHE_LAYER_ATTR] = weakref.ref(self)
         return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept = self.keys.shape[-2] if self.is_initialized else 0
-        return kept + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.keys = self.values = self.front_pos = self.state = self.index_keys = None
