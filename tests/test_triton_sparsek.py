@@ -51,7 +51,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed
 _SUBPROCESS_ONLY = pytest.mark.skipif(
     not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET could be set: run by test_interpreter_suite_in_subprocess"
 )
-_N_KERNEL_TESTS = 15  # tests below marked _SUBPROCESS_ONLY, parametrisations included
+_N_KERNEL_TESTS = 16  # tests below marked _SUBPROCESS_ONLY, parametrisations included
 
 DEV = "cuda" if ON_GPU else "cpu"
 LENGTHS = [1, 7, 33, 1000, 4097]
@@ -161,6 +161,17 @@ def test_forward_integer_ties(n):
     k[3:5] = torch.stack([(u[3] >= 3).sum(), (u[4] >= 0).sum()])
     p, tau = _check(u.to(DEV), k.to(DEV), every_tau=True)
     assert tau[3:5].tolist() == [2.0, -1.0] and bool(((p[3:5] == 0) | (p[3:5] == 1)).all())
+
+
+@_SUBPROCESS_ONLY
+def test_forward_breakpoint_grid():
+    """96 short rows on a half-integer grid (ties, u_i - 1 == u_j, solutions at breakpoints, flat
+    intervals) with random masks and budgets; every tau against the float64 PyTorch path."""
+    g = torch.Generator().manual_seed(600)
+    u = (torch.randint(-4, 5, (96, 12), generator=g) * 0.5).to(DEV)
+    mask = (torch.rand(96, 12, generator=g) < 0.8).to(DEV)
+    k = torch.randint(0, 14, (96,), generator=g).to(DEV)
+    _check(u, k, mask, ref_u=u.double(), every_tau=True)
 
 
 @_SUBPROCESS_ONLY
