@@ -17,13 +17,26 @@ set: ``tau = (sum_{j in F} u_j - (k - |ones|)) / |F|`` where ``F`` are the fract
 
 Backward: on the fractional set ``F`` (``0 < p_j < 1``), ``dp_i/du_j = [i in F] (delta_ij - [j in F]/|F|)``;
 entries at 0 or 1 have zero gradient. So ``grad_u = 1_F * (g - mean_F(g))``.
+
+A Triton version of the same operator (``triton_sparsek``: threshold search plus an exact solve on
+the segment, float64 search arithmetic) runs with ``sparsek(..., backend="triton")``.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
 
 __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
+
+_BACKENDS = ("auto", "torch", "triton")
+
+#: Whether ``backend="auto"`` takes the Triton kernel for CUDA tensors. Off: the kernel is verified
+#: under Triton's interpreter and compiles for sm_90, but has not yet run on a GPU
+#: (``tests/test_triton_sparsek.py::test_cuda_matches_torch`` is the check to pass first).
+AUTO_TRITON_ON_CUDA = False
 
 
 def _budget(k, lead_shape, device) -> torch.Tensor:
@@ -121,18 +134,47 @@ class SparseKFunction(torch.autograd.Function):
         return grad_u, None, None
 
 
-def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _triton_kernels(u: torch.Tensor, backend: str):
+    """The ``triton_sparsek`` module if ``backend`` selects it for ``u``, else None."""
+    if backend == "torch" or (backend == "auto" and not (AUTO_TRITON_ON_CUDA and u.is_cuda and u.dtype != torch.float64)):
+        return None
+    try:
+        mod = importlib.import_module(".triton_sparsek", __package__)
+    except ImportError as e:
+        if backend == "auto":
+            return None
+        raise RuntimeError(f"sparsek: backend='triton' needs triton ({e})") from None
+    if u.is_cuda:
+        return mod
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not isinstance(mod._sparsek_fwd_kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"sparsek: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton_sparsek is "
+            f"imported for tensors on the CPU; got a tensor on {u.device}"
+        )
+    return mod
+
+
+def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
     """SparseK weights ``p (..., n)``: the projection of ``u`` onto ``{0 <= p <= 1, sum p = min(k, n_c)}``.
 
     Args:
         u: ``(..., n)`` float16/bfloat16/float32/float64 scores (computed in float32 at least).
         k: budget, an int or an integer tensor broadcastable to ``u.shape[:-1]``.
         mask: optional ``(..., n)`` bool candidate mask; ``p = 0`` outside it.
+        backend: ``"torch"`` (the sort-based path above), ``"triton"`` (``triton_sparsek``: CUDA
+            tensors, or CPU tensors under ``TRITON_INTERPRET=1``; computes in float32, float64
+            inputs included) or ``"auto"``: the PyTorch path, and the Triton kernel for CUDA
+            tensors other than float64 once ``AUTO_TRITON_ON_CUDA`` is on. The kernel is verified
+            under Triton's interpreter only (not yet run on a GPU), hence off.
     Returns:
         ``p`` in ``u.dtype``, differentiable in ``u`` (exact Jacobian, fractional entries only).
         The support can exceed ``k`` (fractional entries); callers that need exactly ``k`` keys
         keep the ``k`` largest ``p_j`` (``build_selection`` does).
     """
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"sparsek: `backend` must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
     if not isinstance(u, torch.Tensor) or not u.dtype.is_floating_point:
         raise TypeError(f"sparsek: `u` must be a floating-point tensor, got {getattr(u, 'dtype', type(u).__name__)}")
     if u.dim() < 1 or u.shape[-1] == 0:
@@ -148,5 +190,8 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> torch.Tenso
             raise ValueError("sparsek: candidate scores `u` must be finite")
     else:  # checked on the device, without a host synchronisation (a device-side assert)
         torch._assert_async(finite, "sparsek: candidate scores `u` must be finite")
+    kernels = _triton_kernels(u, backend)
+    if kernels is not None:
+        return kernels.sparsek_triton(u.float(), k, mask).to(u.dtype)
     work = u if u.dtype == torch.float64 else u.float()
     return SparseKFunction.apply(work, k, mask).to(u.dtype)
