@@ -78,7 +78,9 @@ def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> t
     u_min = torch.where(n_c > 0, u_min, torch.zeros_like(u_min))
     # Non-candidates sit 2 below every candidate: for any tau above min(u) - 1 they contribute 0,
     # and rows that need a smaller tau (k_eff == n_c) are answered directly below.
-    x = torch.where(mask, u, (u_min - 2).unsqueeze(-1).expand_as(u)).detach()
+    # The search runs in float64: float32 prefix sums pick the wrong segment once the scores carry a
+    # large common offset (u = randn + 1e4 put row sums 4e-3 off).
+    x = torch.where(mask, u, (u_min - 2).unsqueeze(-1).expand_as(u)).detach().double()
     s = torch.sort(x, dim=-1).values.contiguous()  # ascending (..., n)
     prefix = torch.nn.functional.pad(torch.cumsum(s, -1), (1, 0))  # (..., n+1)
     bp, _ = torch.sort(torch.cat([s, s - 1], -1), dim=-1)  # (..., 2n) breakpoints ascending

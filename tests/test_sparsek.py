@@ -127,3 +127,17 @@ def test_sparsemax_special_case():
     kz = support.sum(-1, keepdim=True)
     tau = (z.cumsum(-1).gather(-1, kz - 1) - 1) / kz
     torch.testing.assert_close(p, (u - tau).clamp_min(0), atol=1e-12, rtol=0)
+
+
+def test_float32_scores_with_a_large_common_offset():
+    """A common offset does not move the projection: float32 scores around 1e4 and 1e5 give the
+    weights of the offset-free float64 scores (to float32 resolution of the offset) and sums equal
+    to k (the threshold search runs in float64)."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(4, 1000, generator=g, dtype=torch.float64)
+    for off in (1e4, 1e5):
+        u = (base + off).float()
+        ref = sparsek(u.double() - off, 30)
+        p = sparsek(u, 30)
+        assert torch.allclose(p.sum(-1).double(), torch.full((4,), 30.0, dtype=torch.float64), atol=1e-3)
+        torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=0)

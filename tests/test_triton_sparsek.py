@@ -176,9 +176,8 @@ def test_forward_breakpoint_grid():
 
 @_SUBPROCESS_ONLY
 def test_forward_large_magnitude():
-    """Spread 1e3, and offsets 1e4 / 1e5 on unit spread: there the float32 sort-based path picks its
-    segment from float32 prefix sums and drifts (~1e-4 / ~1e-2), so the reference is the float64
-    PyTorch path on the same float32 values, which the kernel's float64 search reproduces."""
+    """Spread 1e3, and offsets 1e4 / 1e5 on unit spread (both implementations search in float64;
+    the reference is the PyTorch path on the float64 copy of the same float32 values)."""
     g = torch.Generator().manual_seed(300)
     n = 1000
     k = torch.tensor([1, 30, 500, 999])
