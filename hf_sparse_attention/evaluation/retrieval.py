@@ -155,7 +155,8 @@ def run_retrieval_batch(model, tokenizer, items: list[RetrievalItem], haystack_i
 
     One ``generate`` call serves the whole batch (the prompts are padded on the left, so each row's
     answer starts right after its own prompt). Each record's ``seconds`` is the batch's wall time
-    divided by the batch size; ``batch_size`` says how many trials shared the call.
+    divided by the batch size; ``batch_size`` says how many trials shared the call. A tokenizer
+    without a pad token gets its EOS token as the pad token (padding needs one).
     """
     if not items:
         return []
