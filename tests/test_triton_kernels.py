@@ -1,76 +1,43 @@
 """The Triton kernels against the exact reference: every pattern, forward and backward.
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, fp32/fp16, tiny
-shapes, 16x16 tiles); with CUDA the same tests run compiled. The interpreter is chosen when triton
-itself and the kernel modules are imported (triton's own ``tl.zeros`` & co. are jit functions too),
-so: if this module is the first to import triton, it sets the variable for the import and for each
-of its tests (an autouse fixture) without leaking it to other modules; if triton was imported
-earlier in the session (e.g. through ``import sparse_k``), ``test_interpreter_suite_in_subprocess``
-runs this file in a fresh interpreter with the variable set and every other test here is skipped.
+shapes, 16x16 tiles); with CUDA the same tests run compiled. ``tests/triton_interp.py`` sets the
+interpreter up for the kernel imports (and for each test, an autouse fixture, without leaking it to
+other modules) or, when triton was imported earlier in the session, runs this file in a fresh
+interpreter (``test_interpreter_suite_in_subprocess``) and every other test here is skipped.
 
 Tolerances: fp32 under the interpreter is exact float32 arithmetic (errors ~1e-6); compiled fp32
 ``tl.dot`` uses tf32 (~3e-4 relative, METHOD.md), hence ``TOL32``; fp16 operands ~1e-3.
 """
 
-import importlib
-import os
-import re
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interp import (
+    ON_GPU,
+    REASON_SUBPROCESS,
+    import_kernels,
+    run_file_interpreted,
+)
 
-ON_GPU = torch.cuda.is_available()
-_prev = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd", "triton_bwd", "triton_structured", "triton_structured_bwd")
+if HAVE_TRITON:
+    triton_fwd, triton_bwd, triton_structured, triton_structured_bwd = _kernels
 
-    import sparse_k
-    from sparse_k import triton_bwd, triton_fwd, triton_structured, triton_structured_bwd
-
-    # Interpreting in this process works only if triton's own library functions are interpreted.
-    IN_PROCESS = ON_GPU or isinstance(tl.zeros, InterpretedFunction)
-    if IN_PROCESS and not ON_GPU and not isinstance(triton_fwd._attn_fwd, InterpretedFunction):
-        importlib.reload(triton_fwd)
-        importlib.reload(triton_bwd)
-        importlib.reload(triton_structured)
-        importlib.reload(triton_structured_bwd)
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton missing
-    HAVE_TRITON = IN_PROCESS = False
-finally:
-    if _prev is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-
-from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry  # noqa: E402
+import sparse_k
+from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_SUBPROCESS_ONLY = pytest.mark.skipif(
-    not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET could be set: run by test_interpreter_suite_in_subprocess"
-)
+_SUBPROCESS_ONLY = pytest.mark.skipif(not IN_PROCESS, reason=REASON_SUBPROCESS)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
     """Run this file under a fresh interpreter with ``TRITON_INTERPRET=1`` set before triton loads."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-x"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=str(Path(__file__).resolve().parents[1]),
-    )
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", res.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) >= 30, res.stdout[-2000:]  # every kernel test ran there
+    run_file_interpreted(__file__, 30)  # every kernel test ran there
+
 
 DEV = "cuda" if ON_GPU else "cpu"
 TOL32 = 2e-3 if ON_GPU else 1e-5

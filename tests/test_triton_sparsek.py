@@ -1,6 +1,6 @@
 """The Triton SparseK kernels (``sparse_k.triton_sparsek``) against the PyTorch sort-based path.
 
-Without CUDA the kernels run under Triton's interpreter, set up as in ``test_triton_kernels.py``:
+Without CUDA the kernels run under Triton's interpreter, set up by ``tests/triton_interp.py``:
 if triton was imported before this module could set ``TRITON_INTERPRET=1`` (e.g. through
 ``import sparse_k``), ``test_interpreter_suite_in_subprocess`` runs this file in a fresh interpreter
 with the variable set and the kernel tests here are skipped. With CUDA they run compiled.
@@ -11,7 +11,6 @@ to ``n * 2**-25`` rounding. Every kernel output is poisoned (NaN, or -1 for inte
 launch, so an entry the kernel does not write fails the comparison.
 """
 
-import importlib
 import os
 import re
 import subprocess
@@ -20,37 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_interp import (
+    ON_GPU,
+    REASON_SUBPROCESS,
+    import_kernels,
+    run_file_interpreted,
+)
 
-ON_GPU = torch.cuda.is_available()
-_prev = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_sparsek")
+if HAVE_TRITON:
+    (triton_sparsek,) = _kernels
 
-    from sparse_k import triton_sparsek
-
-    IN_PROCESS = ON_GPU or isinstance(tl.zeros, InterpretedFunction)
-    if IN_PROCESS and not ON_GPU and not isinstance(triton_sparsek._sparsek_fwd_kernel, InterpretedFunction):
-        importlib.reload(triton_sparsek)
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton missing
-    HAVE_TRITON = IN_PROCESS = False
-finally:
-    if _prev is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-
-from sparse_k.sparsek import sparsek, sparsek_threshold  # noqa: E402
+from sparse_k.sparsek import sparsek, sparsek_threshold
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_SUBPROCESS_ONLY = pytest.mark.skipif(
-    not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET could be set: run by test_interpreter_suite_in_subprocess"
-)
+_SUBPROCESS_ONLY = pytest.mark.skipif(not IN_PROCESS, reason=REASON_SUBPROCESS)
 _N_KERNEL_TESTS = 16  # tests below marked _SUBPROCESS_ONLY, parametrisations included
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -60,14 +44,7 @@ LENGTHS = [1, 7, 33, 1000, 4097]
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
     """Run this file under a fresh interpreter with ``TRITON_INTERPRET=1`` set before triton loads."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-x", "-k", "not sm90"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).resolve().parents[1]),
-    )
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", res.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) >= _N_KERNEL_TESTS, res.stdout[-2000:]
+    run_file_interpreted(__file__, _N_KERNEL_TESTS, "-k", "not sm90", timeout=600)
 
 
 @pytest.fixture(autouse=True)
