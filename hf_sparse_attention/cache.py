@@ -78,6 +78,12 @@ class _KeptKeysLayer(CacheLayerMixin):
     """A cache layer that keeps a subset of the keys seen: ``cumulative_length`` counts every key,
     ``keys`` holds the kept ones, and the next update's key tensor starts at slot 0."""
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The key tensor of the next update: kept keys + the new ones, from slot 0."""
         kept = self.keys.shape[-2] if self.is_initialized else 0
@@ -118,12 +124,6 @@ class BoundedLayer(_KeptKeysLayer):
     def capacity(self) -> int:
         """Keys kept between steps: ``sinks + window - 1``."""
         return self.sinks + self.window - 1
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key/value_states (B, H, q, D)``; return all keys this step's queries may use."""
@@ -196,12 +196,6 @@ class SelectionLayer(_KeptKeysLayer):
         self._new_tokens = 0
 
     # -- Transformers cache-layer interface ------------------------------------------------------
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append this step's keys/values; return every kept slot (the attention function then runs
