@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import sparse_k as sk
 import torch
 
-import sparse_k as sk
 
-
-def random_pattern(name: str, rng: "torch.Generator | None" = None, *, causal: bool = True, max_len: int = 256) -> sk.Pattern:
+def random_pattern(name: str, rng: torch.Generator | None = None, *, causal: bool = True, max_len: int = 256) -> sk.Pattern:
     """A random valid configuration of pattern ``name`` (sizes scaled to ``max_len``)."""
 
     def r(lo: int, hi: int) -> int:
@@ -40,7 +39,7 @@ FIXED = ["dense", "sliding_window", "streaming", "block_diagonal", "bigbird", "d
 BIDIRECTIONAL = ["dense", "sliding_window", "block_diagonal", "bigbird", "dilated"]
 
 
-def left_padding_mask(batch: int, kv_len: int, rng: "torch.Generator | None" = None) -> torch.Tensor:
+def left_padding_mask(batch: int, kv_len: int, rng: torch.Generator | None = None) -> torch.Tensor:
     """(B, Skv) bool mask with a random amount of left padding per row (row 0 unpadded)."""
     m = torch.ones(batch, kv_len, dtype=torch.bool)
     for b in range(1, batch):
@@ -54,3 +53,33 @@ def random_qkv(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, requires_grad=False)
     k = torch.randn(B, Hkv, Skv, D, dtype=dtype, requires_grad=requires_grad)
     v = torch.randn(B, Hkv, Skv, D, dtype=dtype, requires_grad=requires_grad)
     return q, k, v
+
+
+def tiny_llama(layers: int = 3):
+    """A seeded random 3-layer Llama (hidden 32, 4 query / 2 KV heads, vocabulary 50)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg)
+
+
+def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True):
+    """``tiny_llama()`` on ``attn_implementation="sparse_k"`` with learned pattern ``name``; with
+    ``random_selectors`` its selectors get seeded random weights (trained-like, not training-free)."""
+    import hf_sparse_attention
+    from hf_sparse_attention.selectors import attach_selectors, create_selectors
+
+    model = tiny_llama()
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    if random_selectors:
+        torch.manual_seed(1)
+        sels = create_selectors(model)
+        with torch.no_grad():
+            for sel in sels.values():
+                for prm in sel.parameters():
+                    prm.copy_(torch.randn_like(prm))
+        attach_selectors(model, sels)
+    return model

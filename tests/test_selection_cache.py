@@ -6,6 +6,7 @@ import warnings
 import pytest
 import sparse_k
 import torch
+from helpers import sparse_tiny_llama
 from sparse_k.decode_selection import SparseKDecodeState
 from sparse_k.scorers import LightningIndexer, SparseKScorer
 from sparse_k.selectors import build_selection, training_free_scores
@@ -83,33 +84,6 @@ def test_decode_state_equals_recompute_at_every_step(weighted, quantise):
     assert state.sup_u.shape[-1] < S - pattern.window - pattern.sinks  # the support was pruned
 
 
-def _tiny_llama(layers=3):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg)
-
-
-def _model(name, params, trained=True):
-    import hf_sparse_attention
-    from hf_sparse_attention.selectors import attach_selectors, create_selectors
-
-    model = _tiny_llama()
-    hf_sparse_attention.configure(model, name, **params)
-    model.set_attn_implementation("sparse_k")
-    if trained:
-        torch.manual_seed(1)
-        sels = create_selectors(model)
-        with torch.no_grad():
-            for sel in sels.values():
-                for prm in sel.parameters():
-                    prm.copy_(torch.randn_like(prm))
-        attach_selectors(model, sels)
-    return model
-
-
 def _step_logits(model, seq, prefill, cache):
     with torch.no_grad():
         out = model(seq[:, :prefill], past_key_values=cache, use_cache=True)
@@ -129,7 +103,7 @@ def test_sparse_cache_evicts_and_equals_recompute(trained):
     from hf_sparse_attention import SparseCache
 
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
-    model = _model("sparse_k", params, trained)
+    model = sparse_tiny_llama("sparse_k", params, random_selectors=trained)
     seq = torch.randint(1, 50, (2, 70), generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -150,7 +124,7 @@ def test_dsa_cache_keeps_indexer_keys(monkeypatch):
     from hf_sparse_attention import SparseCache
 
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 1}
-    model = _model("dsa", params)
+    model = sparse_tiny_llama("dsa", params)
     seq = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         recomputed = torch.stack([model(seq[:, :t], use_cache=False).logits[:, -1] for t in range(11, 41)])

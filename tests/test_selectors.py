@@ -5,6 +5,7 @@ import warnings
 import pytest
 import sparse_k
 import torch
+from helpers import sparse_tiny_llama, tiny_llama
 from sparse_k.scorers import LightningIndexer, SparseKScorer
 from sparse_k.selectors import build_selection, training_free_scores
 from sparse_k.sparsek import sparsek
@@ -226,15 +227,6 @@ def test_untrained_scorer_ranks_like_the_fallback():
     assert torch.equal(fallback.indices, scored.indices)
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg)
-
-
 def test_attach_save_load_outside_state_dict(tmp_path):
     from hf_sparse_attention.selectors import (
         SELECTOR_FILE,
@@ -246,7 +238,7 @@ def test_attach_save_load_outside_state_dict(tmp_path):
         save_selectors,
     )
 
-    model = _tiny_llama()
+    model = tiny_llama()
     keys_before = set(model.state_dict())
     n_params = sum(1 for _ in model.parameters())
     sels = create_selectors(model, sparse_k.SparseK())
@@ -262,7 +254,7 @@ def test_attach_save_load_outside_state_dict(tmp_path):
         for (n1, p1), (n2, p2) in zip(sels[i].named_parameters(), back[i].named_parameters()):
             assert n1 == n2 and torch.equal(p1, p2)
 
-    fresh = _tiny_llama()
+    fresh = tiny_llama()
     fresh.config.sparse_attention = {"pattern": "sparse_k", "selector_path": path}
     assert load_selectors_for_model(fresh)
     assert torch.equal(get_selectors(fresh)[2].weight, sels[2].weight)
@@ -270,7 +262,7 @@ def test_attach_save_load_outside_state_dict(tmp_path):
     # configure(model, ..., selector_path=...) loads and attaches them at once.
     from hf_sparse_attention import configure
 
-    third = _tiny_llama()
+    third = tiny_llama()
     configure(third, "sparse_k", selector_path=path)
     assert torch.equal(get_selectors(third)[1].weight, sels[1].weight)
 
@@ -283,7 +275,7 @@ def test_loading_without_or_with_bad_selectors_never_fails(tmp_path):
         save_selectors,
     )
 
-    model = _tiny_llama()
+    model = tiny_llama()
     model.config.sparse_attention = {"pattern": "sparse_k", "selector_path": str(tmp_path / "missing.safetensors")}
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -324,20 +316,7 @@ def test_block_chunking_does_not_change_the_selection(monkeypatch):
 def test_generate_with_attached_selectors_equals_recompute(name):
     """Through the Transformers integration: cached decoding with trained-like (random) selectors
     gives the logits of recomputing the whole prefix at every step (DSA relies on its block memo)."""
-    import hf_sparse_attention
-    from hf_sparse_attention.selectors import attach_selectors, create_selectors
-
-    model = _tiny_llama()
-    params = {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}
-    hf_sparse_attention.configure(model, name, **params)
-    model.set_attn_implementation("sparse_k")
-    torch.manual_seed(1)
-    sels = create_selectors(model)
-    with torch.no_grad():
-        for sel in sels.values():
-            for prm in sel.parameters():
-                prm.copy_(torch.randn_like(prm))
-    attach_selectors(model, sels)
+    model = sparse_tiny_llama(name, {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4})
     seq = torch.randint(1, 50, (1, 29), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model(seq[:, :11], use_cache=True)
