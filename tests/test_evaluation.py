@@ -316,3 +316,21 @@ def test_compare_results_flags_differences():
     assert same["retrieval_identical"] and same["time_ratio"] == 2.0
     assert same["max_perplexity_rel_diff"] == pytest.approx(5e-5)
     assert not compare_results(res(10.0, 3, 1.0, 1), res(10.0, 2, 1.0, 2))["retrieval_identical"]
+
+
+def test_full_profile_compares_every_pattern():
+    """On CUDA (the full profile) unset flags come from the profile: every pattern, 2K/4K/8K, 20 passkey
+    trials per context; the small profile keeps the main job's four patterns."""
+    import torch
+
+    from hf_sparse_attention.evaluation.cli import _fill_profile, build_parser
+
+    args = build_parser("hfsa-evaluate").parse_args([])
+    assert _fill_profile(args, torch.device("cuda")) == "full"
+    assert args.patterns == ["all"] and args.contexts == [2048, 4096, 8192]
+    assert len(args.depths) * args.trials_per_depth == 20
+    args = build_parser("hfsa-evaluate").parse_args(["--patterns", "streaming"])
+    _fill_profile(args, torch.device("cuda"))
+    assert args.patterns == ["streaming"]
+    args = build_parser("hfsa-evaluate").parse_args([])
+    assert _fill_profile(args, torch.device("cpu")) == "small" and args.patterns is None

@@ -20,7 +20,7 @@ PROFILES: dict[str, dict] = {
     "small": dict(contexts=[1024], depths=DEPTHS5, trials_per_depth=1, needle_depths=[0.5], needle_trials_per_depth=1,
                   baseline_context=2048, baseline_trials_per_depth=2, ppl_tokens=2048, stride=0,
                   speed_lengths=[512, 1024], decode_tokens=4, repeats=1, retrieval_batch_size=5),
-    "full": dict(contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
+    "full": dict(patterns=["all"], contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
                  needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384,
                  stride=None, speed_lengths=[2048, 8192], decode_tokens=16, repeats=1,
                  retrieval_batch_size=20),
@@ -86,7 +86,8 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 (under accelerate: each process's GPU)")
     g.add_argument("--patterns", nargs="+", default=None,
-                   help="patterns compared with dense ('all' for every pattern); default: streaming sliding_window sparse_k bigbird")
+                   help="patterns compared with dense ('all' for every pattern); default: all on the full profile, "
+                        "streaming sliding_window sparse_k bigbird on the small one")
     g.add_argument("--budget", type=_positive_int, default=None,
                    help="keys per query of every sparse pattern; default: a quarter of the context (speed: of the longest context)")
     g.add_argument("--profile", default="auto", choices=["auto", "small", "full"],
