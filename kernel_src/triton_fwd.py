@@ -178,6 +178,12 @@ def _selection_loop(
     """
     fb = tl.load(FIRST_BLOCK + b64)
     sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
+    # The (BLOCK_M, BLOCK_N) mask arithmetic runs on int32 positions (half the registers of int64;
+    # positions stay far below 2**31): row / key validity is folded into 1-D vectors first.
+    qpos32 = qpos.to(tl.int32)
+    k_start32 = k_start.to(tl.int32)
+    k_lo = tl.maximum(k_start, 0).to(tl.int32)
+    k_hi = tl.minimum(k_end, Skv).to(tl.int32)
     sb_lo = tl.min(tl.where(q_ok, sb_row, 1 << 30), 0)
     sb_hi = tl.max(tl.where(q_ok, sb_row, -(1 << 30)), 0)
     sb_lo = tl.maximum(sb_lo, 0)
@@ -190,11 +196,12 @@ def _selection_loop(
         for c in range(c_lo, hi, BLOCK_N):
             slot = c + offs_n
             s_ok = slot < hi
-            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int64)
-            k_ok = s_ok & (kidx >= k_start) & (kidx < k_end) & (kidx >= 0) & (kidx < Skv)
+            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int32)
+            k_ok = s_ok & (kidx >= k_lo) & (kidx < k_hi)
             ksafe = tl.where(k_ok, kidx, 0)
-            kt = tl.load(Kb + ksafe[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
-            vt = tl.load(Vb + ksafe[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            koff = ksafe.to(tl.int64)
+            kt = tl.load(Kb + koff[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+            vt = tl.load(Vb + koff[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, kt)
             if HAS_SOFTCAP:
                 s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap) * 1.4426950408889634
@@ -205,10 +212,11 @@ def _selection_loop(
                 k_ok = k_ok & (w > 0)
                 s = s + tl.log2(tl.where(w > 0, w, 1.0))[None, :]
             if HAS_KMASK:
-                km = tl.load(kmask_row + ksafe, mask=k_ok, other=0)
+                km = tl.load(kmask_row + koff, mask=k_ok, other=0)
                 k_ok = k_ok & (km != 0)
-            static = _pattern_rule(qpos[:, None], (ksafe - k_start)[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
-            ok = row_in[:, None] & k_ok[None, :] & (ksafe[None, :] <= qidx[:, None]) & ~static
+            kpos = ksafe - k_start32
+            static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+            ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
