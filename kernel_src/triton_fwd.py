@@ -5,7 +5,9 @@ of one KV group (GQA packing: the packed heads share every K/V tile load), and w
 *full* key tiles (no element mask) in one loop and its *partial* tiles (element rule evaluated in
 registers) in a second loop; the mask is a constexpr flag of the shared tile step, so neither loop
 holds a run-time branch. With ``SPLIT`` the tile list is cut into ``num_splits`` ranges (split-KV,
-flash-decoding); each split writes a partial result (its normalised output and log-sum-exp, sink left out) and ``combine_splits`` merges them and adds the sink logit once.
+flash-decoding); each split writes a partial result (its normalised output and log-sum-exp, sink left out)
+and the last split program of each tile to finish merges them and adds the sink logit once
+(``_combine_last``, arrival counters from ``split_counters``), or ``combine_splits`` does in a second launch.
 
 Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
 
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits"]
+__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits", "split_counters"]
 
 LOG2E = 1.4426950408889634
 
@@ -239,11 +241,13 @@ def _attn_fwd(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB,
     Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
+    OUT_F, LSE_F, SEM, stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -360,6 +364,63 @@ def _attn_fwd(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
     l_ptrs = LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm + s64 * stride_ls
     tl.store(l_ptrs, lse, mask=q_ok)
+    if FUSE_COMBINE:
+        if HEADS_FIRST:
+            sem_idx = pid_bh * tl.num_programs(1) + pid_m
+        else:
+            sem_idx = pid_bh * tl.num_programs(0) + pid_m
+        _combine_last(
+            O, LSE, OUT_F, LSE_F, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, tl.num_programs(2),
+            stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
+            stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
+            HAS_SINK, BLOCK_M, BLOCK_S, HEAD_DIM,
+        )
+
+
+@triton.jit
+def _combine_last(
+    OP, LP, O, LSE, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, num_splits,
+    stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Split-KV merge without a second launch: the last split program of a tile merges its rows.
+
+    Every split program of the tile has written its partial rows; the barrier orders them before
+    this program's arrival on the tile's counter (``atomic_add``, acquire-release at GPU scope); the
+    program that arrives last resets the counter to 0 (so the next launch finds it zeroed) and reads
+    the partials past L1 (``.cg``). Rows: ``(BLOCK_M,)`` head / query index vectors; the sink joins once.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(SEM + sem_idx, 1)
+    if arrived == num_splits - 1:
+        tl.atomic_xchg(SEM + sem_idx, 0)
+        offs_s = tl.arange(0, BLOCK_S)
+        row_l = LP + b64 * stride_qb + h64 * stride_qh + qi64 * stride_qm
+        lse_p = tl.load(row_l[:, None] + offs_s[None, :] * stride_qs, mask=q_ok[:, None] & (offs_s < num_splits)[None, :],
+                        other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse_p, 1)
+        if HAS_SINK:
+            sink = tl.load(SINK + h64).to(tl.float32)
+            m = tl.maximum(m, sink)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_p - m_safe[:, None])  # (BLOCK_M, BLOCK_S)
+        den = tl.sum(w, 1)
+        if HAS_SINK:
+            den = den + tl.exp(sink - m_safe)
+        row_o = OP + b64 * stride_pb + h64 * stride_ph + qi64 * stride_pm
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for sp in range(0, num_splits):
+            w_s = tl.sum(tl.where(offs_s[None, :] == sp, w, 0.0), 1)
+            o_p = tl.load(row_o[:, None] + sp * stride_ps + offs_d[None, :], mask=q_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc += o_p * w_s[:, None]
+        has = den > 0
+        den_safe = tl.where(has, den, 1.0)
+        out = acc / den_safe[:, None]
+        lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+        o_ptrs = O + b64 * stride_ob + h64[:, None] * stride_oh + qi64[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+        tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
 
 
 @triton.jit
@@ -407,7 +468,7 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None,
+    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None,
 ):
     """Launch the block-sparse forward.
 
@@ -421,6 +482,9 @@ def attention_forward(
             arithmetic, no index lists); default: whenever ``structured_ok`` allows it.
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
+        fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
+            (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel
+            (``combine_splits``); default on.
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
@@ -488,6 +552,8 @@ def attention_forward(
     if full_contig is None:
         full_contig = full_tiles_contiguous(layout)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
+    fuse = split and fuse_combine is not False
+    sem = split_counters(dev, grid[0] * grid[1]) if fuse else lse
     _attn_fwd[grid](
         q, k_arg, v_arg, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         fnum, fidx, pnum, pidx,
@@ -497,16 +563,41 @@ def attention_forward(
         pidx.stride(0), pidx.stride(1), pidx.stride(2),
         kmask.stride(0), int(geo.rows > 1), *sel_args,
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
+        out, lse, sem, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
         HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h, USE_TMA=use_tma,
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
+        FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if split:
+    if split and not fuse:
         combine_splits(o_w, l_w, out, lse, sink_logits)
     return out, lse
+
+
+_COUNTERS: dict = {}
+_RETIRED: list = []  # replaced counter buffers stay alive: a captured CUDA graph may still point at them
+
+
+def split_counters(device, n: int) -> torch.Tensor:
+    """Per-(device, stream) int32 arrival counters (at least ``n``) for the fused split merge.
+
+    They are zero between launches: each launch's last arrival resets its tile's counter. One buffer
+    per stream keeps launches on concurrent streams apart. A buffer first needed while a CUDA graph is
+    captured is allocated (and zero-filled) inside the capture, so the graph owns a valid one;
+    warming up and capturing on the same stream avoids that extra fill node."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    _COUNTERS[key] = buf
+    return buf
 
 
 def _selection_args(sel, dev):

@@ -187,6 +187,32 @@ def test_decode_split_kv_strided_cache(q_len):
         assert torch.allclose(lse.double(), rl, atol=1e-4)
 
 
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("fuse", [True, False])
+def test_decode_split_merge_fused_and_separate(fuse):
+    """Split-KV merge in the last split program (fused) or in the combine kernel: every output row
+    written (NaN-poisoned first), sink added once, counters back at zero for the next launch."""
+    g = torch.Generator().manual_seed(31 + fuse)
+    B, Hq, Hkv, S, D = 2, 4, 2, 83, 16
+    k, v = rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    sink = rand(Hq, gen=g)
+    p = get_pattern("streaming", sinks=3, window=29)
+    for q_len, splits in ((1, 3), (5, 4), (16, 7)):
+        q = rand(B, Hq, q_len, D, gen=g)
+        geo = row_geometry(B, q_len, S, None, device=DEV)
+        lay = _layout(p, q_len, S, geo, Hkv, bq=8)
+        ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink)
+        for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
+            out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
+            o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
+                                                  sink_logits=sink, out=out, fuse_combine=fuse)
+            assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
+            assert rel(o, ro) < TOL32
+            assert torch.allclose(lse.double(), rl, atol=1e-4)
+        if fuse:
+            assert not triton_fwd.split_counters(torch.device(DEV), 1).any()
+
+
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
     """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
     from sparse_k.triton_backend import decode_config
