@@ -171,7 +171,8 @@ def layout_args(layout, *, need_transposed: bool) -> tuple:
         _, bwd = _kernels()
         t = bwd.transposed_layout(layout)
     else:
-        empty = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=fnum.device)
+        fwd, _ = _kernels()
+        empty = fwd.placeholder(fnum.device, torch.int32, 4)
         t = (empty[..., 0], empty, empty[..., 0], empty)
     return (fnum, fidx, pnum, pidx, *t)
 

@@ -519,7 +519,7 @@ def attention_forward(
         out = torch.empty(B, Hq, Sq, D, device=dev, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
-    kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
+    kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
         max_tiles += triton.cdiv(selection.indices.shape[-1], block_n)
@@ -600,11 +600,24 @@ def split_counters(device, n: int) -> torch.Tensor:
     return buf
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
+    """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
+    (no allocation or fill kernel per call: decode launches are short)."""
+    key = (str(dev), dtype, ndim)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros((1,) * ndim, dtype=dtype, device=dev)
+    return t
+
+
 def _selection_args(sel, dev):
     """Pointers, strides and sizes of a ``TokenLayout`` in the kernel's order (dummies without one)."""
     if sel is None:
-        d = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=dev)
-        return (d, d, d, torch.zeros(1, dtype=torch.int64, device=dev), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+        d = placeholder(dev, torch.int32, 4)
+        return (d, d, d, placeholder(dev, torch.int64, 1), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
     idx, cnt = sel.indices, sel.counts
     w = sel.weights if sel.weights is not None else idx
     fb = sel.first_block.to(device=dev, dtype=torch.int64).expand(idx.shape[0]).contiguous()
