@@ -16,7 +16,9 @@ Sections (each fits in a few minutes on an H100):
 * ``--section decode``: one query token against a long cache, B=8 (window, streaming, dense and a
   top-2048 token layout vs torch gather + SDPA); GB/s of K/V actually read
   (``ours us``: the kernels on a prebuilt layout, eager; ``graph us``: the same replayed from a CUDA
-  graph, i.e. GPU time without launch overhead; ``api us``: ``sparse_attention`` end to end).
+  graph, i.e. GPU time without launch overhead; ``api us``: ``sparse_attention`` end to end). The
+  baselines are timed both ways too (``slice graph us``, ``gather+sdpa graph us``); compare graph
+  with graph. Tuning sweeps behind the decode defaults: ``scripts/tune_decode.py``.
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
@@ -456,6 +458,9 @@ def _decode_token_row(q, k, v, S, D, B, row):
         return sdpa(q, kg, vg, "flash", causal=False)
 
     row["gather_sdpa_us"] = 1e3 * bench(gather_sdpa)
+    row["gather_sdpa_graph_us"] = 1e3 * graph_bench(gather_sdpa)
+    if row.get("graph_us"):
+        row["ratio_vs_gather_sdpa_graph"] = row["gather_sdpa_graph_us"] / row["graph_us"]
 
 
 def _decode_row(p, name, q, k, v, S, D, B, row, args):
@@ -485,7 +490,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
                 lambda: block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=alt)
             )
         row["api_us"] = 1e3 * bench(lambda: sparse_k.sparse_attention(q, k, v, p, backend="triton"))
-        row["gbps_ours"] = nbytes / (row["ours_us"] * 1e-6) / 1e9
+        row["gbps_ours"] = nbytes / (row["graph_us"] * 1e-6) / 1e9
     else:
         row["error"] = "correctness check failed: row void"
     if name == "dense":
@@ -493,6 +498,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
     elif name == "sliding_window":
         ks, vs = k[:, :, -args.window :], v[:, :, -args.window :]
         row["sdpa_window_slice_us"] = 1e3 * bench(lambda: sdpa(q, ks, vs, "flash", causal=False))
+        row["sdpa_window_slice_graph_us"] = 1e3 * graph_bench(lambda: sdpa(q, ks, vs, "flash", causal=False))
 
 
 def section_tune(args, results):
@@ -770,6 +776,7 @@ def print_table(results):
         ("tflops_ours", "TF/s"), ("flex_ms", "flex ms"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
+        ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
