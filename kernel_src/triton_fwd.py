@@ -170,13 +170,16 @@ def _selection_loop(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr,
+    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr,
 ):
     """Token-layout keys (learned top-k) of the selection blocks this tile's rows belong to.
 
     Row r uses block ``qpos // QB - first_block[b]``; a selected key counts only where the static
     rule does not already allow it, it is valid, and it is causal (design §5, ``TokenLayout``).
     Slots ``[c_lo, c_hi)`` of each block's list are handled here (a split's share in split-KV mode).
+    With ``SEL_FAST`` (causal sliding_window / streaming static parts) a tile whose valid keys all
+    lie behind every row's window, past the sinks and before every row needs only the 1-D row and
+    key masks: the (BLOCK_M, BLOCK_N) rule is evaluated for the other tiles alone.
     """
     fb = tl.load(FIRST_BLOCK + b64)
     sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
@@ -195,6 +198,7 @@ def _selection_loop(
         cnt = tl.load(SEL_CNT + b64 * stride_scb + hkv * stride_sch + sbl * stride_scn)
         hi = tl.minimum(cnt, c_hi)
         row_in = sb_row == sb
+        q_min = tl.min(tl.where(row_in & q_ok, qpos32, 1 << 30), 0)  # earliest row of this block in the tile
         for c in range(c_lo, hi, BLOCK_N):
             slot = c + offs_n
             s_ok = slot < hi
@@ -217,9 +221,22 @@ def _selection_loop(
                 km = tl.load(kmask_row + koff, mask=k_ok, other=0)
                 k_ok = k_ok & (km != 0)
             kpos = ksafe - k_start32
-            static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
-            ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
-            s = tl.where(ok, s, float("-inf"))
+            if SEL_FAST:
+                kp_lo = tl.min(tl.where(k_ok, kpos, 1 << 30), 0)
+                kp_hi = tl.max(tl.where(k_ok, kpos, -(1 << 30)), 0)
+                far = q_min - kp_hi >= P0  # behind every row's window, hence causal too
+                if PATTERN == 2:
+                    far = far & (kp_lo >= P1)  # past the sinks
+                if far:
+                    s = tl.where(row_in[:, None] & k_ok[None, :], s, float("-inf"))
+                else:
+                    static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+                    ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
+                    s = tl.where(ok, s, float("-inf"))
+            else:
+                static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+                ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
+                s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -247,7 +264,7 @@ def _attn_fwd(
     HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2,
+    FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -342,7 +359,7 @@ def _attn_fwd(
             k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
             SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
             stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
-            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW,
+            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST,
         )
 
     if HAS_SINK and not SPLIT:
@@ -468,7 +485,7 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None,
+    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=True,
 ):
     """Launch the block-sparse forward.
 
@@ -485,6 +502,8 @@ def attention_forward(
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
             (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel
             (``combine_splits``); default on.
+        sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
+            (causal sliding_window / streaming static parts; see ``_selection_loop``).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
@@ -570,6 +589,7 @@ def attention_forward(
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
         FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        SEL_FAST=bool(sel_fast) and selection is not None and bool(is_causal) and pid in (1, 2),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:

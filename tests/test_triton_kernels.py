@@ -419,6 +419,39 @@ def test_token_layout_decode_split():
         assert rel(out, ref) < TOL32
 
 
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("pack", [1, 2])
+def test_token_layout_far_tiles_skip_the_element_rule(pack):
+    """Selected-key tiles wholly behind every row's window take the 1-D-mask path, the others the
+    element rule: both in one launch (far keys first, then sinks / window / future keys), against the
+    reference and against the launch without the shortcut."""
+    g = torch.Generator().manual_seed(40 + pack)
+    B, Hq, Hkv, S, D, QB, K = 1, 4, 2, 80, 16, 32, 32
+    p = get_pattern("streaming", sinks=2, window=6)
+    pl = get_pattern("sparse_k", sinks=2, window=6, top_k=K, query_block=QB)
+    idx = torch.empty(B, Hkv, S // QB + 1, K, dtype=torch.int32)
+    for h in range(Hkv):
+        for n in range(idx.shape[2]):
+            far = torch.arange(2, max(2, n * QB - 6 + 1))
+            far = far[torch.randperm(len(far), generator=g)[:16]]
+            rest = torch.tensor([j for j in range(S) if j not in set(far.tolist())])
+            near = rest[torch.randperm(len(rest), generator=g)[: K - len(far)]]
+            idx[0, h, n] = torch.cat([far, near]).int()
+    cnt = torch.full(idx.shape[:3], K, dtype=torch.int32)
+    sel = sparse_k.TokenLayout(idx.to(DEV), cnt.to(DEV), QB, torch.zeros(B, dtype=torch.int64, device=DEV))
+    q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    geo = row_geometry(B, S, S, None, device=DEV)
+    lay = _layout(p, S, S, geo, Hkv, bq=16 // pack)
+    ref = sparse_k.sparse_attention(q, k, v, pl, backend="reference", selection=sel)
+    outs = []
+    for fast in (True, False):
+        out = torch.full_like(q, float("nan"))
+        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
+        assert rel(out, ref) < TOL32, fast
+        outs.append(out)
+    assert rel(outs[0], outs[1]) < TOL32
+
+
 STRUCTURED_CASES = {
     # name: (pattern, Sq, Skv, left padding of row 1, key holes)
     "dense_square": (get_pattern("dense"), 45, 45, 0, False),
