@@ -485,7 +485,7 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=True,
+    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=False,
 ):
     """Launch the block-sparse forward.
 
@@ -503,7 +503,9 @@ def attention_forward(
             (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel
             (``combine_splits``); default on.
         sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
-            (causal sliding_window / streaming static parts; see ``_selection_loop``).
+            (causal sliding_window / streaming static parts; see ``_selection_loop``). Opt-in: tested
+            under the interpreter and compiled for sm_90, not yet timed on a GPU
+            (``scripts/tune_decode.py --part token`` compares both).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
