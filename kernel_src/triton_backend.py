@@ -74,7 +74,7 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
     (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
     run ahead too (H100, S=64K, top-2048 + window 1024: 16.8 ms vs 20.8 ms with one head per program
     and 128-key tiles, 2 stages; scripts/tune_decode.py, 2026-11-22)."""
-    if device_type != "cuda" or head_dim > 128:
+    if device_type != "cuda" or head_dim != 128:  # measured at D=128 only; other head dims keep the prefill tiles
         bm, bn = tile_config(head_dim, device_type, False)
         return bm, 1, bn
     pack = 1

@@ -530,7 +530,7 @@ def attention_forward(
             num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
         )
     dev = q.device
-    NQ = triton.cdiv(Sq, layout.block_q)
+    NQ = -(-Sq // layout.block_q)  # plain ints: triton.cdiv is a JIT function, slow to call from Python
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
     if fnum.stride() != pnum.stride():
         pnum = pnum.contiguous()
@@ -543,9 +543,9 @@ def attention_forward(
     kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
-        max_tiles += triton.cdiv(selection.indices.shape[-1], block_n)
+        max_tiles += -(-selection.indices.shape[-1] // block_n)
     split = num_splits > 1
-    tiles_per_split = triton.cdiv(max_tiles, num_splits) if split else max_tiles
+    tiles_per_split = -(-max_tiles // num_splits) if split else max_tiles
     if split:
         o_w = torch.empty(B, Hq, Sq, num_splits, D, device=dev, dtype=torch.float32)
         l_w = torch.empty(B, Hq, Sq, num_splits, device=dev, dtype=torch.float32)

@@ -538,3 +538,32 @@ def test_structured_backward(name):
         for label, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
             assert not a.isnan().any(), (label, config)
             assert rel(a, b) < 5 * TOL32, (label, config)
+
+
+def test_selection_prefill_config():
+    """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
+    power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
+    from sparse_k.triton_backend import selection_prefill_config, tile_config
+
+    for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
+        assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
+    for d in (64, 256):
+        assert selection_prefill_config(4, "cuda", d) == (tile_config(d, "cuda", False)[0], 1, tile_config(d, "cuda", False)[1])
+    assert selection_prefill_config(4, "cpu", 128)[1] == 1
+
+
+def test_decode_split_count_fills_one_wave(monkeypatch):
+    """Split-KV factor: one wave of programs over the SMs for contiguous key tiles, two with gathered
+    (token-layout) keys, never more splits than tiles, at least one."""
+    from types import SimpleNamespace
+
+    from sparse_k.triton_backend import _num_splits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    dev = torch.device("cuda")
+    assert _num_splits(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
+    assert _num_splits(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
+    assert _num_splits(8, 66, dev) == 16
+    assert _num_splits(8, 5, dev) == 5
+    assert _num_splits(500, 66, dev) == 1
+    assert _num_splits(1, 10_000, dev) == 64
