@@ -501,7 +501,8 @@ def attention_forward(
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
             (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel
-            (``combine_splits``); default on.
+            (``combine_splits``); default on (off inside a CUDA-graph capture on a stream that has no
+            counters yet).
         sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
             (causal sliding_window / streaming static parts; see ``_selection_loop``). Opt-in: tested
             under the interpreter and compiled for sm_90, not yet timed on a GPU
@@ -573,8 +574,10 @@ def attention_forward(
     if full_contig is None:
         full_contig = full_tiles_contiguous(layout)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
-    fuse = split and fuse_combine is not False
-    sem = split_counters(dev, grid[0] * grid[1]) if fuse else lse
+    sem = split_counters(dev, grid[0] * grid[1]) if split and fuse_combine is not False else None
+    fuse = sem is not None
+    if not fuse:
+        sem = lse
     _attn_fwd[grid](
         q, k_arg, v_arg, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         fnum, fidx, pnum, pidx,
@@ -603,18 +606,20 @@ _COUNTERS: dict = {}
 _RETIRED: list = []  # replaced counter buffers stay alive: a captured CUDA graph may still point at them
 
 
-def split_counters(device, n: int) -> torch.Tensor:
+def split_counters(device, n: int) -> torch.Tensor | None:
     """Per-(device, stream) int32 arrival counters (at least ``n``) for the fused split merge.
 
     They are zero between launches: each launch's last arrival resets its tile's counter. One buffer
-    per stream keeps launches on concurrent streams apart. A buffer first needed while a CUDA graph is
-    captured is allocated (and zero-filled) inside the capture, so the graph owns a valid one;
-    warming up and capturing on the same stream avoids that extra fill node."""
+    per stream keeps launches on concurrent streams apart. ``None`` while a CUDA graph is captured on
+    a stream without a large enough buffer (no allocation inside a capture: the caller launches the
+    combine kernel instead); a graph captured on a stream that ran the same call before merges in place."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     if buf is not None:
         _RETIRED.append(buf)
     buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)

@@ -242,10 +242,11 @@ def test_token_layout_inference_packed_bf16(fast):
     assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
 
 
-def test_decode_fused_merge_under_cuda_graph():
-    """Split-KV decode whose merge runs in the last split program: captured in a CUDA graph on a
-    stream that has no counters yet (they are allocated inside the capture), replayed with new
-    queries, and eager on another stream in between; every replay against the float64 reference."""
+def test_decode_split_merge_under_cuda_graph():
+    """Split-KV decode captured in CUDA graphs: on a fresh stream (no counters: the combine kernel
+    merges) and on a stream that ran the call before (its counters exist: the last split program
+    merges in place); replayed with new queries, eager launches in between; each replay against the
+    float64 reference."""
     from sparse_k import triton_fwd
 
     B, Hq, Hkv, S, D = 4, 16, 4, 9000, 128
@@ -259,18 +260,27 @@ def test_decode_fused_merge_under_cuda_graph():
     def call():
         return triton_fwd.attention_forward(q_static, k, v, lay, scale=D ** -0.5, pack=4, num_splits=6, sink_logits=sink)
 
-    call()  # compile and load the kernel outside the capture (on the default stream)
+    call()  # compile and load the kernel outside the captures (default stream)
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out, _ = call()
+    graphs = []
+    for warm in (False, True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        if warm:
+            with torch.cuda.stream(stream):
+                call()
+            assert (str(torch.device("cuda", torch.cuda.current_device())), stream.cuda_stream) in triton_fwd._COUNTERS
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out, _ = call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append((graph, out))
     for i in range(3):
         q_static.copy_(torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16))
-        graph.replay()
-        eager, _ = call()  # the default stream's own counters
         ref, _ = reference_attention(q_static.double(), k.double(), v.double(), p, geo, scale=D ** -0.5,
                                      sink_logits=sink.double())
-        assert rel(out, ref) < TOL[torch.bfloat16], i
+        for graph, out in graphs:
+            graph.replay()
+            assert rel(out, ref) < TOL[torch.bfloat16], i
+        eager, _ = call()
         assert rel(eager, ref) < TOL[torch.bfloat16], i
