@@ -171,23 +171,44 @@ def layout_args(layout, *, need_transposed: bool) -> tuple:
         _, bwd = _kernels()
         t = bwd.transposed_layout(layout)
     else:
-        empty = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=fnum.device)
+        fwd, _ = _kernels()
+        empty = fwd.placeholder(fnum.device, torch.int32, 4)
         t = (empty[..., 0], empty, empty[..., 0], empty)
     return (fnum, fidx, pnum, pidx, *t)
+
+
+def _eager_inference(need_grad: bool, tensors) -> bool:
+    """True for a plain eager call without gradients: the launcher then runs directly, since the custom
+    op's dispatch costs tens of microseconds per call (more than a decode kernel's GPU time). Under
+    ``torch.compile``, with gradients or with fake tensors the op runs (it is what those trace)."""
+    if need_grad or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def block_attn(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, num_splits=1, need_grad=False,
     selection=None,
 ):
-    """Block-sparse attention through the custom op. ``layout``: a ``BlockLayout`` whose ``block_q`` is
-    ``BLOCK_M // pack``; ``selection``: an optional ``TokenLayout`` fused into the same pass (no gradient).
+    """Block-sparse attention through the custom op (or, for eager calls without gradients, the same
+    launcher directly). ``layout``: a ``BlockLayout`` whose ``block_q`` is ``BLOCK_M // pack``;
+    ``selection``: an optional ``TokenLayout`` fused into the same pass.
     Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
+    fwd, _ = _kernels()
+    if _eager_inference(need_grad, (q, k, v, sink_logits)):
+        return fwd.attention_forward(
+            q, k, v, layout, scale=float(scale), softcap=softcap if softcap else None, sink_logits=sink_logits,
+            key_mask=key_mask, pack=pack, num_splits=num_splits, full_contig=fwd.full_tiles_contiguous(layout),
+            selection=selection,
+        )
     sel = ()
     if selection is not None:
         sel = (selection.indices, selection.counts, selection.weights,
                selection.first_block.to(device=q.device, dtype=torch.int64), selection.query_block)
-    fwd, _ = _kernels()
     pid, params = fwd.pattern_code(layout.pattern)
     geo = layout.geometry
     return block_attn_fwd(

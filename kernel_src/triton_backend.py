@@ -6,7 +6,10 @@ back to the PyTorch path with a one-time warning); ``run(call)`` picks tile size
 * prefill / training: ``BLOCK_M x BLOCK_N`` tiles over the block layout (``tile_config``), one query
   head per program; with gradients the layout's transpose travels with the op for the backward;
 * decode (``Sq <= 16``, no gradient): the query heads of a KV group packed into one tile and the
-  key tiles split across programs (flash-decoding), merged by a combine kernel that adds the sink.
+  key tiles split across programs (flash-decoding), merged by the last split program of each tile
+  (or a combine kernel), which adds the sink;
+* prefill with a token layout and no gradient: the query heads of a KV group packed as in decode
+  (``selection_prefill_config``).
 
 Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id,
 causal, tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0``) and on
@@ -24,7 +27,7 @@ import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 from .api import AttentionCall, register_backend
 from .patterns import BigBird
 
-__all__ = ["why_unsupported", "run", "tile_config", "decode_config"]
+__all__ = ["why_unsupported", "run", "tile_config", "decode_config", "selection_prefill_config"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -57,8 +60,27 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tu
         pack *= 2
     if rows * pack < min_m:
         rows = min_m // pack
-    block_n = 16 if device_type != "cuda" else (64 if head_dim > 128 else 128)
+    # 64-key tiles (H100, B=8, 128K cache, scripts/tune_decode.py, 2026-11-22): with 4 warps and 3 stages
+    # a program needs 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token
+    # layout ran 47 us (graph replay) against 48-54 us with 128-key tiles, a window 64.5 vs 63-65 us.
+    block_n = 16 if device_type != "cuda" else 64
     return rows, pack, block_n
+
+
+def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
+    """``(rows per head, heads packed, BLOCK_N)`` of an inference prefill with a token layout.
+
+    ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
+    (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
+    run ahead too (H100, S=64K, top-2048 + window 1024: 16.8 ms vs 20.8 ms with one head per program
+    and 128-key tiles, 2 stages; scripts/tune_decode.py, 2026-11-22)."""
+    if device_type != "cuda" or head_dim != 128:  # measured at D=128 only; other head dims keep the prefill tiles
+        bm, bn = tile_config(head_dim, device_type, False)
+        return bm, 1, bn
+    pack = 1
+    while group % (pack * 2) == 0 and pack * 2 <= 4:
+        pack *= 2
+    return 128 // pack, pack, 64
 
 
 def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | None:
@@ -89,6 +111,9 @@ def _plan(call: AttentionCall):
     if Sq <= 16 and not need_grad:
         rows, pack, bn = decode_config(Sq, G, dev, D)
         return rows, bn, pack, True
+    if call.selection is not None and not need_grad:
+        rows, pack, bn = selection_prefill_config(G, dev, D)
+        return rows, bn, pack, False
     bm, bn = tile_config(D, dev, need_grad)
     return bm, bn, 1, False
 
@@ -115,11 +140,18 @@ def why_unsupported(call: AttentionCall) -> str | None:
     return None
 
 
-def _num_splits(programs: int, max_tiles: int, device) -> int:
+def _num_splits(programs: int, max_tiles: int, device, gathered: bool = False) -> int:
+    """Split-KV factor of a decode launch of ``programs`` (batch x KV heads x packs x query tiles).
+
+    One wave: ``SMs // programs`` splits for contiguous key tiles (longer runs per program win), twice
+    that when selected keys are gathered (each gathered tile waits on its index load; more programs
+    hide it). H100, B=8 (64 programs), 128K cache: window 4096 best at 2 splits (64.5 us graph replay;
+    5 splits, the old rule, 66-67), top-2048 at 4 (47.3 us; 6: 47.2-48.6, 8: 52-55)."""
     if device.type != "cuda":
         return max(1, min(max_tiles, 3))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_tiles, -(-2 * sms // max(1, programs)), 64))
+    waves = 2 if gathered else 1
+    return max(1, min(max_tiles, waves * sms // max(1, programs), 64))
 
 
 def run(call: AttentionCall):
@@ -135,7 +167,8 @@ def run(call: AttentionCall):
         max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
         if call.selection is not None:
             max_tiles += -(-call.selection.indices.shape[-1] // bk)
-        splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device)
+        splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device,
+                             gathered=call.selection is not None)
     return block_attn(
         call.q, call.k, call.v, layout, scale=call.scale, softcap=call.softcap, sink_logits=call.sink_logits,
         key_mask=call.key_mask, pack=pack, num_splits=splits, need_grad=need_grad, selection=call.selection,

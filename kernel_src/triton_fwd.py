@@ -5,7 +5,9 @@ of one KV group (GQA packing: the packed heads share every K/V tile load), and w
 *full* key tiles (no element mask) in one loop and its *partial* tiles (element rule evaluated in
 registers) in a second loop; the mask is a constexpr flag of the shared tile step, so neither loop
 holds a run-time branch. With ``SPLIT`` the tile list is cut into ``num_splits`` ranges (split-KV,
-flash-decoding); each split writes a partial result (its normalised output and log-sum-exp, sink left out) and ``combine_splits`` merges them and adds the sink logit once.
+flash-decoding); each split writes a partial result (its normalised output and log-sum-exp, sink left out)
+and the last split program of each tile to finish merges them and adds the sink logit once
+(``_combine_last``, arrival counters from ``split_counters``), or ``combine_splits`` does in a second launch.
 
 Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
 
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits"]
+__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits", "split_counters"]
 
 LOG2E = 1.4426950408889634
 
@@ -168,16 +170,25 @@ def _selection_loop(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr,
+    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr,
 ):
     """Token-layout keys (learned top-k) of the selection blocks this tile's rows belong to.
 
     Row r uses block ``qpos // QB - first_block[b]``; a selected key counts only where the static
     rule does not already allow it, it is valid, and it is causal (design §5, ``TokenLayout``).
     Slots ``[c_lo, c_hi)`` of each block's list are handled here (a split's share in split-KV mode).
+    With ``SEL_FAST`` (causal sliding_window / streaming static parts) a tile whose valid keys all
+    lie behind every row's window, past the sinks and before every row needs only the 1-D row and
+    key masks: the (BLOCK_M, BLOCK_N) rule is evaluated for the other tiles alone.
     """
     fb = tl.load(FIRST_BLOCK + b64)
     sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
+    # The (BLOCK_M, BLOCK_N) mask arithmetic runs on int32 positions (half the registers of int64;
+    # positions stay far below 2**31): row / key validity is folded into 1-D vectors first.
+    qpos32 = qpos.to(tl.int32)
+    k_start32 = k_start.to(tl.int32)
+    k_lo = tl.maximum(k_start, 0).to(tl.int32)
+    k_hi = tl.minimum(k_end, Skv).to(tl.int32)
     sb_lo = tl.min(tl.where(q_ok, sb_row, 1 << 30), 0)
     sb_hi = tl.max(tl.where(q_ok, sb_row, -(1 << 30)), 0)
     sb_lo = tl.maximum(sb_lo, 0)
@@ -187,14 +198,16 @@ def _selection_loop(
         cnt = tl.load(SEL_CNT + b64 * stride_scb + hkv * stride_sch + sbl * stride_scn)
         hi = tl.minimum(cnt, c_hi)
         row_in = sb_row == sb
+        q_min = tl.min(tl.where(row_in & q_ok, qpos32, 1 << 30), 0)  # earliest row of this block in the tile
         for c in range(c_lo, hi, BLOCK_N):
             slot = c + offs_n
             s_ok = slot < hi
-            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int64)
-            k_ok = s_ok & (kidx >= k_start) & (kidx < k_end) & (kidx >= 0) & (kidx < Skv)
+            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int32)
+            k_ok = s_ok & (kidx >= k_lo) & (kidx < k_hi)
             ksafe = tl.where(k_ok, kidx, 0)
-            kt = tl.load(Kb + ksafe[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
-            vt = tl.load(Vb + ksafe[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            koff = ksafe.to(tl.int64)
+            kt = tl.load(Kb + koff[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+            vt = tl.load(Vb + koff[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, kt)
             if HAS_SOFTCAP:
                 s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap) * 1.4426950408889634
@@ -205,11 +218,25 @@ def _selection_loop(
                 k_ok = k_ok & (w > 0)
                 s = s + tl.log2(tl.where(w > 0, w, 1.0))[None, :]
             if HAS_KMASK:
-                km = tl.load(kmask_row + ksafe, mask=k_ok, other=0)
+                km = tl.load(kmask_row + koff, mask=k_ok, other=0)
                 k_ok = k_ok & (km != 0)
-            static = _pattern_rule(qpos[:, None], (ksafe - k_start)[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
-            ok = row_in[:, None] & k_ok[None, :] & (ksafe[None, :] <= qidx[:, None]) & ~static
-            s = tl.where(ok, s, float("-inf"))
+            kpos = ksafe - k_start32
+            if SEL_FAST:
+                kp_lo = tl.min(tl.where(k_ok, kpos, 1 << 30), 0)
+                kp_hi = tl.max(tl.where(k_ok, kpos, -(1 << 30)), 0)
+                far = q_min - kp_hi >= P0  # behind every row's window, hence causal too
+                if PATTERN == 2:
+                    far = far & (kp_lo >= P1)  # past the sinks
+                if far:
+                    s = tl.where(row_in[:, None] & k_ok[None, :], s, float("-inf"))
+                else:
+                    static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+                    ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
+                    s = tl.where(ok, s, float("-inf"))
+            else:
+                static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+                ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
+                s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -231,11 +258,13 @@ def _attn_fwd(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB,
     Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
+    OUT_F, LSE_F, SEM, stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr, SPLIT: tl.constexpr,
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -330,7 +359,7 @@ def _attn_fwd(
             k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
             SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
             stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
-            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW,
+            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST,
         )
 
     if HAS_SINK and not SPLIT:
@@ -352,6 +381,63 @@ def _attn_fwd(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
     l_ptrs = LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm + s64 * stride_ls
     tl.store(l_ptrs, lse, mask=q_ok)
+    if FUSE_COMBINE:
+        if HEADS_FIRST:
+            sem_idx = pid_bh * tl.num_programs(1) + pid_m
+        else:
+            sem_idx = pid_bh * tl.num_programs(0) + pid_m
+        _combine_last(
+            O, LSE, OUT_F, LSE_F, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, tl.num_programs(2),
+            stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
+            stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
+            HAS_SINK, BLOCK_M, BLOCK_S, HEAD_DIM,
+        )
+
+
+@triton.jit
+def _combine_last(
+    OP, LP, O, LSE, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, num_splits,
+    stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Split-KV merge without a second launch: the last split program of a tile merges its rows.
+
+    Every split program of the tile has written its partial rows; the barrier orders them before
+    this program's arrival on the tile's counter (``atomic_add``, acquire-release at GPU scope); the
+    program that arrives last resets the counter to 0 (so the next launch finds it zeroed) and reads
+    the partials past L1 (``.cg``). Rows: ``(BLOCK_M,)`` head / query index vectors; the sink joins once.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(SEM + sem_idx, 1)
+    if arrived == num_splits - 1:
+        tl.atomic_xchg(SEM + sem_idx, 0)
+        offs_s = tl.arange(0, BLOCK_S)
+        row_l = LP + b64 * stride_qb + h64 * stride_qh + qi64 * stride_qm
+        lse_p = tl.load(row_l[:, None] + offs_s[None, :] * stride_qs, mask=q_ok[:, None] & (offs_s < num_splits)[None, :],
+                        other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse_p, 1)
+        if HAS_SINK:
+            sink = tl.load(SINK + h64).to(tl.float32)
+            m = tl.maximum(m, sink)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_p - m_safe[:, None])  # (BLOCK_M, BLOCK_S)
+        den = tl.sum(w, 1)
+        if HAS_SINK:
+            den = den + tl.exp(sink - m_safe)
+        row_o = OP + b64 * stride_pb + h64 * stride_ph + qi64 * stride_pm
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for sp in range(0, num_splits):
+            w_s = tl.sum(tl.where(offs_s[None, :] == sp, w, 0.0), 1)
+            o_p = tl.load(row_o[:, None] + sp * stride_ps + offs_d[None, :], mask=q_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc += o_p * w_s[:, None]
+        has = den > 0
+        den_safe = tl.where(has, den, 1.0)
+        out = acc / den_safe[:, None]
+        lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+        o_ptrs = O + b64 * stride_ob + h64[:, None] * stride_oh + qi64[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+        tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
 
 
 @triton.jit
@@ -399,7 +485,7 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None,
+    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=False,
 ):
     """Launch the block-sparse forward.
 
@@ -413,6 +499,14 @@ def attention_forward(
             arithmetic, no index lists); default: whenever ``structured_ok`` allows it.
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
+        fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
+            (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel
+            (``combine_splits``); default on (off inside a CUDA-graph capture on a stream that has no
+            counters yet).
+        sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
+            (causal sliding_window / streaming static parts; see ``_selection_loop``). Opt-in: tested
+            under the interpreter and compiled for sm_90, not yet timed on a GPU
+            (``scripts/tune_decode.py --part token`` compares both).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
@@ -437,7 +531,7 @@ def attention_forward(
             num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
         )
     dev = q.device
-    NQ = triton.cdiv(Sq, layout.block_q)
+    NQ = -(-Sq // layout.block_q)  # plain ints: triton.cdiv is a JIT function, slow to call from Python
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
     if fnum.stride() != pnum.stride():
         pnum = pnum.contiguous()
@@ -447,12 +541,12 @@ def attention_forward(
         out = torch.empty(B, Hq, Sq, D, device=dev, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
-    kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
+    kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
-        max_tiles += triton.cdiv(selection.indices.shape[-1], block_n)
+        max_tiles += -(-selection.indices.shape[-1] // block_n)
     split = num_splits > 1
-    tiles_per_split = triton.cdiv(max_tiles, num_splits) if split else max_tiles
+    tiles_per_split = -(-max_tiles // num_splits) if split else max_tiles
     if split:
         o_w = torch.empty(B, Hq, Sq, num_splits, D, device=dev, dtype=torch.float32)
         l_w = torch.empty(B, Hq, Sq, num_splits, device=dev, dtype=torch.float32)
@@ -480,6 +574,10 @@ def attention_forward(
     if full_contig is None:
         full_contig = full_tiles_contiguous(layout)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
+    sem = split_counters(dev, grid[0] * grid[1]) if split and fuse_combine is not False else None
+    fuse = sem is not None
+    if not fuse:
+        sem = lse
     _attn_fwd[grid](
         q, k_arg, v_arg, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         fnum, fidx, pnum, pidx,
@@ -489,23 +587,64 @@ def attention_forward(
         pidx.stride(0), pidx.stride(1), pidx.stride(2),
         kmask.stride(0), int(geo.rows > 1), *sel_args,
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
+        out, lse, sem, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
         HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h, USE_TMA=use_tma,
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
+        FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        SEL_FAST=bool(sel_fast) and selection is not None and bool(is_causal) and pid in (1, 2),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if split:
+    if split and not fuse:
         combine_splits(o_w, l_w, out, lse, sink_logits)
     return out, lse
+
+
+_COUNTERS: dict = {}
+_RETIRED: list = []  # replaced counter buffers stay alive: a captured CUDA graph may still point at them
+
+
+def split_counters(device, n: int) -> torch.Tensor | None:
+    """Per-(device, stream) int32 arrival counters (at least ``n``) for the fused split merge.
+
+    They are zero between launches: each launch's last arrival resets its tile's counter. One buffer
+    per stream keeps launches on concurrent streams apart. ``None`` while a CUDA graph is captured on
+    a stream without a large enough buffer (no allocation inside a capture: the caller launches the
+    combine kernel instead); a graph captured on a stream that ran the same call before merges in place."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    _COUNTERS[key] = buf
+    return buf
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
+    """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
+    (no allocation or fill kernel per call: decode launches are short)."""
+    key = (str(dev), dtype, ndim)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros((1,) * ndim, dtype=dtype, device=dev)
+    return t
 
 
 def _selection_args(sel, dev):
     """Pointers, strides and sizes of a ``TokenLayout`` in the kernel's order (dummies without one)."""
     if sel is None:
-        d = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=dev)
-        return (d, d, d, torch.zeros(1, dtype=torch.int64, device=dev), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+        d = placeholder(dev, torch.int32, 4)
+        return (d, d, d, placeholder(dev, torch.int64, 1), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
     idx, cnt = sel.indices, sel.counts
     w = sel.weights if sel.weights is not None else idx
     fb = sel.first_block.to(device=dev, dtype=torch.int64).expand(idx.shape[0]).contiguous()

@@ -204,3 +204,83 @@ def test_structured_forward_and_opt_in_backward_bf16(pattern):
                                                       causal=pattern.causal, scale=D ** -0.5, sink_logits=sink, key_mask=mask)
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
         assert rel(a, b) < 2 * TOL[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_token_layout_inference_packed_bf16(fast):
+    """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
+    with left padding, sinks and window, against the float64 reference, with and without the far-tile
+    shortcut (``sel_fast``)."""
+    from sparse_k import triton_fwd
+    from sparse_k.triton_backend import selection_prefill_config
+
+    B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    mask[1, :37] = False
+    p = get_pattern("sparse_k", sinks=4, window=100, top_k=K, query_block=QB)
+    geo = row_geometry(B, S, S, mask, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    NB = -(-S // QB) + 1
+    idx = torch.rand(B, Hkv, NB, S, device="cuda", generator=g).topk(K, -1).indices.to(torch.int32)  # unsorted
+    cnt = torch.randint(K // 2, K + 1, (B, Hkv, NB), device="cuda", generator=g, dtype=torch.int32)
+    first = torch.div(geo.q_positions(S)[:, 0], QB, rounding_mode="floor").expand(B).contiguous()
+    sel = sparse_k.TokenLayout(idx, cnt, QB, first)
+    ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", selection=sel,
+                                    attention_mask=mask)
+    valid = mask[:, None, :, None].expand_as(ref)  # rows of padding positions are unconstrained
+    if not fast:
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel, attention_mask=mask)
+        assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
+    rows, pack, bn = selection_prefill_config(Hq // Hkv, "cuda", D)
+    assert (rows, pack, bn) == (32, 4, 64)
+    lay = sparse_k.build_block_layout(p, S, S, geo, block_q=rows, block_k=bn, num_kv_heads=Hkv)
+    out = torch.full_like(q, float("nan"))
+    triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, key_mask=mask, out=out,
+                                 sel_fast=fast)
+    assert not out.isnan().any()
+    assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
+
+
+def test_decode_split_merge_under_cuda_graph():
+    """Split-KV decode captured in CUDA graphs: on a fresh stream (no counters: the combine kernel
+    merges) and on a stream that ran the call before (its counters exist: the last split program
+    merges in place); replayed with new queries, eager launches in between; each replay against the
+    float64 reference."""
+    from sparse_k import triton_fwd
+
+    B, Hq, Hkv, S, D = 4, 16, 4, 9000, 128
+    _, k, v = _inputs(B, Hq, Hkv, 1, S, D, torch.bfloat16, seed=11)
+    p = get_pattern("streaming", sinks=4, window=2000)
+    geo = row_geometry(B, 1, S, None, device="cuda")
+    lay = sparse_k.build_block_layout(p, 1, S, geo, block_q=4, block_k=64, num_kv_heads=Hkv)
+    q_static = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(Hq, device="cuda")
+
+    def call():
+        return triton_fwd.attention_forward(q_static, k, v, lay, scale=D ** -0.5, pack=4, num_splits=6, sink_logits=sink)
+
+    call()  # compile and load the kernel outside the captures (default stream)
+    torch.cuda.synchronize()
+    graphs = []
+    for warm in (False, True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        if warm:
+            with torch.cuda.stream(stream):
+                call()
+            assert (str(torch.device("cuda", torch.cuda.current_device())), stream.cuda_stream) in triton_fwd._COUNTERS
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out, _ = call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append((graph, out))
+    for i in range(3):
+        q_static.copy_(torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16))
+        ref, _ = reference_attention(q_static.double(), k.double(), v.double(), p, geo, scale=D ** -0.5,
+                                     sink_logits=sink.double())
+        for graph, out in graphs:
+            graph.replay()
+            assert rel(out, ref) < TOL[torch.bfloat16], i
+        eager, _ = call()
+        assert rel(eager, ref) < TOL[torch.bfloat16], i

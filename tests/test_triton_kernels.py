@@ -187,6 +187,32 @@ def test_decode_split_kv_strided_cache(q_len):
         assert torch.allclose(lse.double(), rl, atol=1e-4)
 
 
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("fuse", [True, False])
+def test_decode_split_merge_fused_and_separate(fuse):
+    """Split-KV merge in the last split program (fused) or in the combine kernel: every output row
+    written (NaN-poisoned first), sink added once, counters back at zero for the next launch."""
+    g = torch.Generator().manual_seed(31 + fuse)
+    B, Hq, Hkv, S, D = 2, 4, 2, 83, 16
+    k, v = rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    sink = rand(Hq, gen=g)
+    p = get_pattern("streaming", sinks=3, window=29)
+    for q_len, splits in ((1, 3), (5, 4), (16, 7)):
+        q = rand(B, Hq, q_len, D, gen=g)
+        geo = row_geometry(B, q_len, S, None, device=DEV)
+        lay = _layout(p, q_len, S, geo, Hkv, bq=8)
+        ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink)
+        for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
+            out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
+            o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
+                                                  sink_logits=sink, out=out, fuse_combine=fuse)
+            assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
+            assert rel(o, ro) < TOL32
+            assert torch.allclose(lse.double(), rl, atol=1e-4)
+        if fuse:
+            assert not triton_fwd.split_counters(torch.device(DEV), 1).any()
+
+
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
     """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
     from sparse_k.triton_backend import decode_config
@@ -393,6 +419,39 @@ def test_token_layout_decode_split():
         assert rel(out, ref) < TOL32
 
 
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("pack", [1, 2])
+def test_token_layout_far_tiles_skip_the_element_rule(pack):
+    """Selected-key tiles wholly behind every row's window take the 1-D-mask path, the others the
+    element rule: both in one launch (far keys first, then sinks / window / future keys), against the
+    reference and against the launch without the shortcut."""
+    g = torch.Generator().manual_seed(40 + pack)
+    B, Hq, Hkv, S, D, QB, K = 1, 4, 2, 80, 16, 32, 32
+    p = get_pattern("streaming", sinks=2, window=6)
+    pl = get_pattern("sparse_k", sinks=2, window=6, top_k=K, query_block=QB)
+    idx = torch.empty(B, Hkv, S // QB + 1, K, dtype=torch.int32)
+    for h in range(Hkv):
+        for n in range(idx.shape[2]):
+            far = torch.arange(2, max(2, n * QB - 6 + 1))
+            far = far[torch.randperm(len(far), generator=g)[:16]]
+            rest = torch.tensor([j for j in range(S) if j not in set(far.tolist())])
+            near = rest[torch.randperm(len(rest), generator=g)[: K - len(far)]]
+            idx[0, h, n] = torch.cat([far, near]).int()
+    cnt = torch.full(idx.shape[:3], K, dtype=torch.int32)
+    sel = sparse_k.TokenLayout(idx.to(DEV), cnt.to(DEV), QB, torch.zeros(B, dtype=torch.int64, device=DEV))
+    q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    geo = row_geometry(B, S, S, None, device=DEV)
+    lay = _layout(p, S, S, geo, Hkv, bq=16 // pack)
+    ref = sparse_k.sparse_attention(q, k, v, pl, backend="reference", selection=sel)
+    outs = []
+    for fast in (True, False):
+        out = torch.full_like(q, float("nan"))
+        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
+        assert rel(out, ref) < TOL32, fast
+        outs.append(out)
+    assert rel(outs[0], outs[1]) < TOL32
+
+
 STRUCTURED_CASES = {
     # name: (pattern, Sq, Skv, left padding of row 1, key holes)
     "dense_square": (get_pattern("dense"), 45, 45, 0, False),
@@ -479,3 +538,32 @@ def test_structured_backward(name):
         for label, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
             assert not a.isnan().any(), (label, config)
             assert rel(a, b) < 5 * TOL32, (label, config)
+
+
+def test_selection_prefill_config():
+    """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
+    power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
+    from sparse_k.triton_backend import selection_prefill_config, tile_config
+
+    for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
+        assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
+    for d in (64, 256):
+        assert selection_prefill_config(4, "cuda", d) == (tile_config(d, "cuda", False)[0], 1, tile_config(d, "cuda", False)[1])
+    assert selection_prefill_config(4, "cpu", 128)[1] == 1
+
+
+def test_decode_split_count_fills_one_wave(monkeypatch):
+    """Split-KV factor: one wave of programs over the SMs for contiguous key tiles, two with gathered
+    (token-layout) keys, never more splits than tiles, at least one."""
+    from types import SimpleNamespace
+
+    from sparse_k.triton_backend import _num_splits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    dev = torch.device("cuda")
+    assert _num_splits(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
+    assert _num_splits(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
+    assert _num_splits(8, 66, dev) == 16
+    assert _num_splits(8, 5, dev) == 5
+    assert _num_splits(500, 66, dev) == 1
+    assert _num_splits(1, 10_000, dev) == 64
