@@ -21,7 +21,47 @@ import triton.language as tl
 from .block_layout import BlockLayout, _pack
 from .triton_fwd import LOG2E, _floordiv, _pattern_rule, _selection_args, _softcap, pattern_code
 
-__all__ = ["transposed_layout", "attention_backward"]
+__all__ = ["transposed_layout", "attention_backward", "bwd_preprocess"]
+
+
+@triton.jit
+def _bwd_prep(
+    O, DO, LSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm, Hq, Sq, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` and ``lse2 = lse * log2(e)`` (``+inf`` where ``lse = -inf``) of
+    ``BLOCK`` rows of one (batch row, head), written contiguously ``(B, Hq, Sq)``."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < Sq
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows * stride_lm, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dst = pid_bh.to(tl.int64) * Sq + rows
+    tl.store(DELTA + dst, delta, mask=ok)
+    tl.store(LSE2 + dst, lse2, mask=ok)
+
+
+def bwd_preprocess(do, out, lse):
+    """One pass over ``dO`` and ``O``: ``delta = rowsum(dO * O)`` float32 ``(B, Hq, Sq)`` and
+    ``lse2 = lse * log2(e)`` (``+inf`` for rows that see no key, so that ``exp2(s - lse2) = 0``), both
+    contiguous. (The float32 copies of ``torch``'s ``(do.float() * out.float()).sum(-1)`` moved ~14
+    bytes per element, this kernel 4.)"""
+    B, Hq, Sq, D = out.shape
+    delta = torch.empty(B, Hq, Sq, device=out.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    block = max(16, min(128, 8192 // D))
+    _bwd_prep[(triton.cdiv(Sq, block), B * Hq)](
+        out, do, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), Hq, Sq, BLOCK=block, HEAD_DIM=D, num_warps=4,
+    )
+    return delta, lse2
 
 
 def transposed_layout(layout: BlockLayout):
@@ -355,8 +395,9 @@ def attention_backward(
     G = Hq // Hkv
     dev = q.device
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = (do.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Sq)
+    out = out.contiguous() if out.stride(-1) != 1 else out
     lse = lse.contiguous()
+    delta, lse2 = bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32 each
     pid, params = pattern_code(layout.pattern)
     geo = layout.geometry
     causal = bool(layout.pattern.causal)
@@ -365,7 +406,7 @@ def attention_backward(
 
         dq, dk, dv, dsink = structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale,
-            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask,
+            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, prep=(delta, lse2),
         )
         return dq, dk, dv, dsink, None
     bm, bn = layout.block_q, layout.block_k
