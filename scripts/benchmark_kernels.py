@@ -583,7 +583,7 @@ def section_tune_bwd(args, results):
 
 
 STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order, schedule); the first is the default
-    (128, 128, 3, 8, 3, 0), (128, 128, 3, 8, 3, 1), (128, 128, 3, 8, 3, 2), (128, 128, 3, 8, 0, 1),
+    (128, 128, 3, 8, 3, 0), (128, 128, 3, 8, 3, 1), (128, 128, 3, 8, 3, 2), (128, 128, 3, 8, 0, 1), (128, 128, 3, 8, 2, 1),
     (64, 64, 3, 4, 3, 1), (64, 64, 2, 4, 3, 1), (128, 64, 3, 8, 3, 1),
 ]
 LAYOUT_VARIANTS = [  # layout path for the other patterns: (BLOCK_M, BLOCK_N, stages, warps)
