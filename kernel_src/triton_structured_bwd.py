@@ -59,14 +59,15 @@ def _cdiv(a, b):
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, Qd, DOd, Qh, DOh, LSEh, DELTAh, DQh, qrow0, m, offs_m, offs_d, stride_qm, stride_dom, stride_dqm,
+    dk, dv, k, v, Qd, DOd, DQd, Qh, DOh, LSEh, DELTAh, DQh, qrow0, m, offs_m, offs_d, stride_qm, stride_dom, stride_dqm,
     kpos, kval, qpos0, Sq, scale, scale_log2, softcap, P0, P1,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr, INDEX64: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
     """Query tile ``m`` of one head against the program's key tile: ``dv += P^T dO``, ``dk += dS^T Q``
-    (unscaled); with ``ATOMIC_DQ`` also ``dQ += dS K * scale`` by atomic adds."""
+    (unscaled); with ``ATOMIC_DQ`` also ``dQ += dS K * scale`` by atomic adds (1: per element, 2: TMA
+    reduce-add of the whole tile)."""
     qi = offs_m + m * BLOCK_M  # (BLOCK_M,) int32 query indices
     if INDEX64:
         qo = qi.to(tl.int64)
@@ -106,15 +107,18 @@ def _dkdv_tile(
     if HAS_SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
     dk = tl.dot(dsT.to(q.dtype), q, dk)
-    if ATOMIC_DQ:
+    if ATOMIC_DQ == 1:
         dq_c = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale  # (BLOCK_M, D)
         tl.atomic_add(DQh + qo[:, None] * stride_dqm + offs_d[None, :], dq_c, mask=q_ok[:, None], sem="relaxed")
+    elif ATOMIC_DQ == 2:  # TMA reduce-add; rows past Sq add exact zeros (their P is 0)
+        dq_c = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
+        DQd.atomic_add([(qrow0 + m * BLOCK_M).to(tl.int32), 0], dq_c)
     return dk, dv
 
 
 @triton.jit
 def _st_dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ32, Qd, DOd, Kd, Vd, KMASK, QSTART, KSTART, KEND,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ32, Qd, DOd, Kd, Vd, DQd, KMASK, QSTART, KSTART, KEND,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqm, stride_kmb, geo_stride,
@@ -218,7 +222,7 @@ def _st_dkdv(
         m = tl.where(tt < n_left, m_lo + tt, fm_hi + tt - n_left)
         head = hkv * G + gi
         dk, dv = _dkdv_tile(
-            dk, dv, k, v, Qd, DOd, Q + b * stride_qb + head * stride_qh, DO + b * stride_dob + head * stride_doh,
+            dk, dv, k, v, Qd, DOd, DQd, Q + b * stride_qb + head * stride_qh, DO + b * stride_dob + head * stride_doh,
             LSE2 + (b * Hq + head) * Sq, DELTA + (b * Hq + head) * Sq, DQ32 + b * stride_dqb + head * stride_dqh,
             (b * Hq + head) * Sq, m, offs_m, offs_d, stride_qm, stride_dom, stride_dqm,
             kpos, kval, qpos0, Sq, scale, scale_log2, softcap, P0, P1,
@@ -229,7 +233,7 @@ def _st_dkdv(
         m = fm_lo + t - gi * nf
         head = hkv * G + gi
         dk, dv = _dkdv_tile(
-            dk, dv, k, v, Qd, DOd, Q + b * stride_qb + head * stride_qh, DO + b * stride_dob + head * stride_doh,
+            dk, dv, k, v, Qd, DOd, DQd, Q + b * stride_qb + head * stride_qh, DO + b * stride_dob + head * stride_doh,
             LSE2 + (b * Hq + head) * Sq, DELTA + (b * Hq + head) * Sq, DQ32 + b * stride_dqb + head * stride_dqh,
             (b * Hq + head) * Sq, m, offs_m, offs_d, stride_qm, stride_dom, stride_dqm,
             kpos, kval, qpos0, Sq, scale, scale_log2, softcap, P0, P1,
@@ -408,7 +412,8 @@ def structured_backward(
             float32 from the forward (natural log, sink included).
         config: ``bwd_config``'s tuple (tile sizes, warps and stages of the dK/dV and dQ kernels).
         use_tma: TMA loads of the full tiles (default: on Hopper when Q/dO/K/V are contiguous).
-        atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run).
+        atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run): True per
+            element, ``"tma"`` by TMA reduce-adds of whole tiles (with ``use_tma``; else per element).
         index64: int64 in-tile offsets (default: only where an index times a stride reaches 2**31).
         prep: ``bwd_preprocess(do, out, lse)``'s ``(delta, lse2)`` if already computed.
     """
@@ -436,16 +441,20 @@ def structured_backward(
         dq_acc = torch.zeros(B, Hq, Sq, D, device=dev, dtype=torch.float32)
     else:
         dq_acc = torch.empty(1, 1, 1, 1, device=dev, dtype=torch.float32)
+    atomic_mode = 0
+    if atomic_dq:
+        atomic_mode = 2 if (atomic_dq == "tma" and use_tma) else 1
+    dqd = _kv_descriptor(dq_acc, bm1) if atomic_mode == 2 else dq_acc
     qd, dod = (_kv_descriptor(q, bm1), _kv_descriptor(do, bm1)) if use_tma else (q, do)
     kv_tma = bool(use_tma) and Skv % bn1 == 0
     kd1, vd1 = (_kv_descriptor(k, bn1), _kv_descriptor(v, bn1)) if kv_tma else (k, v)
     _st_dkdv[(triton.cdiv(Skv, bn1), B * Hkv)](
-        q, k, v, do, lse2, delta, dk, dv, dq_acc, qd, dod, kd1, vd1, kmask, geo.q_start, geo.k_start, geo.k_end,
+        q, k, v, do, lse2, delta, dk, dv, dq_acc, qd, dod, kd1, vd1, dqd, kmask, geo.q_start, geo.k_start, geo.k_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), kmask.stride(0), geo_stride,
         Sq, Skv, Hq, Hkv, G, scale, scale * LOG2E, float(softcap or 1.0), P0, P1,
-        BLOCK_M=bm1, BLOCK_N=bn1, ATOMIC_DQ=bool(atomic_dq), KV_TMA=kv_tma, num_warps=w1, num_stages=s1, **flags,
+        BLOCK_M=bm1, BLOCK_N=bn1, ATOMIC_DQ=atomic_mode, KV_TMA=kv_tma, num_warps=w1, num_stages=s1, **flags,
     )
     if atomic_dq:
         dq = dq_acc.to(q.dtype)

@@ -681,9 +681,11 @@ def section_tune_structured(args, results):
 
 STRUCTURED_BWD_VARIANTS = [
     # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads, atomic dQ
+    # (False: its own kernel; True: per-element atomics; "tma": TMA reduce-adds)
     ((128, 64, 8, 3, 128, 64, 8, 3), True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, False),
     ((128, 64, 8, 3, 128, 64, 8, 3), False, False), ((64, 64, 4, 3, 64, 64, 4, 3), True, False),
-    ((128, 64, 8, 3, 128, 64, 8, 3), True, True), ((128, 64, 8, 2, 128, 64, 8, 2), True, True),
+    ((128, 64, 8, 2, 128, 64, 8, 2), True, True), ((128, 64, 8, 2, 128, 64, 8, 2), True, "tma"),
+    ((128, 64, 8, 3, 128, 64, 8, 3), True, "tma"),
 ]
 
 
@@ -724,7 +726,7 @@ def section_tune_structured_bwd(args, results):
     pid, params = triton_fwd.pattern_code(p)
     fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
     for cfg, tma, atomic in STRUCTURED_BWD_VARIANTS:
-        label = "st " + "/".join(map(str, cfg)) + (" tma" if tma else "") + (" atomic-dq" if atomic else "")
+        label = "st " + "/".join(map(str, cfg)) + (" tma" if tma else "") + ({True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
         fns[label] = lambda cfg=cfg, tma=tma, atomic=atomic: triton_structured_bwd.structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg,
             use_tma=tma, atomic_dq=atomic)[:3]

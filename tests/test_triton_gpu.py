@@ -200,7 +200,7 @@ def test_structured_forward_and_opt_in_backward_bf16(pattern):
 
     o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
                                 block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
-    for atomic in (False, True):  # dQ from its own kernel, or by atomic adds from the dK/dV kernel
+    for atomic in (False, True, "tma"):  # dQ from its own kernel, or by (TMA reduce-)adds from the dK/dV kernel
         grads = triton_structured_bwd.structured_backward(do, q, k, v, o, lse, geo, pattern_id=pid, params=params,
                                                           causal=pattern.causal, scale=D ** -0.5, sink_logits=sink,
                                                           key_mask=mask, atomic_dq=atomic)
