@@ -374,7 +374,7 @@ def _attn_bwd_dq(
 
 def attention_backward(
     do, q, k, v, out, lse, layout, *, scale, softcap=None, sink_logits=None, key_mask=None,
-    num_warps=None, num_stages=None, selection=None, structured=False,
+    num_warps=None, num_stages=None, selection=None, structured=None,
 ):
     """Gradients of the block-sparse forward.
 
@@ -384,9 +384,10 @@ def attention_backward(
         (one query head per tile).
         ``selection``: the forward's ``TokenLayout``, if any.
         ``structured``: dense / sliding_window / streaming through ``triton_structured_bwd`` (arithmetic
-        tile ranges, its own tile shapes). Off by default: on the H100 (2026-11-22, sliding window 4096,
-        S=64K) its first, three-loop version ran 49-51 ms against 35.9 ms for this layout-path
-        backward; the two-loop version (far fewer register spills) has not been timed yet.
+        tile ranges, its own tile shapes); default: whenever the pattern allows it (no token layout;
+        streaming causal only). On the H100 (2026-11-22, sliding window 4096, S=64K) it ran 28.8 ms
+        against 34.4 ms for this layout-path backward (``scripts/benchmark_kernels.py --section
+        tune_structured_bwd``).
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """
@@ -401,6 +402,10 @@ def attention_backward(
     pid, params = pattern_code(layout.pattern)
     geo = layout.geometry
     causal = bool(layout.pattern.causal)
+    if structured is None:
+        from .triton_structured import STRUCTURED_PATTERNS
+
+        structured = pid in STRUCTURED_PATTERNS and selection is None and (causal or pid != 2)
     if structured:
         from .triton_structured_bwd import structured_backward
 

@@ -28,7 +28,9 @@ sinks)`` as tiles before the window run. A tile outside these ranges holds no al
 inside the full run holds only allowed pairs, and every other visited tile applies the exact
 element rule in registers, so the result equals the layout path for any geometry.
 
-Loop schedule (``SCHEDULE`` constexpr): 0 runs the four loops above (sink tiles masked); 1 and 2 run
+Loop schedule (``SCHEDULE`` constexpr): 0 runs the four loops above (sink tiles masked); 3 and 4 too,
+with the sink tiles that hold only sink keys every row of the tile sees unmasked (3: in a loop of
+their own, 4: at the head of the full loop); 1 and 2 run
 two loops over concatenated runs, so the software pipeline fills and drains twice instead of four
 times: the *full* loop over the sink tiles that hold only sink keys every row of the tile sees
 (unmasked) and then ``[f_lo, f_hi)``, and one *masked* loop over the remaining sink tiles and both
@@ -249,25 +251,52 @@ def _st_fwd(
             fs_end = tl.minimum(tl.minimum(k_start + P1, k_end), qlo + 1)  # every row sees the sink keys below
             fs_lo = tl.minimum(_cdiv(k_start, BLOCK_N), s_hi)
             fs_hi = tl.minimum(tl.maximum(fs_end // BLOCK_N, fs_lo), s_hi)
-    if SCHEDULE == 0:  # one loop per run: sink tiles, left edge, full, right edge
-        for n in range(s_lo, s_hi):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
+    if SCHEDULE == 0 or SCHEDULE >= 3:  # one loop per run: sink tiles, left edge, full, right edge
+        if SCHEDULE == 0:
+            for n in range(s_lo, s_hi):
+                acc, l_i, m_i = _st_tile(
+                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+                    PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+                )
+        else:  # the sink tiles that are not full, masked
+            c0 = fs_lo - s_lo
+            for t in range(0, c0 + s_hi - fs_hi):
+                n = tl.where(t < c0, s_lo + t, fs_hi + t - c0)
+                acc, l_i, m_i = _st_tile(
+                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+                    PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+                )
+            if SCHEDULE == 3:  # the full sink tiles in a loop of their own, unmasked
+                for n in range(fs_lo, fs_hi):
+                    acc, l_i, m_i = _st_tile(
+                        acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+                        qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+                        PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+                    )
         for n in range(n_lo, f_lo):
             acc, l_i, m_i = _st_tile(
                 acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
                 qpos, k_start, k_end, scale_log2, softcap, P0, P1,
                 PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
             )
-        for n in range(f_lo, f_hi):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
+        if SCHEDULE == 4:  # the full sink tiles lead the full loop
+            n_fs = fs_hi - fs_lo
+            for t in range(0, n_fs + f_hi - f_lo):
+                n = tl.where(t < n_fs, fs_lo + t, f_lo + t - n_fs)
+                acc, l_i, m_i = _st_tile(
+                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+                    PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+                )
+        else:
+            for n in range(f_lo, f_hi):
+                acc, l_i, m_i = _st_tile(
+                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+                    PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+                )
         for n in range(f_hi, n_hi):
             acc, l_i, m_i = _st_tile(
                 acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
@@ -334,7 +363,8 @@ def structured_forward(
             query heads of a KV group adjacent: on the H100 at S=128K, 1% faster than 0 for sliding_window
             and streaming).
         schedule: loop structure (module docstring): 0 one loop per run, 1 full tiles then masked tiles,
-            2 masked tiles then full tiles; default 0.
+            2 masked tiles then full tiles, 3 / 4 like 0 with the full sink tiles unmasked (3: a loop of
+            their own, 4: leading the full loop); default 0.
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     from .triton_fwd import _kv_descriptor, _tma_ok
@@ -358,8 +388,8 @@ def structured_forward(
         order = 1 if (pattern_id == 0 and causal) else 3
     if schedule is None:
         schedule = 0
-    if schedule not in (0, 1, 2):
-        raise ValueError(f"schedule={schedule!r}: expected 0, 1 or 2")
+    if schedule not in (0, 1, 2, 3, 4):
+        raise ValueError(f"schedule={schedule!r}: expected 0, 1, 2, 3 or 4")
     grid = (NQ, B * Hq) if order != 2 else (B * Hq, NQ)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
     geo = geometry

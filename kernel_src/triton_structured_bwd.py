@@ -391,8 +391,8 @@ def bwd_config(head_dim: int, device_type: str):
     """``(BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)`` of the two kernels."""
     if device_type != "cuda":
         return 16, 16, 4, 1, 16, 16, 4, 1
-    if head_dim <= 128:
-        return 128, 64, 8, 2, 128, 64, 8, 2
+    if head_dim <= 128:  # H100, sliding window 4096, S=64K: 3 stages 28.8 ms, 2 stages 32.7 (with TMA)
+        return 128, 64, 8, 3, 128, 64, 8, 3
     return 64, 32, 4, 1, 64, 32, 4, 1
 
 
@@ -403,7 +403,7 @@ def _needs_int64(*pairs) -> bool:
 
 def structured_backward(
     do, q, k, v, out, lse, geometry, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
-    key_mask=None, config=None, use_tma=None, atomic_dq=False, index64=None, prep=None,
+    key_mask=None, config=None, use_tma=None, dq_tma=False, atomic_dq=False, index64=None, prep=None,
 ):
     """Gradients of the structured forward: ``dq, dk, dv`` (input dtypes) and ``dsink (Hq,)`` or None.
 
@@ -411,7 +411,11 @@ def structured_backward(
         do, q, out: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)`` (unit last stride); lse ``(B, Hq, Sq)``
             float32 from the forward (natural log, sink included).
         config: ``bwd_config``'s tuple (tile sizes, warps and stages of the dK/dV and dQ kernels).
-        use_tma: TMA loads of the full tiles (default: on Hopper when Q/dO/K/V are contiguous).
+        use_tma: TMA loads in the dK/dV kernel (its K/V tile, and Q/dO of the full tiles; default: on
+            Hopper when Q/dO/K/V are contiguous).
+        dq_tma: TMA loads of K/V in the dQ kernel's full tiles (with ``use_tma``). Off by default: on the
+            H100 (sliding window 4096, S=64K, 2026-11-22) the dQ kernel took 12.75 ms with them, 10.63 ms
+            with pointer loads, while the dK/dV kernel took 16.45 ms with TMA and 18.28 ms without.
         atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run): True per
             element, ``"tma"`` by TMA reduce-adds of whole tiles (with ``use_tma``; else per element).
         index64: int64 in-tile offsets (default: only where an index times a stride reaches 2**31).
@@ -434,7 +438,8 @@ def structured_backward(
         index64 = _needs_int64((Sq, q.stride(2)), (Sq, do.stride(2)), (Skv, k.stride(2)), (Skv, v.stride(2)),
                                (Sq, Hq * D), (Skv, D))
     flags = dict(PATTERN=pattern_id, CAUSAL=bool(causal), HEAD_DIM=D, HAS_SOFTCAP=softcap is not None,
-                 HAS_KMASK=key_mask is not None, USE_TMA=bool(use_tma), INDEX64=bool(index64))
+                 HAS_KMASK=key_mask is not None, INDEX64=bool(index64))
+    dq_tma = bool(use_tma) and bool(dq_tma)
     P0, P1 = int(params[0]), int(params[1])
     geo_stride = int(geo.q_start.shape[0] > 1)
     if atomic_dq:
@@ -454,19 +459,20 @@ def structured_backward(
         do.stride(0), do.stride(1), do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), kmask.stride(0), geo_stride,
         Sq, Skv, Hq, Hkv, G, scale, scale * LOG2E, float(softcap or 1.0), P0, P1,
-        BLOCK_M=bm1, BLOCK_N=bn1, ATOMIC_DQ=atomic_mode, KV_TMA=kv_tma, num_warps=w1, num_stages=s1, **flags,
+        BLOCK_M=bm1, BLOCK_N=bn1, ATOMIC_DQ=atomic_mode, KV_TMA=kv_tma, USE_TMA=bool(use_tma), num_warps=w1,
+        num_stages=s1, **flags,
     )
     if atomic_dq:
         dq = dq_acc.to(q.dtype)
     else:
         dq = torch.empty_like(q)
-        kd, vd = (_kv_descriptor(k, bn2), _kv_descriptor(v, bn2)) if use_tma else (k, v)
+        kd, vd = (_kv_descriptor(k, bn2), _kv_descriptor(v, bn2)) if dq_tma else (k, v)
         _st_dq[(triton.cdiv(Sq, bm2), B * Hq)](
             q, k, v, kd, vd, do, lse2, delta, dq, kmask, geo.q_start, geo.k_start, geo.k_end,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), kmask.stride(0), geo_stride,
             Sq, Skv, Hq, Hkv, G, scale, scale * LOG2E, float(softcap or 1.0), P0, P1,
-            BLOCK_M=bm2, BLOCK_N=bn2, num_warps=w2, num_stages=s2, **flags,
+            BLOCK_M=bm2, BLOCK_N=bn2, USE_TMA=dq_tma, num_warps=w2, num_stages=s2, **flags,
         )
     dsink = None
     if sink_logits is not None:

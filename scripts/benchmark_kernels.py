@@ -250,9 +250,9 @@ def _inputs(B, S, D, dtype, dev, seed):
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import tile_config
+    from sparse_k.triton_backend import bigbird_tiles, tile_config
 
-    bm, bn = (128, 128) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
+    bm, bn = bigbird_tiles(p.block, D, "cuda", False, S) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
     t0 = time.time()
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
     row["layout_build_s"] = round(time.time() - t0, 3)
@@ -273,7 +273,10 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
     if S <= args.flex_max:
         try:
-            bm_flex = layout.to_block_mask(1, HQ)
+            lay_flex = layout
+            if isinstance(p, sparse_k.BigBird) and (bm, bn) != (p.block, p.block):  # Flex: the pattern's own blocks
+                lay_flex = build_block_layout(p, S, S, geo, block_q=p.block, block_k=p.block, num_kv_heads=HKV)
+            bm_flex = lay_flex.to_block_mask(1, HQ)
             flex = flex_fn()
             o_flex = flex(q, k, v, block_mask=bm_flex, enable_gqa=True, scale=scale)
             e_flex = large_check(q, k, v, layout, o_flex)
@@ -564,7 +567,8 @@ def section_tune_bwd(args, results):
             out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
 
             def fn():
-                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps, num_stages=stages)
+                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
+                                                     num_stages=stages, structured=False)
 
             grads = fn()[:3]
             if ref_grads is None:
@@ -584,7 +588,7 @@ def section_tune_bwd(args, results):
 
 STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order, schedule); the first is the default
     (128, 128, 3, 8, 3, 0), (128, 128, 3, 8, 3, 1), (128, 128, 3, 8, 3, 2), (128, 128, 3, 8, 0, 1), (128, 128, 3, 8, 2, 1),
-    (64, 64, 3, 4, 3, 1), (64, 64, 2, 4, 3, 1), (128, 64, 3, 8, 3, 1),
+    (64, 64, 3, 4, 3, 1), (64, 64, 2, 4, 3, 1), (128, 64, 3, 8, 3, 1), (128, 128, 3, 8, 3, 3), (128, 128, 3, 8, 3, 4),
 ]
 LAYOUT_VARIANTS = [  # layout path for the other patterns: (BLOCK_M, BLOCK_N, stages, warps)
     (128, 128, 2, 8), (128, 128, 3, 8), (64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8),
@@ -635,6 +639,8 @@ def section_tune_structured(args, results):
         fns = {}
         if pid in triton_structured.STRUCTURED_PATTERNS:
             for bm, bn, stages, warps, order, sched in STRUCTURED_VARIANTS:
+                if args.schedules and str(sched) not in args.schedules.split(","):
+                    continue
                 fns[f"st {bm}x{bn} s{stages} w{warps} o{order} sch{sched}"] = (
                     lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order, sched=sched: triton_structured.structured_forward(
                         q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
@@ -680,12 +686,13 @@ def section_tune_structured(args, results):
 
 
 STRUCTURED_BWD_VARIANTS = [
-    # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads, atomic dQ
-    # (False: its own kernel; True: per-element atomics; "tma": TMA reduce-adds)
-    ((128, 64, 8, 3, 128, 64, 8, 3), True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, False),
-    ((128, 64, 8, 3, 128, 64, 8, 3), False, False), ((64, 64, 4, 3, 64, 64, 4, 3), True, False),
-    ((128, 64, 8, 2, 128, 64, 8, 2), True, True), ((128, 64, 8, 2, 128, 64, 8, 2), True, "tma"),
-    ((128, 64, 8, 3, 128, 64, 8, 3), True, "tma"),
+    # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads in the dK/dV
+    # kernel, in the dQ kernel, atomic dQ (False: its own kernel; True: per-element atomics; "tma": TMA
+    # reduce-adds). The first is the default.
+    ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False),
+    ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False), ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False),
+    ((64, 64, 4, 3, 64, 64, 4, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, True),
+    ((128, 64, 8, 2, 128, 64, 8, 2), True, True, "tma"), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, "tma"),
 ]
 
 
@@ -725,11 +732,12 @@ def section_tune_structured_bwd(args, results):
     out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
     pid, params = triton_fwd.pattern_code(p)
     fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
-    for cfg, tma, atomic in STRUCTURED_BWD_VARIANTS:
-        label = "st " + "/".join(map(str, cfg)) + (" tma" if tma else "") + ({True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
-        fns[label] = lambda cfg=cfg, tma=tma, atomic=atomic: triton_structured_bwd.structured_backward(
+    for cfg, tma, dq_tma, atomic in STRUCTURED_BWD_VARIANTS[: args.variants or None]:
+        label = ("st " + "/".join(map(str, cfg)) + (" tma" if tma else "") + (" dq-tma" if dq_tma else "")
+                 + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
+        fns[label] = lambda cfg=cfg, tma=tma, dq_tma=dq_tma, atomic=atomic: triton_structured_bwd.structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg,
-            use_tma=tma, atomic_dq=atomic)[:3]
+            use_tma=tma, dq_tma=dq_tma, atomic_dq=atomic)[:3]
     flex_ms = None
     if S <= args.flex_max:
         qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -850,6 +858,9 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true",
                     help="tune_structured / tune_structured_bwd: launch each variant once, no checks, no timing "
                          "(fills Triton's and Inductor's caches; run shards in parallel before a timed run)")
+    ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
+    ap.add_argument("--schedules", default=None,
+                    help="tune_structured: only the structured variants with these loop schedules (e.g. '0,3,4')")
     ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
