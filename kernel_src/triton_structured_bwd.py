@@ -391,7 +391,7 @@ def bwd_config(head_dim: int, device_type: str):
     """``(BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)`` of the two kernels."""
     if device_type != "cuda":
         return 16, 16, 4, 1, 16, 16, 4, 1
-    if head_dim <= 128:  # H100, sliding window 4096, S=64K: 3 stages 28.8 ms, 2 stages 32.7 (with TMA)
+    if head_dim <= 128:  # H100, sliding window 4096, S=64K, TMA loads: 3 stages 31.2 ms, 2 stages 32.7
         return 128, 64, 8, 3, 128, 64, 8, 3
     return 64, 32, 4, 1, 64, 32, 4, 1
 
@@ -403,7 +403,7 @@ def _needs_int64(*pairs) -> bool:
 
 def structured_backward(
     do, q, k, v, out, lse, geometry, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
-    key_mask=None, config=None, use_tma=None, dq_tma=False, atomic_dq=False, index64=None, prep=None,
+    key_mask=None, config=None, use_tma=False, dq_tma=False, atomic_dq=False, index64=None, prep=None,
 ):
     """Gradients of the structured forward: ``dq, dk, dv`` (input dtypes) and ``dsink (Hq,)`` or None.
 
@@ -411,11 +411,13 @@ def structured_backward(
         do, q, out: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)`` (unit last stride); lse ``(B, Hq, Sq)``
             float32 from the forward (natural log, sink included).
         config: ``bwd_config``'s tuple (tile sizes, warps and stages of the dK/dV and dQ kernels).
-        use_tma: TMA loads in the dK/dV kernel (its K/V tile, and Q/dO of the full tiles; default: on
-            Hopper when Q/dO/K/V are contiguous).
-        dq_tma: TMA loads of K/V in the dQ kernel's full tiles (with ``use_tma``). Off by default: on the
-            H100 (sliding window 4096, S=64K, 2026-11-22) the dQ kernel took 12.75 ms with them, 10.63 ms
-            with pointer loads, while the dK/dV kernel took 16.45 ms with TMA and 18.28 ms without.
+        use_tma: TMA loads in the dK/dV kernel (its K/V tile, and Q/dO of the full tiles); ``None``: on
+            Hopper when Q/dO/K/V are contiguous. Off by default, the configuration timed fastest as a
+            whole on the H100 (sliding window 4096, S=64K, 2026-11-22, ``--section tune_structured_bwd``):
+            28.8 ms without TMA, 31.2 ms with TMA in both kernels. Per kernel (profiler, same run) TMA sped
+            up the dK/dV kernel (16.45 ms against 18.28) and slowed down the dQ kernel (12.75 against
+            10.63), so ``use_tma=None`` with ``dq_tma=False`` should reach ~27.5 ms; not yet timed as a whole.
+        dq_tma: TMA loads of K/V in the dQ kernel's full tiles (only with ``use_tma``).
         atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run): True per
             element, ``"tma"`` by TMA reduce-adds of whole tiles (with ``use_tma``; else per element).
         index64: int64 in-tile offsets (default: only where an index times a stride reaches 2**31).
@@ -434,6 +436,7 @@ def structured_backward(
     bn1, bm1, w1, s1, bm2, bn2, w2, s2 = config if config is not None else bwd_config(D, dev.type)
     if use_tma is None:
         use_tma = _tma_ok(q, do) and _tma_ok(k, v)
+    use_tma = bool(use_tma) and _tma_ok(q, do) and _tma_ok(k, v)
     if index64 is None:
         index64 = _needs_int64((Sq, q.stride(2)), (Sq, do.stride(2)), (Skv, k.stride(2)), (Skv, v.stride(2)),
                                (Sq, Hq * D), (Skv, D))

@@ -20,10 +20,17 @@ Sections (each fits in a few minutes on an H100):
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
-  over tile shapes / warps / stages / program order beside the layout-path kernel, FlexAttention and
-  (dense) cuDNN, for each ``--patterns`` entry at the first ``--seqlens``.
-* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages (dK/dV and
-  dQ kernels) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``.
+  over tile shapes / warps / stages / program order / loop schedule (``STRUCTURED_VARIANTS``, the
+  first is the default; ``--schedules`` keeps some schedules only) beside FlexAttention and (dense)
+  cuDNN, for each ``--patterns`` entry at the first ``--seqlens``; other patterns (bigbird) run the
+  layout path over ``LAYOUT_VARIANTS`` (Flex keeps the 128x128 BlockMask).
+* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages / TMA /
+  atomic dQ (``STRUCTURED_BWD_VARIANTS``, the first is the default; ``--variants N`` keeps the first
+  N) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``, with the
+  GPU time of each kernel (profiler).
+* ``--compile-only --shard i/n`` (the two tune_structured sections): launch every n-th variant once, no
+  checks, no timing — run n shards in parallel before a timed run to fill Triton's and Inductor's
+  caches (compiling is then not paid on the GPU clock one variant after another).
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -689,8 +696,8 @@ STRUCTURED_BWD_VARIANTS = [
     # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads in the dK/dV
     # kernel, in the dQ kernel, atomic dQ (False: its own kernel; True: per-element atomics; "tma": TMA
     # reduce-adds). The first is the default.
-    ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False),
-    ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False), ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False),
+    ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False),
+    ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False),
     ((64, 64, 4, 3, 64, 64, 4, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, True),
     ((128, 64, 8, 2, 128, 64, 8, 2), True, True, "tma"), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, "tma"),
 ]

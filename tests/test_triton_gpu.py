@@ -206,3 +206,17 @@ def test_structured_forward_and_opt_in_backward_bf16(pattern):
                                                           key_mask=mask, atomic_dq=atomic)
         for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
             assert rel(a, b) < 2 * TOL[torch.bfloat16], (name, atomic)
+
+
+def test_bigbird_block128_prefill_on_64_tiles():
+    """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
+    from sparse_k.triton_backend import bigbird_tiles
+
+    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
+    B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128
+    assert bigbird_tiles(p.block, D, "cuda", False, S) == (64, 64)
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=128)
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
+    geo = row_geometry(B, S, S, None, device="cuda")
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5)
+    assert rel(out, ref) < TOL[torch.bfloat16]
