@@ -403,7 +403,7 @@ def _needs_int64(*pairs) -> bool:
 
 def structured_backward(
     do, q, k, v, out, lse, geometry, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
-    key_mask=None, config=None, use_tma=False, dq_tma=False, atomic_dq=False, index64=None, prep=None,
+    key_mask=None, config=None, use_tma=False, kv_tma=None, dq_tma=False, atomic_dq=False, index64=None, prep=None,
 ):
     """Gradients of the structured forward: ``dq, dk, dv`` (input dtypes) and ``dsink (Hq,)`` or None.
 
@@ -417,6 +417,9 @@ def structured_backward(
             28.8 ms without TMA, 31.2 ms with TMA in both kernels. Per kernel (profiler, same run) TMA sped
             up the dK/dV kernel (16.45 ms against 18.28) and slowed down the dQ kernel (12.75 against
             10.63), so ``use_tma=None`` with ``dq_tma=False`` should reach ~27.5 ms; not yet timed as a whole.
+        kv_tma: the dK/dV kernel's own K/V tile by TMA straight into shared memory (``None``: as
+            ``use_tma``; only when ``Skv`` is a multiple of ``BLOCK_N1``). With pointer loads for Q/dO this
+            compiles for sm_90 with a 120-byte spill stack instead of 360 (untimed).
         dq_tma: TMA loads of K/V in the dQ kernel's full tiles (only with ``use_tma``).
         atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run): True per
             element, ``"tma"`` by TMA reduce-adds of whole tiles (with ``use_tma``; else per element).
@@ -454,7 +457,7 @@ def structured_backward(
         atomic_mode = 2 if (atomic_dq == "tma" and use_tma) else 1
     dqd = _kv_descriptor(dq_acc, bm1) if atomic_mode == 2 else dq_acc
     qd, dod = (_kv_descriptor(q, bm1), _kv_descriptor(do, bm1)) if use_tma else (q, do)
-    kv_tma = bool(use_tma) and Skv % bn1 == 0
+    kv_tma = bool(use_tma if kv_tma is None else kv_tma) and Skv % bn1 == 0 and _tma_ok(k, v)
     kd1, vd1 = (_kv_descriptor(k, bn1), _kv_descriptor(v, bn1)) if kv_tma else (k, v)
     _st_dkdv[(triton.cdiv(Skv, bn1), B * Hkv)](
         q, k, v, do, lse2, delta, dk, dv, dq_acc, qd, dod, kd1, vd1, dqd, kmask, geo.q_start, geo.k_start, geo.k_end,

@@ -694,12 +694,13 @@ def section_tune_structured(args, results):
 
 STRUCTURED_BWD_VARIANTS = [
     # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads in the dK/dV
-    # kernel, in the dQ kernel, atomic dQ (False: its own kernel; True: per-element atomics; "tma": TMA
-    # reduce-adds). The first is the default.
+    # kernel (True: its K/V tile and Q/dO; "kv": its K/V tile only), in the dQ kernel, atomic dQ (False: its
+    # own kernel; True: per-element atomics; "tma": TMA reduce-adds). The first is the default.
     ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False),
     ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False),
     ((64, 64, 4, 3, 64, 64, 4, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, True),
     ((128, 64, 8, 2, 128, 64, 8, 2), True, True, "tma"), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, "tma"),
+    ((128, 64, 8, 3, 128, 64, 8, 3), "kv", False, False), ((128, 64, 8, 4, 128, 64, 8, 3), True, False, False),
 ]
 
 
@@ -740,11 +741,11 @@ def section_tune_structured_bwd(args, results):
     pid, params = triton_fwd.pattern_code(p)
     fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
     for cfg, tma, dq_tma, atomic in STRUCTURED_BWD_VARIANTS[: args.variants or None]:
-        label = ("st " + "/".join(map(str, cfg)) + (" tma" if tma else "") + (" dq-tma" if dq_tma else "")
-                 + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
+        label = ("st " + "/".join(map(str, cfg)) + {True: " tma", "kv": " kv-tma"}.get(tma, "")
+                 + (" dq-tma" if dq_tma else "") + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
         fns[label] = lambda cfg=cfg, tma=tma, dq_tma=dq_tma, atomic=atomic: triton_structured_bwd.structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg,
-            use_tma=tma, dq_tma=dq_tma, atomic_dq=atomic)[:3]
+            use_tma=tma is True, kv_tma=tma in (True, "kv"), dq_tma=dq_tma, atomic_dq=atomic)[:3]
     flex_ms = None
     if S <= args.flex_max:
         qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
