@@ -697,10 +697,10 @@ STRUCTURED_BWD_VARIANTS = [
     # kernel (True: its K/V tile and Q/dO; "kv": its K/V tile only), in the dQ kernel, atomic dQ (False: its
     # own kernel; True: per-element atomics; "tma": TMA reduce-adds). The first is the default.
     ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False),
+    ((128, 64, 8, 3, 128, 64, 8, 3), "kv", False, False), ((128, 64, 8, 4, 128, 64, 8, 3), True, False, False),
     ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False),
     ((64, 64, 4, 3, 64, 64, 4, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, True),
     ((128, 64, 8, 2, 128, 64, 8, 2), True, True, "tma"), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, "tma"),
-    ((128, 64, 8, 3, 128, 64, 8, 3), "kv", False, False), ((128, 64, 8, 4, 128, 64, 8, 3), True, False, False),
 ]
 
 
