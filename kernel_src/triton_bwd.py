@@ -21,7 +21,47 @@ import triton.language as tl
 from .block_layout import BlockLayout, _pack
 from .triton_fwd import LOG2E, _floordiv, _pattern_rule, _selection_args, _softcap, pattern_code
 
-__all__ = ["transposed_layout", "attention_backward"]
+__all__ = ["transposed_layout", "attention_backward", "bwd_preprocess"]
+
+
+@triton.jit
+def _bwd_prep(
+    O, DO, LSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm, Hq, Sq, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` and ``lse2 = lse * log2(e)`` (``+inf`` where ``lse = -inf``) of
+    ``BLOCK`` rows of one (batch row, head), written contiguously ``(B, Hq, Sq)``."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < Sq
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows * stride_lm, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dst = pid_bh.to(tl.int64) * Sq + rows
+    tl.store(DELTA + dst, delta, mask=ok)
+    tl.store(LSE2 + dst, lse2, mask=ok)
+
+
+def bwd_preprocess(do, out, lse):
+    """One pass over ``dO`` and ``O``: ``delta = rowsum(dO * O)`` float32 ``(B, Hq, Sq)`` and
+    ``lse2 = lse * log2(e)`` (``+inf`` for rows that see no key, so that ``exp2(s - lse2) = 0``), both
+    contiguous. (The float32 copies of ``torch``'s ``(do.float() * out.float()).sum(-1)`` moved ~14
+    bytes per element, this kernel 4.)"""
+    B, Hq, Sq, D = out.shape
+    delta = torch.empty(B, Hq, Sq, device=out.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    block = max(16, min(128, 8192 // D))
+    _bwd_prep[(triton.cdiv(Sq, block), B * Hq)](
+        out, do, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), Hq, Sq, BLOCK=block, HEAD_DIM=D, num_warps=4,
+    )
+    return delta, lse2
 
 
 def transposed_layout(layout: BlockLayout):
@@ -334,7 +374,7 @@ def _attn_bwd_dq(
 
 def attention_backward(
     do, q, k, v, out, lse, layout, *, scale, softcap=None, sink_logits=None, key_mask=None,
-    num_warps=None, num_stages=None, selection=None, structured=False,
+    num_warps=None, num_stages=None, selection=None, structured=None,
 ):
     """Gradients of the block-sparse forward.
 
@@ -344,9 +384,10 @@ def attention_backward(
         (one query head per tile).
         ``selection``: the forward's ``TokenLayout``, if any.
         ``structured``: dense / sliding_window / streaming through ``triton_structured_bwd`` (arithmetic
-        tile ranges, its own tile shapes). Off by default: on the H100 (2026-11-22, sliding window 4096,
-        S=64K) its first, three-loop version ran 49-51 ms against 35.9 ms for this layout-path
-        backward; the two-loop version (far fewer register spills) has not been timed yet.
+        tile ranges, its own tile shapes); default: whenever the pattern allows it (no token layout;
+        streaming causal only). On the H100 (2026-11-22, sliding window 4096, S=64K) it ran 28.8 ms
+        against 34.4 ms for this layout-path backward (``scripts/benchmark_kernels.py --section
+        tune_structured_bwd``).
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """
@@ -355,17 +396,22 @@ def attention_backward(
     G = Hq // Hkv
     dev = q.device
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = (do.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Sq)
+    out = out.contiguous() if out.stride(-1) != 1 else out
     lse = lse.contiguous()
+    delta, lse2 = bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32 each
     pid, params = pattern_code(layout.pattern)
     geo = layout.geometry
     causal = bool(layout.pattern.causal)
+    if structured is None:
+        from .triton_structured import STRUCTURED_PATTERNS
+
+        structured = pid in STRUCTURED_PATTERNS and selection is None and (causal or pid != 2)
     if structured:
         from .triton_structured_bwd import structured_backward
 
         dq, dk, dv, dsink = structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale,
-            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask,
+            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, prep=(delta, lse2),
         )
         return dq, dk, dv, dsink, None
     bm, bn = layout.block_q, layout.block_k

@@ -23,10 +23,17 @@ Sections (each fits in a few minutes on an H100):
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
-  over tile shapes / warps / stages / program order beside the layout-path kernel, FlexAttention and
-  (dense) cuDNN, for each ``--patterns`` entry at the first ``--seqlens``.
-* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages (dK/dV and
-  dQ kernels) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``.
+  over tile shapes / warps / stages / program order / loop schedule (``STRUCTURED_VARIANTS``, the
+  first is the default; ``--schedules`` keeps some schedules only) beside FlexAttention and (dense)
+  cuDNN, for each ``--patterns`` entry at the first ``--seqlens``; other patterns (bigbird) run the
+  layout path over ``LAYOUT_VARIANTS`` (Flex keeps the 128x128 BlockMask).
+* ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages / TMA /
+  atomic dQ (``STRUCTURED_BWD_VARIANTS``, the first is the default; ``--variants N`` keeps the first
+  N) beside the layout-path backward and Flex's, sliding window at the first ``--seqlens``, with the
+  GPU time of each kernel (profiler).
+* ``--compile-only --shard i/n`` (the two tune_structured sections): launch every n-th variant once, no
+  checks, no timing — run n shards in parallel before a timed run to fill Triton's and Inductor's
+  caches (compiling is then not paid on the GPU clock one variant after another).
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -256,9 +263,9 @@ def _inputs(B, S, D, dtype, dev, seed):
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import tile_config
+    from sparse_k.triton_backend import bigbird_tiles, tile_config
 
-    bm, bn = (128, 128) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
+    bm, bn = bigbird_tiles(p.block, D, "cuda", False, S) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
     t0 = time.time()
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
     row["layout_build_s"] = round(time.time() - t0, 3)
@@ -279,7 +286,10 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
     if S <= args.flex_max:
         try:
-            bm_flex = layout.to_block_mask(1, HQ)
+            lay_flex = layout
+            if isinstance(p, sparse_k.BigBird) and (bm, bn) != (p.block, p.block):  # Flex: the pattern's own blocks
+                lay_flex = build_block_layout(p, S, S, geo, block_q=p.block, block_k=p.block, num_kv_heads=HKV)
+            bm_flex = lay_flex.to_block_mask(1, HQ)
             flex = flex_fn()
             o_flex = flex(q, k, v, block_mask=bm_flex, enable_gqa=True, scale=scale)
             e_flex = large_check(q, k, v, layout, o_flex)
@@ -583,7 +593,8 @@ def section_tune_bwd(args, results):
             out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
 
             def fn():
-                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps, num_stages=stages)
+                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
+                                                     num_stages=stages, structured=False)
 
             grads = fn()[:3]
             if ref_grads is None:
@@ -601,14 +612,44 @@ def section_tune_bwd(args, results):
         print(json.dumps(row), flush=True)
 
 
-STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order)
-    (128, 128, 3, 8, 0), (128, 128, 3, 8, 2), (128, 128, 3, 8, 3), (64, 128, 3, 4, 0), (64, 128, 2, 4, 0),
-    (128, 64, 3, 8, 0), (128, 64, 4, 8, 0), (128, 64, 3, 4, 0), (64, 64, 4, 4, 0),
+STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order, schedule); the first is the default
+    (128, 128, 3, 8, 3, 0), (128, 128, 3, 8, 3, 1), (128, 128, 3, 8, 3, 2), (128, 128, 3, 8, 0, 1), (128, 128, 3, 8, 2, 1),
+    (64, 64, 3, 4, 3, 1), (64, 64, 2, 4, 3, 1), (128, 64, 3, 8, 3, 1), (128, 128, 3, 8, 3, 3), (128, 128, 3, 8, 3, 4),
+]
+LAYOUT_VARIANTS = [  # layout path for the other patterns: (BLOCK_M, BLOCK_N, stages, warps)
+    (128, 128, 2, 8), (128, 128, 3, 8), (64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8),
 ]
 
 
+def _shard(args, labels):
+    """The labels this process handles (``--shard i/n``: every n-th from the i-th)."""
+    if not args.shard:
+        return list(labels)
+    i, n = (int(x) for x in args.shard.split("/"))
+    return list(labels)[i::n]
+
+
+def _compile_rows(args, results, section, name, S, D, fns):
+    """``--compile-only``: launch each variant of this shard once (fills Triton's and Inductor's caches)."""
+    for label in _shard(args, fns):
+        row = dict(section=section, pattern=name, S=S, D=D, tile=label, note="compile only")
+        t0 = time.time()
+        try:
+            fns[label]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 — reported; the timed run reports it again
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        row["compile_s"] = round(time.time() - t0, 2)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def section_tune_structured(args, results):
-    """Structured forward variants vs the layout path, Flex (same BlockMask) and cuDNN (dense), one S."""
+    """Forward variants vs Flex (same BlockMask) and cuDNN (dense), one S.
+
+    dense / sliding_window / streaming: the structured kernel over ``STRUCTURED_VARIANTS``; other
+    patterns (bigbird): the layout path over ``LAYOUT_VARIANTS`` (each with its own layout; Flex gets
+    the 128x128 one)."""
     from sparse_k import triton_fwd, triton_structured
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
@@ -620,21 +661,32 @@ def section_tune_structured(args, results):
     for name in args.patterns:
         p = pats[name]
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
-        pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
         pid, params = triton_fwd.pattern_code(p)
-        fns = {"layout path": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False),
-               "layout path s3": lambda: triton_fwd.attention_forward(q, k, v, lay, scale=scale, structured=False, num_stages=3)}
-        for bm, bn, stages, warps, order in STRUCTURED_VARIANTS if pid in triton_structured.STRUCTURED_PATTERNS else ():
-            fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
-                lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
-                    q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
-                    block_n=bn, num_warps=warps, num_stages=stages, order=order))
+        fns = {}
+        if pid in triton_structured.STRUCTURED_PATTERNS:
+            for bm, bn, stages, warps, order, sched in STRUCTURED_VARIANTS:
+                if args.schedules and str(sched) not in args.schedules.split(","):
+                    continue
+                fns[f"st {bm}x{bn} s{stages} w{warps} o{order} sch{sched}"] = (
+                    lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order, sched=sched: triton_structured.structured_forward(
+                        q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
+                        block_n=bn, num_warps=warps, num_stages=stages, order=order, schedule=sched))
+        else:
+            for bm, bn, stages, warps in LAYOUT_VARIANTS:
+                lay_v = lay if (bm, bn) == (128, 128) else build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
+                fns[f"layout {bm}x{bn} s{stages} w{warps}"] = (
+                    lambda lay_v=lay_v, stages=stages, warps=warps: triton_fwd.attention_forward(
+                        q, k, v, lay_v, scale=scale, structured=False, num_stages=stages, num_warps=warps))
         if S <= args.flex_max:
             bmask = lay.to_block_mask(1, HQ)
             flex = flex_fn()
             fns["flex"] = lambda: (flex(q, k, v, block_mask=bmask, enable_gqa=True, scale=scale), None)
         if name == "dense":
             fns["cudnn"] = lambda: (sdpa(q, k, v, "cudnn"), None)
+        if args.compile_only:
+            _compile_rows(args, results, "tune_structured", name, S, D, fns)
+            continue
+        pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
         for label, fn in fns.items():
             row = dict(section="tune_structured", pattern=name, S=S, D=D, tile=label)
             try:
@@ -659,8 +711,15 @@ def section_tune_structured(args, results):
                     r[key] = other / r["ours_ms"]
 
 
-STRUCTURED_BWD_VARIANTS = [  # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)
-    (64, 64, 4, 2, 64, 64, 4, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 64, 8, 2, 64, 64, 4, 2),
+STRUCTURED_BWD_VARIANTS = [
+    # (BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2), TMA loads in the dK/dV
+    # kernel (True: its K/V tile and Q/dO; "kv": its K/V tile only), in the dQ kernel, atomic dQ (False: its
+    # own kernel; True: per-element atomics; "tma": TMA reduce-adds). The first is the default.
+    ((128, 64, 8, 3, 128, 64, 8, 3), False, False, False), ((128, 64, 8, 3, 128, 64, 8, 3), True, False, False),
+    ((128, 64, 8, 3, 128, 64, 8, 3), "kv", False, False), ((128, 64, 8, 4, 128, 64, 8, 3), True, False, False),
+    ((128, 64, 8, 3, 128, 64, 8, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, False),
+    ((64, 64, 4, 3, 64, 64, 4, 3), True, True, False), ((128, 64, 8, 2, 128, 64, 8, 2), True, True, True),
+    ((128, 64, 8, 2, 128, 64, 8, 2), True, True, "tma"), ((128, 64, 8, 3, 128, 64, 8, 3), True, True, "tma"),
 ]
 
 
@@ -683,7 +742,10 @@ def kernel_times(fn, iters=3) -> dict:
 
 
 def section_tune_structured_bwd(args, results):
-    """Structured backward configurations vs the layout-path backward and Flex (sliding window)."""
+    """Structured backward configurations vs the layout-path backward and Flex (sliding window).
+
+    Every variant's gradients are compared with the layout path's (itself checked against the float64
+    reference by ``--section bwd`` and the GPU tests)."""
     from sparse_k import triton_bwd, triton_fwd, triton_structured_bwd
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
@@ -695,23 +757,33 @@ def section_tune_structured_bwd(args, results):
     do = torch.randn_like(q)
     lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=HKV)
     out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
-    pairs = allowed_pairs(lay, S) * HQ
     pid, params = triton_fwd.pattern_code(p)
     fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
-    for cfg in STRUCTURED_BWD_VARIANTS:
-        fns["st " + "/".join(map(str, cfg))] = lambda cfg=cfg: triton_structured_bwd.structured_backward(
-            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg)[:3]
-    ref = None
+    for cfg, tma, dq_tma, atomic in STRUCTURED_BWD_VARIANTS[: args.variants or None]:
+        label = ("st " + "/".join(map(str, cfg)) + {True: " tma", "kv": " kv-tma"}.get(tma, "")
+                 + (" dq-tma" if dq_tma else "") + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
+        fns[label] = lambda cfg=cfg, tma=tma, dq_tma=dq_tma, atomic=atomic: triton_structured_bwd.structured_backward(
+            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=True, scale=scale, config=cfg,
+            use_tma=tma is True, kv_tma=tma in (True, "kv"), dq_tma=dq_tma, atomic_dq=atomic)[:3]
     flex_ms = None
     if S <= args.flex_max:
         qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
         bmask = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV).to_block_mask(1, HQ)
         o_flex = flex_fn()(qf, kf, vf, block_mask=bmask, enable_gqa=True, scale=scale)
-        flex_ms = bench(lambda: torch.autograd.grad(o_flex, (qf, kf, vf), do, retain_graph=True))
-        results.append(dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile="flex", ours_ms=flex_ms,
-                            tflops_ours=10.0 * pairs * D / flex_ms / 1e9))
-        print(json.dumps(results[-1]), flush=True)
-        del o_flex
+        flex_grad = lambda: torch.autograd.grad(o_flex, (qf, kf, vf), do, retain_graph=True)  # noqa: E731
+        if args.compile_only:
+            fns["flex"] = flex_grad
+        else:
+            flex_ms = bench(flex_grad)
+            results.append(dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile="flex", ours_ms=flex_ms))
+            print(json.dumps(results[-1]), flush=True)
+    if args.compile_only:
+        _compile_rows(args, results, "tune_structured_bwd", p.name, S, D, fns)
+        return
+    pairs = allowed_pairs(lay, S) * HQ
+    if flex_ms:
+        results[-1]["tflops_ours"] = 10.0 * pairs * D / flex_ms / 1e9
+    ref = None
     for label, fn in fns.items():
         row = dict(section="tune_structured_bwd", pattern=p.name, S=S, D=D, tile=label)
         try:
@@ -813,6 +885,13 @@ def main(argv=None):
     ap.add_argument("--flex-max", type=int, default=131072, help="largest S given to the FlexAttention baseline")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--single-launch", action="store_true", help="l2: one timed-free launch per configuration (for ncu)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="tune_structured / tune_structured_bwd: launch each variant once, no checks, no timing "
+                         "(fills Triton's and Inductor's caches; run shards in parallel before a timed run)")
+    ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
+    ap.add_argument("--schedules", default=None,
+                    help="tune_structured: only the structured variants with these loop schedules (e.g. '0,3,4')")
+    ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmark_kernels.py needs a CUDA GPU", file=sys.stderr)

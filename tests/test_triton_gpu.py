@@ -175,14 +175,16 @@ def test_token_layout_bf16_forward_backward():
         assert rel(a, b) < 2 * TOL[torch.bfloat16], name
 
 
+@pytest.mark.parametrize("S", [901, 1024])  # 1024: whole key tiles, so the dK/dV kernel's K/V may come by TMA
 @pytest.mark.parametrize("pattern", [get_pattern("sliding_window", window=300), get_pattern("streaming", sinks=130, window=256),
                                      get_pattern("dense", causal=False)], ids=lambda p: p.name)
-def test_structured_forward_and_opt_in_backward_bf16(pattern):
+def test_structured_forward_and_backward_bf16(pattern, S):
     """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
-    and the opt-in structured backward at its GPU tile shapes, against float64 autograd of the reference."""
+    and the structured backward at its GPU tile shapes (default, atomic dQ, TMA reduce-add dQ, TMA loads),
+    against float64 autograd of the reference."""
     from sparse_k import triton_fwd, triton_structured_bwd
 
-    B, Hq, Hkv, S, D = 2, 8, 2, 901, 128
+    B, Hq, Hkv, D = 2, 8, 2, 128
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     mask[1, :45] = False
@@ -200,10 +202,14 @@ def test_structured_forward_and_opt_in_backward_bf16(pattern):
 
     o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
                                 block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
-    grads = triton_structured_bwd.structured_backward(do, q, k, v, o, lse, geo, pattern_id=pid, params=params,
-                                                      causal=pattern.causal, scale=D ** -0.5, sink_logits=sink, key_mask=mask)
-    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
-        assert rel(a, b) < 2 * TOL[torch.bfloat16], name
+    variants = (dict(), dict(atomic_dq=True), dict(use_tma=None, atomic_dq="tma"), dict(use_tma=None, dq_tma=True),
+                dict(kv_tma=True))
+    for kw in variants:
+        grads = triton_structured_bwd.structured_backward(do, q, k, v, o, lse, geo, pattern_id=pid, params=params,
+                                                          causal=pattern.causal, scale=D ** -0.5, sink_logits=sink,
+                                                          key_mask=mask, **kw)
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
+            assert rel(a, b) < 2 * TOL[torch.bfloat16], (name, kw)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -284,3 +290,17 @@ def test_decode_split_merge_under_cuda_graph():
             assert rel(out, ref) < TOL[torch.bfloat16], i
         eager, _ = call()
         assert rel(eager, ref) < TOL[torch.bfloat16], i
+
+
+def test_bigbird_block128_prefill_on_64_tiles():
+    """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
+    from sparse_k.triton_backend import bigbird_tiles
+
+    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
+    B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128
+    assert bigbird_tiles(p.block, D, "cuda", False, S) == (64, 64)
+    q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=128)
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
+    geo = row_geometry(B, S, S, None, device="cuda")
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5)
+    assert rel(out, ref) < TOL[torch.bfloat16]

@@ -471,7 +471,7 @@ STRUCTURED_CASES = {
 def test_structured_tile_ranges(name):
     """The arithmetic tile ranges (sink / left edge / full / right edge) give the exact reference for
     bottom-right chunks, left padding, key holes, bidirectional windows, windows shorter and longer
-    than a tile, sinks over several tiles, and every program order; the layout path agrees."""
+    than a tile, sinks over several tiles, every program order and loop schedule; the layout path agrees."""
     p, Sq, Skv, pad, holes = STRUCTURED_CASES[name]
     g = torch.Generator().manual_seed(len(name) * 31)
     B, Hq, Hkv, D = 2, 4, 2, 16
@@ -486,14 +486,17 @@ def test_structured_tile_ranges(name):
     softcap = 5.0 if "bidir" in name else None
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink, softcap=softcap, key_mask=key_mask)
     pid, params = triton_fwd.pattern_code(p)
-    for order in range(4):
+    # every program order with the four-loop schedule, the other schedules with order 3 (3 and 4 differ
+    # from 0 only where there are sink tiles)
+    runs = [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (3, 2)] + ([(3, 3), (3, 4)] if p.name == "streaming" else [])
+    for order, schedule in runs:
         out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
         o, lse = triton_structured.structured_forward(
             q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
-            softcap=softcap, sink_logits=sink, key_mask=key_mask, out=out, order=order,
+            softcap=softcap, sink_logits=sink, key_mask=key_mask, out=out, order=order, schedule=schedule,
         )
-        assert not o.isnan().any(), order
-        assert rel(o, ro) < TOL32, order
+        assert not o.isnan().any(), (order, schedule)
+        assert rel(o, ro) < TOL32, (order, schedule)
         finite = torch.isfinite(rl)
         assert torch.equal(torch.isfinite(lse), finite)
         assert torch.allclose(lse[finite].double(), rl[finite], atol=1e-4, rtol=1e-4)
@@ -530,14 +533,18 @@ def test_structured_backward(name):
         q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
         softcap=softcap, sink_logits=sink, key_mask=key_mask,
     )
-    for config in ((16, 16, 4, 1, 16, 16, 4, 1), (32, 16, 4, 1, 16, 32, 4, 1)):
+    variants = (  # (tile config, atomic dQ, int64 offsets)
+        ((16, 16, 4, 1, 16, 16, 4, 1), False, False), ((32, 16, 4, 1, 16, 32, 4, 1), False, False),
+        ((16, 16, 4, 1, 16, 16, 4, 1), True, False), ((32, 16, 4, 1, 16, 32, 4, 1), False, True),
+    )
+    for config, atomic, index64 in variants:
         grads = triton_structured_bwd.structured_backward(
             do, q, k, v, o, lse, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5,
-            softcap=softcap, sink_logits=sink, key_mask=key_mask, config=config,
+            softcap=softcap, sink_logits=sink, key_mask=key_mask, config=config, atomic_dq=atomic, index64=index64,
         )
         for label, a, b in zip(("dq", "dk", "dv", "dsink"), grads, refs):
-            assert not a.isnan().any(), (label, config)
-            assert rel(a, b) < 5 * TOL32, (label, config)
+            assert not a.isnan().any(), (label, config, atomic, index64)
+            assert rel(a, b) < 5 * TOL32, (label, config, atomic, index64)
 
 
 def test_selection_prefill_config():
@@ -567,3 +574,40 @@ def test_decode_split_count_fills_one_wave(monkeypatch):
     assert _num_splits(8, 5, dev) == 5
     assert _num_splits(500, 66, dev) == 1
     assert _num_splits(1, 10_000, dev) == 64
+
+
+
+
+@_SUBPROCESS_ONLY
+def test_bwd_preprocess_delta_and_lse2():
+    """``delta = rowsum(dO * O)`` in float32 and ``lse2 = lse * log2(e)`` (+inf where lse = -inf) from
+    a strided output view, odd length, fp16 inputs; written contiguously."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Sq, D = 2, 3, 37, 16
+    out = rand(B, Sq, Hq, D, dtype=torch.float16, gen=g).transpose(1, 2)  # (B, Hq, Sq, D) view, row stride Hq * D
+    do = rand(B, Hq, Sq, D, dtype=torch.float16, gen=g)
+    lse = rand(B, Hq, Sq, gen=g)
+    lse[1, 2, :5] = float("-inf")
+    delta, lse2 = triton_bwd.bwd_preprocess(do, out, lse)
+    ref = (do.double() * out.double()).sum(-1)
+    assert delta.dtype == torch.float32 and delta.is_contiguous() and lse2.is_contiguous()
+    assert rel(delta, ref) < 1e-6
+    assert torch.isposinf(lse2[1, 2, :5]).all()
+    fin = torch.isfinite(lse)
+    assert torch.allclose(lse2[fin].double(), lse[fin].double() / torch.log(torch.tensor(2.0, dtype=torch.float64)), rtol=1e-6)
+
+
+@_SUBPROCESS_ONLY
+def test_bigbird_tiles_dividing_the_block():
+    """Bigbird on tiles smaller than its block (as ``bigbird_tiles`` picks for blocks of 128 on the GPU):
+    every tile lies in one block pair, so the layout path's whole-tile rule stays exact."""
+    p = get_pattern("bigbird", block=32, window_blocks=1, global_blocks=1, random_blocks=1)
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, S, D = 1, 4, 2, 96, 16
+    q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    geo = row_geometry(B, S, S, None, device=DEV)
+    out = torch.full((B, Hq, S, D), float("nan"), device=DEV)
+    o, _ = triton_fwd.attention_forward(q, k, v, _layout(p, S, S, geo, Hkv), scale=D ** -0.5, out=out)
+    ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
+    assert not o.isnan().any()
+    assert rel(o, ro) < TOL32
