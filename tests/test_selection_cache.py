@@ -190,7 +190,9 @@ def test_build_selection_does_not_synchronise_on_the_gpu(masked):
     mask[1, :37] = False
     cases = [(sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), SparseKScorer(Hkv, D).to(dev)),
              (sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), None),
-             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev))]
+             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev)),
+             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1),
+              LightningIndexer(Hq, Hkv, D, indexer_heads=2, per_kv_head=True).to(dev))]
     for pattern, sel in cases:
         for Sq in (S, 1):
             geo = sparse_k.row_geometry(B, Sq, S, mask if masked else None, device=dev)
