@@ -201,7 +201,11 @@ def test_init_from_attention_scores_are_the_group_mean_logits(dim):
 
 
 def test_per_kv_head_indexer_errors_and_file_round_trip(tmp_path):
-    from hf_sparse_attention.selectors import create_selectors, load_selectors, save_selectors
+    from hf_sparse_attention.selectors import (
+        create_selectors,
+        load_selectors,
+        save_selectors,
+    )
 
     q, k, _ = _inputs(1, 4, 2, 9, 9, 6, seed=1)
     with pytest.raises(ValueError, match="per_kv_head"):
