@@ -103,8 +103,12 @@ def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
         mod.parse_args(["--pattern", "dsa", "--loss", "lm"])
     with pytest.raises(SystemExit):
         mod.parse_args(["--pattern", "dsa", "--no-per-kv-head", "--init", "attention"])
+    # The measured recipes are the defaults (README table): dsa per query, per KV head, from the attention.
     args = mod.parse_args(["--pattern", "dsa"])
     assert (args.query_block, args.indexer_heads, args.distill_blocks, args.init) == (1, 2, 256, "attention")
+    assert (args.steps, args.lr, args.passkey_fraction, args.seq_len, args.global_batch) == (40, 1e-3, 0.5, 4096, 8)
+    args = mod.parse_args([])
+    assert (args.pattern, args.query_block, args.steps, args.lr, args.distill_blocks) == ("sparse_k", 64, 150, 1e-2, 0)
     # With lr 0 the saved indexers are the attention initialisation: key maps pick rotary pairs
     # (i, i + D/2) of their own KV head, head weights +1 / -1.
     out_init = str(tmp_path / "dsa_init")
