@@ -410,11 +410,12 @@ def test_block_chunking_does_not_change_the_selection(monkeypatch):
     torch.testing.assert_close(whole.weights, chunked.weights, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+@pytest.mark.parametrize("name", ["sparse_k", "dsa", "dsa-per-kv-head"])
 def test_generate_with_attached_selectors_equals_recompute(name):
     """Through the Transformers integration: cached decoding with trained-like (random) selectors
     gives the logits of recomputing the whole prefix at every step (DSA relies on its block memo)."""
-    model = sparse_tiny_llama(name, {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4})
+    model = sparse_tiny_llama(name[:3] if name.startswith("dsa") else name,
+                              {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}, per_kv_head=name.endswith("head"))
     seq = torch.randint(1, 50, (1, 29), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model(seq[:, :11], use_cache=True)
