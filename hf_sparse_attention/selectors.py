@@ -80,11 +80,13 @@ def _sparse_config(model: nn.Module) -> dict | None:
 
 
 def create_selectors(model: nn.Module, pattern: Pattern | None = None, *, position_term: bool = True,
-                     key_norm_term: bool = True) -> dict[int, nn.Module]:
+                     key_norm_term: bool = True, per_kv_head: bool = False) -> dict[int, nn.Module]:
     """Fresh (untrained) selectors for every layer of ``model`` that runs a learned pattern.
 
     ``pattern``: one ``SparseK``/``DSA`` pattern for every layer; None: each layer's pattern from
     ``model.config.sparse_attention`` (layers whose pattern is not learned get none).
+    ``position_term``/``key_norm_term``: ``SparseKScorer`` options; ``per_kv_head``: DSA indexers
+    with one indexer (and selection) per KV head (``LightningIndexer``).
     Returns ``{layer_idx: SparseKScorer | LightningIndexer}`` on CPU, float32.
     """
     hq, hkv, d = _model_dims(model)
@@ -95,7 +97,8 @@ def create_selectors(model: nn.Module, pattern: Pattern | None = None, *, positi
         if isinstance(p, SparseK):
             out[idx] = SparseKScorer(hkv, d, position_term=position_term, key_norm_term=key_norm_term)
         elif isinstance(p, DSA):
-            out[idx] = LightningIndexer(hq, hkv, d, indexer_heads=p.indexer_heads, indexer_dim=p.indexer_dim)
+            out[idx] = LightningIndexer(hq, hkv, d, indexer_heads=p.indexer_heads, indexer_dim=p.indexer_dim,
+                                        per_kv_head=per_kv_head)
     return out
 
 

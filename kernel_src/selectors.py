@@ -12,7 +12,8 @@ are taken with weight 1; otherwise:
   and at most ``top_k`` entries reach 1); fractional entries past them are dropped, so the kept
   weights sum to at most ``top_k``. Ties go to the earlier key.
 * ``DSA`` + ``LightningIndexer``: indexer scores of the block's *first* query against the
-  candidates, top ``top_k`` (weight 1), one selection shared by all KV heads. Only the first query
+  candidates, top ``top_k`` (weight 1), one selection shared by all KV heads (a ``per_kv_head``
+  indexer scores and selects for every KV head separately). Only the first query
   is used so that the selection is fixed when the block starts: decode equals recompute. A call
   that starts inside a block (decode) uses the indexer query the indexer memoised when the block's
   first query went through it (``LightningIndexer._block_memo``); without that memo it falls back
@@ -183,11 +184,14 @@ def build_selection(
         return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=True)
     if index_keys is None:
         index_keys = selector.index_keys(key)
-    elif tuple(index_keys.shape) != (B, Skv, selector.indexer_dim):
-        raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.indexer_dim}), got {tuple(index_keys.shape)}")
+    elif tuple(index_keys.shape) != (B, Skv, selector.key_width):
+        raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.key_width}), got {tuple(index_keys.shape)}")
     scores = _dsa_block_scores(selector, query, index_keys, geometry, host, pattern.query_block, first, block_start,
-                               block_ok)  # (B, NB, Skv)
-    lay = _topk_layout(scores[:, None], cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+                               block_ok)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
+    scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
+    lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+    if selector.per_kv_head:
+        return lay
     shape = (B, Hkv, *lay.indices.shape[2:])
     return TokenLayout(
         indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
@@ -229,7 +233,8 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
 
 def _dsa_block_scores(indexer: LightningIndexer, query, index_keys, geometry, host, query_block, first, block_start,
                       block_ok) -> torch.Tensor:
-    """Indexer scores ``(B, NB, Skv)`` of every block's first query (design §7; module docstring).
+    """Indexer scores ``(B, NB, Skv)`` (per KV head: ``(B, NB, Hkv, Skv)``) of every block's first query
+    (design §7; module docstring).
 
     Reads the device only when a row starts inside a block and the offsets are host-known (to check
     the memo and warn); with device-only offsets the memo is applied where it matches, without a check.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -66,7 +67,8 @@ def _variants(args) -> list[dict]:
         {"label": f"streaming ({budget} keys)", "pattern": "streaming", "params": {"sinks": args.sinks, "window": budget - args.sinks}},
     ]
     for name, path in args.selector:
-        out.append({"label": f"{name} (trained)", "pattern": name, "params": _trained_params(name, path, learned),
+        run = os.path.basename(os.path.dirname(os.path.abspath(path)))  # tells several files of one pattern apart
+        out.append({"label": f"{name} (trained: {run})", "pattern": name, "params": _trained_params(name, path, learned),
                     "selector_path": path})
     for name in args.training_free:
         out.append({"label": f"{name} (training-free)", "pattern": name, "params": dict(learned)})

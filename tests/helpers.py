@@ -65,9 +65,10 @@ def tiny_llama(layers: int = 3):
     return LlamaForCausalLM(cfg)
 
 
-def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True):
+def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True, per_kv_head: bool = False):
     """``tiny_llama()`` on ``attn_implementation="sparse_k"`` with learned pattern ``name``; with
-    ``random_selectors`` its selectors get seeded random weights (trained-like, not training-free)."""
+    ``random_selectors`` its selectors get seeded random weights (trained-like, not training-free);
+    ``per_kv_head``: DSA indexers with one indexer per KV head."""
     import hf_sparse_attention
     from hf_sparse_attention.selectors import attach_selectors, create_selectors
 
@@ -76,7 +77,7 @@ def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True)
     model.set_attn_implementation("sparse_k")
     if random_selectors:
         torch.manual_seed(1)
-        sels = create_selectors(model)
+        sels = create_selectors(model, per_kv_head=per_kv_head)
         with torch.no_grad():
             for sel in sels.values():
                 for prm in sel.parameters():

@@ -119,12 +119,14 @@ def test_sparse_cache_evicts_and_equals_recompute(trained):
     assert min(min(x) for x in lengths[20:]) >= params["sinks"] + params["top_k"] + params["window"] - 1
 
 
-def test_dsa_cache_keeps_indexer_keys(monkeypatch):
-    """dsa with SparseCache: decode computes indexer keys of the new token only, logits == recompute."""
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_dsa_cache_keeps_indexer_keys(monkeypatch, per_kv_head):
+    """dsa with SparseCache: decode computes indexer keys of the new token only, logits == recompute
+    (shared and per-KV-head indexers)."""
     from hf_sparse_attention import SparseCache
 
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 1}
-    model = sparse_tiny_llama("dsa", params)
+    model = sparse_tiny_llama("dsa", params, per_kv_head=per_kv_head)
     seq = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         recomputed = torch.stack([model(seq[:, :t], use_cache=False).logits[:, -1] for t in range(11, 41)])
@@ -190,7 +192,9 @@ def test_build_selection_does_not_synchronise_on_the_gpu(masked):
     mask[1, :37] = False
     cases = [(sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), SparseKScorer(Hkv, D).to(dev)),
              (sparse_k.SparseK(sinks=4, window=64, top_k=64, query_block=64), None),
-             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev))]
+             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1), LightningIndexer(Hq, Hkv, D).to(dev)),
+             (sparse_k.DSA(sinks=4, window=64, top_k=64, query_block=1),
+              LightningIndexer(Hq, Hkv, D, indexer_heads=2, per_kv_head=True).to(dev))]
     for pattern, sel in cases:
         for Sq in (S, 1):
             geo = sparse_k.row_geometry(B, Sq, S, mask if masked else None, device=dev)

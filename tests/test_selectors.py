@@ -129,6 +129,104 @@ def test_dsa_selection_matches_definition_and_is_shared_by_heads():
     _assert_same(_layout_dict(lay, geo, 75, 2, 2), want)
 
 
+def _random_per_head_indexer(Hq, Hkv, D, heads=2, dim=4, seed=0):
+    idx = LightningIndexer(Hq, Hkv, D, indexer_heads=heads, indexer_dim=dim, per_kv_head=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in idx.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g))
+    return idx
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,qb,pad", [(2, 6, 3, 75, 8, 11), (1, 2, 2, 41, 1, 0)])
+def test_per_kv_head_dsa_selection_matches_definition(B, Hq, Hkv, S, qb, pad):
+    """Every KV head selects by its own indexer: scores from its group's queries and its own keys."""
+    pattern = sparse_k.DSA(sinks=2, window=10, top_k=7, query_block=qb, indexer_heads=2, indexer_dim=4)
+    q, k, v = _inputs(B, Hq, Hkv, S, S, 6, seed=S, dtype=torch.float64)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, :pad] = False
+    geo = sparse_k.row_geometry(B, S, S, mask)
+    idx = _random_per_head_indexer(Hq, Hkv, 6, seed=S)
+    lay = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=idx)
+    assert lay.weights is None and lay.indices.shape[1] == Hkv
+    # Definition, head by head: KV head g's score is a shared indexer over g's query group and key g only.
+    G = Hq // Hkv
+    want_scores = torch.zeros(B, Hkv, S, S, dtype=torch.float64)
+    prm = {n: t.detach().double() for n, t in idx.named_parameters()}
+    for g in range(Hkv):
+        qg = q[:, g * G : (g + 1) * G].transpose(1, 2).flatten(2)  # (B, T, G*D)
+        kg = k[:, g] @ prm["k_weight"][g].T  # (B, S, d_I)
+        qi = (qg @ prm["q_weight"][g].T).unflatten(-1, (2, 4))  # (B, T, H_I, d_I)
+        w = qg @ prm["w_weight"][g].T + prm["w_bias"][g]  # (B, T, H_I)
+        dots = torch.relu(torch.einsum("bthd,bsd->bths", qi, kg) / 2.0)  # sqrt(d_I) = 2
+        want_scores[:, g] = torch.einsum("bth,bths->bts", w, dots)
+    torch.testing.assert_close(idx(q, k).detach().permute(0, 2, 1, 3), want_scores, atol=1e-10, rtol=1e-10)
+    qpos = geo.q_positions(S).expand(B, S)
+    per_block = []
+    for b in range(B):  # block n uses the scores of its first query (by position)
+        first = [int((qpos[b] == blk * qb).nonzero()[0]) if bool((qpos[b] == blk * qb).any()) else 0
+                 for blk in sorted({int(p) // qb for p in qpos[b].clamp_min(0).tolist()})]
+        per_block.append(want_scores[b][:, first])
+    n = max(x.shape[1] for x in per_block)
+    per_block = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[1])) for x in per_block])
+    want = _brute_force(pattern, per_block, geo, S, S, B, Hkv, weighted=False)
+    _assert_same(_layout_dict(lay, geo, S, B, Hkv), want)
+
+
+def test_per_kv_head_decode_equals_recompute_with_memo():
+    pattern = sparse_k.DSA(sinks=2, window=9, top_k=6, query_block=8, indexer_heads=3, indexer_dim=4)
+    _decode_vs_recompute(pattern, _random_per_head_indexer(4, 2, 6, heads=3, seed=5), seed=6)
+
+
+@pytest.mark.parametrize("dim", [8, 4])
+def test_init_from_attention_scores_are_the_group_mean_logits(dim):
+    """After init_from_attention the per-KV-head score is scale * (group-mean query . key) on the kept
+    rotary pairs (all pairs when indexer_dim == head_dim), and the kept pairs carry the most energy."""
+    B, Hq, Hkv, T, D, scale = 2, 6, 2, 23, 8, 0.37
+    q, k, _ = _inputs(B, Hq, Hkv, T, T, D, seed=31, dtype=torch.float64)
+    k[..., 1] *= 5.0  # pair (1, 5) dominates the energy of every head
+    k[..., 5] *= 5.0
+    idx = LightningIndexer(Hq, Hkv, D, indexer_heads=3, indexer_dim=dim, per_kv_head=True)
+    dims = idx.init_from_attention(q, k, scale)
+    assert dims.shape == (Hkv, dim)
+    assert all(1 in d.tolist() and 5 in d.tolist() for d in dims)
+    G = Hq // Hkv
+    qm = q.view(B, Hkv, G, T, D).mean(2)
+    want = torch.stack([scale * torch.einsum("btd,bsd->bts", qm[:, g][..., dims[g]], k[:, g][..., dims[g]])
+                        for g in range(Hkv)], 2)  # (B, T, Hkv, S)
+    torch.testing.assert_close(idx(q, k).detach(), want, atol=1e-5, rtol=1e-5)  # float32 parameters
+    if dim == D:
+        full = scale * torch.einsum("bgtd,bgsd->btgs", qm, k)
+        torch.testing.assert_close(idx(q, k).detach(), full, atol=1e-5, rtol=1e-5)
+
+
+def test_per_kv_head_indexer_errors_and_file_round_trip(tmp_path):
+    from hf_sparse_attention.selectors import (
+        create_selectors,
+        load_selectors,
+        save_selectors,
+    )
+
+    q, k, _ = _inputs(1, 4, 2, 9, 9, 6, seed=1)
+    with pytest.raises(ValueError, match="per_kv_head"):
+        LightningIndexer(4, 2, 6).init_from_attention(q, k, 0.5)
+    with pytest.raises(ValueError, match="indexer_dim"):
+        LightningIndexer(4, 2, 6, indexer_dim=3, per_kv_head=True).init_from_attention(q, k, 0.5)
+    with pytest.raises(ValueError, match="indexer_heads"):
+        LightningIndexer(4, 2, 6, indexer_heads=1, per_kv_head=True).init_from_attention(q, k, 0.5)
+    with pytest.raises(ValueError, match="multiple"):
+        LightningIndexer(5, 2, 6, per_kv_head=True)
+    with pytest.raises(ValueError, match="index_keys"):
+        build_selection(sparse_k.DSA(sinks=1, window=2, top_k=2, query_block=1), q, k, k, sparse_k.row_geometry(1, 9, 9),
+                        layer_idx=0, selector=LightningIndexer(4, 2, 6, per_kv_head=True), index_keys=torch.zeros(1, 9, 32))
+    model = tiny_llama()
+    sels = create_selectors(model, sparse_k.DSA(indexer_heads=2, indexer_dim=4), per_kv_head=True)
+    back = load_selectors(save_selectors(sels, str(tmp_path)))
+    assert back[0].per_kv_head and back[0].key_width == 4 * back[0].num_kv_heads
+    for i in sels:
+        assert all(torch.equal(a, b) for a, b in zip(sels[i].parameters(), back[i].parameters()))
+
+
 def _decode_vs_recompute(pattern, selector, B=2, Hq=4, Hkv=2, S=90, D=6, prefill=37, pad=5, seed=0):
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, seed=seed)
     mask = torch.ones(B, S, dtype=torch.bool)
@@ -312,11 +410,12 @@ def test_block_chunking_does_not_change_the_selection(monkeypatch):
     torch.testing.assert_close(whole.weights, chunked.weights, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+@pytest.mark.parametrize("name", ["sparse_k", "dsa", "dsa-per-kv-head"])
 def test_generate_with_attached_selectors_equals_recompute(name):
     """Through the Transformers integration: cached decoding with trained-like (random) selectors
     gives the logits of recomputing the whole prefix at every step (DSA relies on its block memo)."""
-    model = sparse_tiny_llama(name, {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4})
+    model = sparse_tiny_llama(name[:3] if name.startswith("dsa") else name,
+                              {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}, per_kv_head=name.endswith("head"))
     seq = torch.randint(1, 50, (1, 29), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model(seq[:, :11], use_cache=True)

@@ -98,9 +98,28 @@ def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
     out_dsa = str(tmp_path / "dsa")
     assert mod.main(_args(tiny_model, out_dsa, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8")) == 0
     dsa = _selectors(os.path.join(out_dsa, "sparse_k_selectors.safetensors"))
-    assert all(type(s).__name__ == "LightningIndexer" for s in dsa.values())
+    assert all(type(s).__name__ == "LightningIndexer" and s.per_kv_head for s in dsa.values())
     with pytest.raises(SystemExit):
         mod.parse_args(["--pattern", "dsa", "--loss", "lm"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--pattern", "dsa", "--no-per-kv-head", "--init", "attention"])
+    # The measured recipes are the defaults (README table): dsa per query, per KV head, from the attention.
+    args = mod.parse_args(["--pattern", "dsa"])
+    assert (args.query_block, args.indexer_heads, args.distill_blocks, args.init) == (1, 2, 256, "attention")
+    assert (args.steps, args.lr, args.passkey_fraction, args.seq_len, args.global_batch) == (40, 1e-3, 0.5, 4096, 8)
+    args = mod.parse_args([])
+    assert (args.pattern, args.query_block, args.steps, args.lr, args.distill_blocks) == ("sparse_k", 64, 150, 1e-2, 0)
+    # With lr 0 the saved indexers are the attention initialisation: key maps pick rotary pairs
+    # (i, i + D/2) of their own KV head, head weights +1 / -1.
+    out_init = str(tmp_path / "dsa_init")
+    assert mod.main(_args(tiny_model, out_init, 1, "--pattern", "dsa", "--indexer-dim", "4", "--lr", "0")) == 0
+    for sel in _selectors(os.path.join(out_init, "sparse_k_selectors.safetensors")).values():
+        torch.testing.assert_close(sel.w_bias, torch.tensor([[1.0, -1.0]] * sel.num_kv_heads))
+        picked = sel.k_weight.nonzero()[:, 2].view(sel.num_kv_heads, 4)  # (Hkv, d_I) kept dims
+        assert torch.equal(picked[:, 2:], picked[:, :2] + sel.head_dim // 2)
+    shared = str(tmp_path / "dsa_shared")
+    assert mod.main(_args(tiny_model, shared, 1, "--pattern", "dsa", "--no-per-kv-head")) == 0
+    assert not any(s.per_kv_head for s in _selectors(os.path.join(shared, "sparse_k_selectors.safetensors")).values())
 
     # Per-query DSA (query_block 1) on sampled blocks, every sequence a passkey one (both styles),
     # with the answer-query term: runs, logs finite losses and moves the indexers.
@@ -163,6 +182,34 @@ def test_distill_loss_is_zero_for_a_perfect_student():
     assert float(kl.abs().max()) < 1e-5  # float32 logs of probabilities
     kl_uniform = mod.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
     assert float(kl_uniform.min()) > 1e-3
+
+
+def test_per_kv_head_dsa_distills_each_head_to_its_own_group():
+    """Per-KV-head DSA: the target of KV head g is its own group's attention mass (KL 0 for a student
+    equal to it, > 0 for the heads swapped)."""
+    from sparse_k.scorers import LightningIndexer
+
+    mod = _script()
+    pattern = sparse_k.DSA(sinks=1, window=6, top_k=3, query_block=1, indexer_heads=2, indexer_dim=4)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 40, 8, generator=g)
+    k = torch.randn(1, 2, 40, 8, generator=g)
+    scale = 8 ** -0.5
+    last = mod.block_attention_mass(q, k, scale, 1)[:, :, 39]  # (1, Hkv, 40): the last query
+
+    class Fixed(LightningIndexer):
+        def __init__(self, logits):
+            super().__init__(4, 2, 8, indexer_heads=2, indexer_dim=4, per_kv_head=True)
+            self.fixed = logits
+
+        def scores(self, q_index, w, k_index):
+            return self.fixed[:, None]  # (1, N=1, Hkv, S)
+
+    q_last = q[:, :, 39:]
+    good = mod.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
+    assert float(good.abs().max()) < 1e-5
+    swapped = mod.distill_loss(pattern, Fixed(torch.log(last.flip(1).clamp_min(1e-30))), q_last, k, k, scale)
+    assert float(swapped.min()) > 1e-3
 
 
 def test_compare_loss_curves(tmp_path, capsys):
