@@ -34,8 +34,8 @@ __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
 _BACKENDS = ("auto", "torch", "triton")
 
 #: Whether ``backend="auto"`` takes the Triton kernel for CUDA tensors. Off: the kernel is verified
-#: under Triton's interpreter and compiles for sm_90, but has not yet run on a GPU
-#: (``tests/test_triton_sparsek.py::test_cuda_matches_torch`` is the check to pass first).
+#: under Triton's interpreter and on an H100 (``tests/test_triton_sparsek.py::test_cuda_matches_torch``,
+#: 2026-11-22), but has not been timed against the PyTorch path yet.
 AUTO_TRITON_ON_CUDA = False
 
 
@@ -168,8 +168,8 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
         backend: ``"torch"`` (the sort-based path above), ``"triton"`` (``triton_sparsek``: CUDA
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``; computes in float32, float64
             inputs included) or ``"auto"``: the PyTorch path, and the Triton kernel for CUDA
-            tensors other than float64 once ``AUTO_TRITON_ON_CUDA`` is on. The kernel is verified
-            under Triton's interpreter only (not yet run on a GPU), hence off.
+            tensors other than float64 once ``AUTO_TRITON_ON_CUDA`` is on (off until the kernel is
+            timed against the PyTorch path on a GPU).
     Returns:
         ``p`` in ``u.dtype``, differentiable in ``u`` (exact Jacobian, fractional entries only).
         The support can exceed ``k`` (fractional entries); callers that need exactly ``k`` keys
