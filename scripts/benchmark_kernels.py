@@ -873,6 +873,13 @@ def print_table(results):
         print("| " + " | ".join(_fmt(r.get(key)) for key, _ in used) + " |")
 
 
+def write_json(path, meta, rows):
+    """Write ``{"meta": meta, "rows": rows}`` to ``path`` (folders created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2"), required=True)
@@ -910,9 +917,7 @@ def main(argv=None):
      "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2}[args.section](args, results)
     print_table(results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=results), f, indent=1)
+        write_json(args.json, meta, results)
     return 0
 
 

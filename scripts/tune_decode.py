@@ -256,9 +256,7 @@ def main(argv=None):
     for key, vals in summary.items():
         print("decode", *key, " ".join(vals))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        bk.write_json(args.json, meta, rows)
     return 0
 
 
