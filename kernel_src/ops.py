@@ -199,7 +199,8 @@ def block_attn(
     ``selection``: an optional ``TokenLayout`` fused into the same pass.
     Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
     fwd, _ = _kernels()
-    if _eager_inference(need_grad, (q, k, v, sink_logits)):
+    weights = None if selection is None else selection.weights
+    if _eager_inference(need_grad, (q, k, v, sink_logits, weights)):
         return fwd.attention_forward(
             q, k, v, layout, scale=float(scale), softcap=softcap if softcap else None, sink_logits=sink_logits,
             key_mask=key_mask, pack=pack, num_splits=num_splits, full_contig=fwd.full_tiles_contiguous(layout),

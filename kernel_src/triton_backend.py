@@ -104,8 +104,12 @@ def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | No
 
 
 def _want_grad(call: AttentionCall) -> bool:
+    """Whether autograd will ask for a backward: any of q, k, v, the sink logits or the selection's
+    weights (a trained SparseK scorer's, even when q, k, v of a frozen model carry no gradient)."""
+    weights = None if call.selection is None else call.selection.weights
     return bool(call.need_grad) or (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.sink_logits, weights))
     )
 
 

@@ -405,6 +405,30 @@ def test_token_layout_forward_backward_with_weight_grad(softcap):
 
 
 @_SUBPROCESS_ONLY
+def test_token_layout_weight_grad_with_frozen_qkv():
+    """A trained SparseK scorer on a frozen model: only the selection weights carry a gradient (q, k, v
+    of the first layer do not). The output must still take part in autograd and the weight gradient
+    equal the float64 reference (the no-gradient fast path once dropped it)."""
+    g = torch.Generator().manual_seed(24)
+    B, Hq, Hkv, Sq, Skv, D, QB = 1, 4, 2, 29, 41, 16, 8
+    p = get_pattern("sparse_k", sinks=2, window=7, top_k=10, query_block=QB)
+    geo = row_geometry(B, Sq, Skv, None, device=DEV)
+    sel = _random_selection(B, Hkv, Sq, Skv, QB, 10, geo, g)
+    sel.weights.requires_grad_()
+    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+    out = triton_attn(q, k, v, p, selection=sel)
+    assert out.requires_grad
+    do = rand(*out.shape, gen=g)
+    (grad,) = torch.autograd.grad(out, sel.weights, do)
+    w64 = sel.weights.detach().double().requires_grad_()
+    sel_ref = sparse_k.TokenLayout(sel.indices, sel.counts, QB, sel.first_block, w64)
+    ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", selection=sel_ref)
+    (ref_grad,) = torch.autograd.grad(ref, w64, do.double())
+    assert rel(out, ref) < TOL32
+    assert rel(grad, ref_grad) < 5 * TOL32
+
+
+@_SUBPROCESS_ONLY
 def test_token_layout_decode_split():
     """Decode with a selection: packed heads, split-KV over block tiles and selected keys together."""
     g = torch.Generator().manual_seed(23)
