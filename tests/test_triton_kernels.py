@@ -41,6 +41,10 @@ def test_interpreter_suite_in_subprocess():
 
 DEV = "cuda" if ON_GPU else "cpu"
 TOL32 = 2e-3 if ON_GPU else 1e-5
+# LSE, absolute: exact fp32 under the interpreter; on a GPU fp32 tl.dot runs TF32 (operands rounded to
+# 10-bit mantissas, <= 2^-10 relative per product), and sum_i |q_i k_i| * scale is about 2.5 for these
+# randn inputs at D=16, so a logit (and the LSE) may be off by up to ~2.5e-3 (measured on an H100: 2e-3).
+LSE_ATOL = 5e-3 if ON_GPU else 1e-4
 TOL16 = 4e-3
 
 
@@ -106,7 +110,7 @@ def test_forward_every_pattern(name):
     assert rel(o, ro) < TOL32
     finite = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite].double(), rl[finite], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse[finite].double(), rl[finite], atol=LSE_ATOL, rtol=1e-4)
 
 
 @_SUBPROCESS_ONLY
@@ -184,7 +188,7 @@ def test_decode_split_kv_strided_cache(q_len):
         o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
         ro, rl = reference_attention(q, k, v, PATTERNS["sliding_window"], geo, scale=D ** -0.5, sink_logits=sink)
         assert rel(o, ro) < TOL32
-        assert torch.allclose(lse.double(), rl, atol=1e-4)
+        assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
 
 
 @_SUBPROCESS_ONLY
@@ -208,7 +212,7 @@ def test_decode_split_merge_fused_and_separate(fuse):
                                                   sink_logits=sink, out=out, fuse_combine=fuse)
             assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
             assert rel(o, ro) < TOL32
-            assert torch.allclose(lse.double(), rl, atol=1e-4)
+            assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
         if fuse:
             assert not triton_fwd.split_counters(torch.device(DEV), 1).any()
 
@@ -316,11 +320,11 @@ def test_why_unsupported(monkeypatch):
     from sparse_k.api import AttentionCall
     from sparse_k.triton_backend import why_unsupported
 
-    q = torch.randn(1, 2, 8, 24)
-    geo = row_geometry(1, 8, 8, None)
+    q = torch.randn(1, 2, 8, 24, device=DEV)
+    geo = row_geometry(1, 8, 8, None, device=DEV)
     call = AttentionCall(q=q, k=q[:, :1], v=q[:, :1], pattern=PATTERNS["dense"], geometry=geo, selection=None, sink_logits=None)
     assert "head dim 24" in why_unsupported(call)
-    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64, device=DEV)
     call.q, call.k, call.v = q, q[:, :1], q[:, :1]
     assert "float64" in why_unsupported(call)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -523,7 +527,7 @@ def test_structured_tile_ranges(name):
         assert rel(o, ro) < TOL32, (order, schedule)
         finite = torch.isfinite(rl)
         assert torch.equal(torch.isfinite(lse), finite)
-        assert torch.allclose(lse[finite].double(), rl[finite], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(lse[finite].double(), rl[finite], atol=LSE_ATOL, rtol=1e-4)
     lay = _layout(p, Sq, Skv, geo, Hkv)
     o_lay, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
                                             key_mask=key_mask, structured=False)
