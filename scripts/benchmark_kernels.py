@@ -34,6 +34,8 @@ Sections (each fits in a few minutes on an H100):
 * ``--compile-only --shard i/n`` (the two tune_structured sections): launch every n-th variant once, no
   checks, no timing — run n shards in parallel before a timed run to fill Triton's and Inductor's
   caches (compiling is then not paid on the GPU clock one variant after another).
+* ``--section sparsek``: the SparseK operator, Triton kernel vs the PyTorch path (forward, forward +
+  backward), after checking they agree; decides ``sparse_k.sparsek.AUTO_TRITON_ON_CUDA``.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -864,6 +866,8 @@ def print_table(results):
         ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),
         ("graph10_us", "graph10 us"), ("sdpa_window_slice_graph10_us", "slice graph10 us"),
         ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"),
+        ("torch_fwd_ms", "torch fwd ms"), ("triton_fwd_ms", "triton fwd ms"), ("ratio_fwd", "x fwd"),
+        ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
@@ -871,6 +875,39 @@ def print_table(results):
     print("|" + "---|" * len(used))
     for r in results:
         print("| " + " | ".join(_fmt(r.get(key)) for key, _ in used) + " |")
+
+
+SPARSEK_SHAPES = ((192, 4096, 256), (4096, 32768, 2048))  # (rows = B*Hkv*query blocks, candidates, k)
+
+
+def section_sparsek(args, results, dev="cuda"):
+    """The SparseK operator (``sparse_k.sparsek``): Triton kernel vs the PyTorch path, forward and
+    forward + backward, float32 scores; rows = SmolLM2 at 4K (3 KV heads x 64 query blocks) and a
+    Llama-size layer at 32K (8 x 512). Decides ``sparsek.AUTO_TRITON_ON_CUDA``."""
+    from sparse_k import sparsek
+
+    for rows, n, k in SPARSEK_SHAPES:
+        g = torch.Generator(device=dev).manual_seed(rows + n)
+        u = torch.randn(rows, n, device=dev, generator=g)
+        w = torch.randn(rows, n, device=dev, generator=g)
+        row = dict(section="sparsek", pattern=f"sparsek k={k}", S=n, tile=f"{rows} rows")
+        try:
+            p_t, p_r = sparsek(u, k, backend="triton"), sparsek(u, k, backend="torch")
+            row["err"] = rel_err(p_t, p_r)
+            if row["err"] > 1e-4:  # float32 on both paths: a correct kernel agrees to rounding
+                row["error"] = "correctness check failed: row void"
+            else:
+                for backend in ("torch", "triton"):
+                    row[f"{backend}_fwd_ms"] = bench(lambda b=backend: sparsek(u, k, backend=b))
+                    x = u.clone().requires_grad_()
+                    row[f"{backend}_fwdbwd_ms"] = bench(
+                        lambda b=backend: torch.autograd.grad((sparsek(x, k, backend=b) * w).sum(), x))
+                row["ratio_fwd"] = row["torch_fwd_ms"] / row["triton_fwd_ms"]
+                row["ratio_fwdbwd"] = row["torch_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def write_json(path, meta, rows):
@@ -882,7 +919,7 @@ def write_json(path, meta, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2"), required=True)
+    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
     ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
@@ -914,7 +951,7 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     results = []
     {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd,
-     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2}[args.section](args, results)
+     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2, "sparsek": section_sparsek}[args.section](args, results)
     print_table(results)
     if args.json:
         write_json(args.json, meta, results)
