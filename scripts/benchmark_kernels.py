@@ -83,7 +83,7 @@ def bench(fn, warmup_ms=25, rep_ms=200) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def graph_bench(fn, calls: int = 1) -> float:
+def graph_bench(fn, calls: int = 1, warmup_ms=25, rep_ms=200) -> float:
     """Median milliseconds per call of ``fn`` replayed from a CUDA graph holding ``calls`` back-to-back
     calls (host launch overhead removed; ``calls > 1`` also spreads the graph's own launch latency,
     ~10 us on the H100 machine, over the calls). do_bench clears the L2 before each replay."""
@@ -97,7 +97,7 @@ def graph_bench(fn, calls: int = 1) -> float:
     with torch.cuda.graph(graph, stream=side):  # the warm-up stream: per-stream buffers already exist
         for _ in range(calls):
             fn()
-    return bench(graph.replay) / calls
+    return bench(graph.replay, warmup_ms, rep_ms) / calls
 
 
 def allowed_pairs(layout, q_len: int) -> int:
