@@ -494,22 +494,34 @@ STRUCTURED_CASES = {
 }
 
 
-@_SUBPROCESS_ONLY
-@pytest.mark.parametrize("name", list(STRUCTURED_CASES))
-def test_structured_tile_ranges(name):
-    """The arithmetic tile ranges (sink / left edge / full / right edge) give the exact reference for
-    bottom-right chunks, left padding, key holes, bidirectional windows, windows shorter and longer
-    than a tile, sinks over several tiles, every program order and loop schedule; the layout path agrees."""
-    p, Sq, Skv, pad, holes = STRUCTURED_CASES[name]
-    g = torch.Generator().manual_seed(len(name) * 31)
-    B, Hq, Hkv, D = 2, 4, 2, 16
+STRUCTURED_SHAPE = (2, 4, 2, 16)  # B, Hq, Hkv, D of the STRUCTURED_CASES tests
+
+
+def _structured_inputs(name, seed):
+    """``(q, k, v, geometry, key_mask, generator)`` of a ``STRUCTURED_CASES`` entry: shapes
+    ``STRUCTURED_SHAPE``, row 1 left-padded, key holes in row 0 when the case has them (then passed
+    as ``key_mask`` too, else ``key_mask`` is None); ``generator`` continues the seeded stream."""
+    _, Sq, Skv, pad, holes = STRUCTURED_CASES[name]
+    B, Hq, Hkv, D = STRUCTURED_SHAPE
+    g = torch.Generator().manual_seed(seed)
     q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
     mask = torch.ones(B, Skv, dtype=torch.bool, device=DEV)
     mask[1, :pad] = False
     if holes:
         mask[0, Skv // 2 : Skv // 2 + 4] = False
     geo = row_geometry(B, Sq, Skv, mask, device=DEV)
-    key_mask = mask if holes else None
+    return q, k, v, geo, (mask if holes else None), g
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", list(STRUCTURED_CASES))
+def test_structured_tile_ranges(name):
+    """The arithmetic tile ranges (sink / left edge / full / right edge) give the exact reference for
+    bottom-right chunks, left padding, key holes, bidirectional windows, windows shorter and longer
+    than a tile, sinks over several tiles, every program order and loop schedule; the layout path agrees."""
+    p, Sq, Skv, _, _ = STRUCTURED_CASES[name]
+    B, Hq, Hkv, D = STRUCTURED_SHAPE
+    q, k, v, geo, key_mask, g = _structured_inputs(name, seed=len(name) * 31)
     sink = rand(Hq, gen=g) if Sq % 2 else None
     softcap = 5.0 if "bidir" in name else None
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink, softcap=softcap, key_mask=key_mask)
@@ -540,16 +552,9 @@ def test_structured_tile_ranges(name):
 def test_structured_backward(name):
     """dq, dk, dv and dsink of the structured backward (own query/key tile shapes per kernel, ranges by
     arithmetic) against float64 autograd of the reference, for the forward cases above."""
-    p, Sq, Skv, pad, holes = STRUCTURED_CASES[name]
-    g = torch.Generator().manual_seed(len(name) * 17)
-    B, Hq, Hkv, D = 2, 4, 2, 16
-    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
-    mask = torch.ones(B, Skv, dtype=torch.bool, device=DEV)
-    mask[1, :pad] = False
-    if holes:
-        mask[0, Skv // 2 : Skv // 2 + 4] = False
-    geo = row_geometry(B, Sq, Skv, mask, device=DEV)
-    key_mask = mask if holes else None
+    p, Sq, Skv, _, _ = STRUCTURED_CASES[name]
+    B, Hq, Hkv, D = STRUCTURED_SHAPE
+    q, k, v, geo, key_mask, g = _structured_inputs(name, seed=len(name) * 17)
     sink = rand(Hq, gen=g)
     softcap = 5.0 if "bidir" in name else None
     leaves = [t.double().requires_grad_() for t in (q, k, v, sink)]
