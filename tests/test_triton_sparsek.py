@@ -274,3 +274,18 @@ def test_cuda_matches_torch():
         (sparsek(x, k, mask, backend=backend) * w).sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_auto_backend_takes_the_kernel_on_cuda(monkeypatch):
+    """``backend="auto"`` runs the Triton kernel for CUDA float32/bfloat16 scores (``AUTO_TRITON_ON_CUDA``,
+    timed faster on the H100) and the PyTorch path for float64."""
+    calls = []
+    real = triton_sparsek.sparsek_forward
+    monkeypatch.setattr(triton_sparsek, "sparsek_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    u = torch.randn(4, 300, device="cuda")
+    torch.testing.assert_close(sparsek(u, 17), sparsek(u, 17, backend="torch"), atol=1e-5, rtol=0)
+    assert len(calls) == 1
+    sparsek(u.double(), 17)
+    assert len(calls) == 1
