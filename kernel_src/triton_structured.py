@@ -28,13 +28,14 @@ sinks)`` as tiles before the window run. A tile outside these ranges holds no al
 inside the full run holds only allowed pairs, and every other visited tile applies the exact
 element rule in registers, so the result equals the layout path for any geometry.
 
-Loop schedule (``SCHEDULE`` constexpr): 0 runs the four loops above (sink tiles masked); 3 and 4 too,
-with the sink tiles that hold only sink keys every row of the tile sees unmasked (3: in a loop of
-their own, 4: at the head of the full loop); 1 and 2 run
-two loops over concatenated runs, so the software pipeline fills and drains twice instead of four
-times: the *full* loop over the sink tiles that hold only sink keys every row of the tile sees
-(unmasked) and then ``[f_lo, f_hi)``, and one *masked* loop over the remaining sink tiles and both
-edges; 1 runs the full loop first, 2 the masked loop first.
+One pipelined loop per run, so the software pipeline fills and drains up to four times per program.
+Timed alternatives, all slower or no faster on the H100 (S=128K, W=4096, 2026-11-22) and removed:
+two loops over concatenated runs (full tiles then all masked tiles: sliding_window 17.18 ms against
+16.82, streaming 18.76 against 17.58; masked first: 19.08 / 17.70), the fully visible sink tiles
+unmasked in a loop of their own (streaming 17.75 / 17.67 against 17.85 / 17.71, same runs) or at the
+head of the full loop (20.38), the sink tiles and the left edge in one loop (17.85 and 20.90 against
+17.73 and 17.71), and Triton's automatic warp specialisation of the full loop (sliding_window 17.03
+against 16.87; streaming 19.27 against 17.73; 4 warps fail to compile).
 
 Program order (``ORDER`` constexpr) over the ``(query tile, batch x query head)`` grid:
 0 query tiles fastest, ascending; 1 query tiles fastest, longest first (dense causal: the last
@@ -118,33 +119,18 @@ def _st_tile(
 
 
 @triton.jit
-def _run_tile(t, a0, c0, a1, c1, a2, c2, a3):
-    """Tile index of step ``t`` over the concatenated runs ``[a0, a0 + c0)``, ``[a1, a1 + c1)``,
-    ``[a2, a2 + c2)``, ``[a3, ...)``."""
-    n = a3 + t - (c0 + c1 + c2)
-    n = tl.where(t < c0 + c1 + c2, a2 + t - (c0 + c1), n)
-    n = tl.where(t < c0 + c1, a1 + t - c0, n)
-    n = tl.where(t < c0, a0 + t, n)
-    return n
-
-
-@triton.jit
-def _st_masked_runs(
-    acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-    qpos, k_start, k_end, scale_log2, softcap, P0, P1, s_lo, fs_lo, fs_hi, s_hi, n_lo, f_lo, f_hi, n_hi,
-    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
+def _st_run(
+    acc, l_i, m_i, q, K, V, kmask_row, lo, hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """The masked tiles ``[s_lo, fs_lo) + [fs_hi, s_hi) + [n_lo, f_lo) + [f_hi, n_hi)`` in one loop."""
-    c0 = fs_lo - s_lo
-    c1 = s_hi - fs_hi
-    c2 = f_lo - n_lo
-    for t in range(0, c0 + c1 + c2 + n_hi - f_hi):
-        n = _run_tile(t, s_lo, c0, fs_hi, c1, n_lo, c2, f_hi)
+    """The key tiles ``[lo, hi)`` in one pipelined loop (``MASKED`` as in ``_st_tile``)."""
+    for n in range(lo, hi):
         acc, l_i, m_i = _st_tile(
-            acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
+            acc, l_i, m_i, q, K, V, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
             qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-            PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+            PATTERN, CAUSAL, BLOCK_N, MASKED, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
         )
     return acc, l_i, m_i
 
@@ -157,7 +143,7 @@ def _st_fwd(
     B, Sq, Skv, Hq, Hkv, NQ, scale_log2, softcap, P0, P1,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
-    USE_TMA: tl.constexpr, ORDER: tl.constexpr, SCHEDULE: tl.constexpr,
+    USE_TMA: tl.constexpr, ORDER: tl.constexpr,
 ):
     G = Hq // Hkv
     if ORDER == 0:
@@ -234,96 +220,30 @@ def _st_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # streaming: sink tiles [s_lo, s_hi) before the window run; [fs_lo, fs_hi) of them hold only sink
-    # keys that every row of the tile sees (full), the others are masked
+    # streaming: the sink tiles [s_lo, s_hi) before the window run
     s_lo = n_lo
     s_hi = n_lo
-    fs_lo = n_lo
-    fs_hi = n_lo
     if PATTERN == 2:
         s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)  # some row sees the sink keys below
         s_lo = tl.minimum(k_start // BLOCK_N, n_lo)
         s_hi = tl.maximum(tl.minimum(_cdiv(tl.maximum(s_end, k_start), BLOCK_N), n_lo), s_lo)
-        if SCHEDULE == 0:
-            fs_lo = s_hi
-            fs_hi = s_hi
-        else:
-            fs_end = tl.minimum(tl.minimum(k_start + P1, k_end), qlo + 1)  # every row sees the sink keys below
-            fs_lo = tl.minimum(_cdiv(k_start, BLOCK_N), s_hi)
-            fs_hi = tl.minimum(tl.maximum(fs_end // BLOCK_N, fs_lo), s_hi)
-    if SCHEDULE == 0 or SCHEDULE >= 3:  # one loop per run: sink tiles, left edge, full, right edge
-        if SCHEDULE == 0:
-            for n in range(s_lo, s_hi):
-                acc, l_i, m_i = _st_tile(
-                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                    PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-                )
-        else:  # the sink tiles that are not full, masked
-            c0 = fs_lo - s_lo
-            for t in range(0, c0 + s_hi - fs_hi):
-                n = tl.where(t < c0, s_lo + t, fs_hi + t - c0)
-                acc, l_i, m_i = _st_tile(
-                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                    PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-                )
-            if SCHEDULE == 3:  # the full sink tiles in a loop of their own, unmasked
-                for n in range(fs_lo, fs_hi):
-                    acc, l_i, m_i = _st_tile(
-                        acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                        qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                        PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-                    )
-        for n in range(n_lo, f_lo):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-        if SCHEDULE == 4:  # the full sink tiles lead the full loop
-            n_fs = fs_hi - fs_lo
-            for t in range(0, n_fs + f_hi - f_lo):
-                n = tl.where(t < n_fs, fs_lo + t, f_lo + t - n_fs)
-                acc, l_i, m_i = _st_tile(
-                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                    PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-                )
-        else:
-            for n in range(f_lo, f_hi):
-                acc, l_i, m_i = _st_tile(
-                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                    qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                    PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-                )
-        for n in range(f_hi, n_hi):
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-    else:  # two loops over concatenated runs (the pipeline fills and drains twice, not four times)
-        if SCHEDULE == 2:  # masked tiles first
-            acc, l_i, m_i = _st_masked_runs(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1, s_lo, fs_lo, fs_hi, s_hi, n_lo, f_lo, f_hi, n_hi,
-                PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-        n_fs = fs_hi - fs_lo
-        for t in range(0, n_fs + f_hi - f_lo):
-            n = tl.where(t < n_fs, fs_lo + t, f_lo + t - n_fs)
-            acc, l_i, m_i = _st_tile(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1,
-                PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
-        if SCHEDULE == 1:  # masked tiles last
-            acc, l_i, m_i = _st_masked_runs(
-                acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, kv_row0,
-                qpos, k_start, k_end, scale_log2, softcap, P0, P1, s_lo, fs_lo, fs_hi, s_hi, n_lo, f_lo, f_hi, n_hi,
-                PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
-            )
+    # one loop per run (module docstring): sink tiles, left edge, full tiles (no element mask), right edge
+    acc, l_i, m_i = _st_run(
+        acc, l_i, m_i, q, Kb, Vb, kmask_row, s_lo, s_hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0, qpos, k_start, k_end,
+        scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+    )
+    acc, l_i, m_i = _st_run(
+        acc, l_i, m_i, q, Kb, Vb, kmask_row, n_lo, f_lo, offs_n, offs_d, stride_kn, stride_vn, kv_row0, qpos, k_start, k_end,
+        scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+    )
+    acc, l_i, m_i = _st_run(
+        acc, l_i, m_i, q, Kb, Vb, kmask_row, f_lo, f_hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0, qpos, k_start, k_end,
+        scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+    )
+    acc, l_i, m_i = _st_run(
+        acc, l_i, m_i, q, Kb, Vb, kmask_row, f_hi, n_hi, offs_n, offs_d, stride_kn, stride_vn, kv_row0, qpos, k_start, k_end,
+        scale_log2, softcap, P0, P1, PATTERN, CAUSAL, BLOCK_N, True, HAS_SOFTCAP, HAS_KMASK, USE_TMA,
+    )
 
     if HAS_SINK:
         sink = tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
@@ -351,7 +271,7 @@ def structured_ok(pattern_id: int, causal: bool, *, pack: int, num_splits: int, 
 
 def structured_forward(
     q, k, v, geometry, *, pattern_id, params, causal, scale, block_m, block_n, softcap=None, sink_logits=None,
-    key_mask=None, out=None, num_warps=None, num_stages=None, use_tma=None, order=None, schedule=None,
+    key_mask=None, out=None, num_warps=None, num_stages=None, use_tma=None, order=None,
 ):
     """Launch the structured forward.
 
@@ -362,11 +282,6 @@ def structured_forward(
         order: program order (module docstring); default 1 (longest first) for dense causal, else 3 (the
             query heads of a KV group adjacent: on the H100 at S=128K, 1% faster than 0 for sliding_window
             and streaming).
-        schedule: loop structure (module docstring): 0 one loop per run, 1 full tiles then masked tiles,
-            2 masked tiles then full tiles, 3 / 4 like 0 with the full sink tiles unmasked (3: a loop of
-            their own, 4: leading the full loop); default 0, the fastest timed (H100, S=128K, W=4096,
-            2026-11-22: sliding_window 16.82 ms against 17.18 (1) and 19.08 (2); streaming 17.58 against
-            18.76 (1) and 17.70 (2); 3 and 4 not yet timed).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     from .triton_fwd import _kv_descriptor, _tma_ok
@@ -388,10 +303,6 @@ def structured_forward(
         use_tma = _tma_ok(k, v)
     if order is None:
         order = 1 if (pattern_id == 0 and causal) else 3
-    if schedule is None:
-        schedule = 0
-    if schedule not in (0, 1, 2, 3, 4):
-        raise ValueError(f"schedule={schedule!r}: expected 0, 1, 2, 3 or 4")
     grid = (NQ, B * Hq) if order != 2 else (B * Hq, NQ)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
     geo = geometry
@@ -403,7 +314,7 @@ def structured_forward(
         B, Sq, Skv, Hq, Hkv, NQ, scale * LOG2E, float(softcap or 1.0), int(params[0]), int(params[1]),
         PATTERN=pattern_id, CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None, HAS_KMASK=key_mask is not None,
-        USE_TMA=bool(use_tma), ORDER=int(order), SCHEDULE=int(schedule),
+        USE_TMA=bool(use_tma), ORDER=int(order),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

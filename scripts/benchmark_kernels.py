@@ -23,8 +23,8 @@ Sections (each fits in a few minutes on an H100):
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
-  over tile shapes / warps / stages / program order / loop schedule (``STRUCTURED_VARIANTS``, the
-  first is the default; ``--schedules`` keeps some schedules only) beside FlexAttention and (dense)
+  over tile shapes / warps / stages / program order (``STRUCTURED_VARIANTS``, the first is the
+  default; ``--variants N`` keeps the first N) beside FlexAttention and (dense)
   cuDNN, for each ``--patterns`` entry at the first ``--seqlens``; other patterns (bigbird) run the
   layout path over ``LAYOUT_VARIANTS`` (Flex keeps the 128x128 BlockMask).
 * ``--section tune_structured_bwd``: the structured backward's tile shapes / warps / stages / TMA /
@@ -614,9 +614,9 @@ def section_tune_bwd(args, results):
         print(json.dumps(row), flush=True)
 
 
-STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, order, schedule); the first is the default
-    (128, 128, 3, 8, 3, 0), (128, 128, 3, 8, 3, 1), (128, 128, 3, 8, 3, 2), (128, 128, 3, 8, 0, 1), (128, 128, 3, 8, 2, 1),
-    (64, 64, 3, 4, 3, 1), (64, 64, 2, 4, 3, 1), (128, 64, 3, 8, 3, 1), (128, 128, 3, 8, 3, 3), (128, 128, 3, 8, 3, 4),
+STRUCTURED_VARIANTS = [  # (BLOCK_M, BLOCK_N, stages, warps, program order); the first is the default
+    (128, 128, 3, 8, 3), (128, 128, 3, 8, 0), (128, 128, 3, 8, 2), (128, 128, 2, 8, 3), (64, 64, 3, 4, 3),
+    (64, 64, 2, 4, 3), (128, 64, 3, 8, 3),
 ]
 LAYOUT_VARIANTS = [  # layout path for the other patterns: (BLOCK_M, BLOCK_N, stages, warps)
     (128, 128, 2, 8), (128, 128, 3, 8), (64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8),
@@ -666,13 +666,11 @@ def section_tune_structured(args, results):
         pid, params = triton_fwd.pattern_code(p)
         fns = {}
         if pid in triton_structured.STRUCTURED_PATTERNS:
-            for bm, bn, stages, warps, order, sched in STRUCTURED_VARIANTS:
-                if args.schedules and str(sched) not in args.schedules.split(","):
-                    continue
-                fns[f"st {bm}x{bn} s{stages} w{warps} o{order} sch{sched}"] = (
-                    lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order, sched=sched: triton_structured.structured_forward(
+            for bm, bn, stages, warps, order in STRUCTURED_VARIANTS[: args.variants or None]:
+                fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
+                    lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
                         q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=scale, block_m=bm,
-                        block_n=bn, num_warps=warps, num_stages=stages, order=order, schedule=sched))
+                        block_n=bn, num_warps=warps, num_stages=stages, order=order))
         else:
             for bm, bn, stages, warps in LAYOUT_VARIANTS:
                 lay_v = lay if (bm, bn) == (128, 128) else build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
@@ -933,8 +931,6 @@ def main(argv=None):
                     help="tune_structured / tune_structured_bwd: launch each variant once, no checks, no timing "
                          "(fills Triton's and Inductor's caches; run shards in parallel before a timed run)")
     ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
-    ap.add_argument("--schedules", default=None,
-                    help="tune_structured: only the structured variants with these loop schedules (e.g. '0,3,4')")
     ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
