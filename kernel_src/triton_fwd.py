@@ -170,7 +170,7 @@ def _selection_loop(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr,
+    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr, SEL_PREFETCH: tl.constexpr,
 ):
     """Token-layout keys (learned top-k) of the selection blocks this tile's rows belong to.
 
@@ -180,6 +180,12 @@ def _selection_loop(
     With ``SEL_FAST`` (causal sliding_window / streaming static parts) a tile whose valid keys all
     lie behind every row's window, past the sinks and before every row needs only the 1-D row and
     key masks: the (BLOCK_M, BLOCK_N) rule is evaluated for the other tiles alone.
+    With ``SEL_PREFETCH`` the next tile's key indices are loaded one iteration ahead into registers
+    (a loop-carried vector). Loaded inside the iteration that uses them, Triton's pipeliner (sm_90,
+    3 stages) keeps two K/V buffers and waits for every copy in flight at the top of each iteration,
+    so the gathered rows were not fetched while the previous tile computed; with the index one
+    iteration ahead the K/V copies run two tiles ahead behind a partial wait, as in the
+    contiguous-tile loops.
     """
     fb = tl.load(FIRST_BLOCK + b64)
     sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
@@ -199,10 +205,18 @@ def _selection_loop(
         hi = tl.minimum(cnt, c_hi)
         row_in = sb_row == sb
         q_min = tl.min(tl.where(row_in & q_ok, qpos32, 1 << 30), 0)  # earliest row of this block in the tile
+        idx_row = SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin
+        if SEL_PREFETCH:
+            kidx_next = tl.load(idx_row + c_lo + offs_n, mask=c_lo + offs_n < hi, other=-1).to(tl.int32)
         for c in range(c_lo, hi, BLOCK_N):
             slot = c + offs_n
             s_ok = slot < hi
-            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int32)
+            if SEL_PREFETCH:
+                kidx = kidx_next
+                nxt = slot + BLOCK_N
+                kidx_next = tl.load(idx_row + nxt, mask=nxt < hi, other=-1).to(tl.int32)
+            else:
+                kidx = tl.load(idx_row + slot, mask=s_ok, other=-1).to(tl.int32)
             k_ok = s_ok & (kidx >= k_lo) & (kidx < k_hi)
             ksafe = tl.where(k_ok, kidx, 0)
             koff = ksafe.to(tl.int64)
@@ -265,6 +279,7 @@ def _attn_fwd(
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
+    SEL_PREFETCH: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -359,7 +374,7 @@ def _attn_fwd(
             k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
             SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
             stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
-            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST,
+            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST, SEL_PREFETCH,
         )
 
     if HAS_SINK and not SPLIT:
@@ -486,6 +501,7 @@ def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
     full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=False,
+    sel_prefetch=True,
 ):
     """Launch the block-sparse forward.
 
@@ -507,6 +523,9 @@ def attention_forward(
             (causal sliding_window / streaming static parts; see ``_selection_loop``). Opt-in: tested
             under the interpreter and compiled for sm_90, not yet timed on a GPU
             (``scripts/tune_decode.py --part token`` compares both).
+        sel_prefetch: load the key indices of the next selected tile one iteration ahead, into
+            registers (see ``_selection_loop``); ``False`` keeps the index load inside the iteration
+            that uses it (kept for A/B timing in ``scripts/tune_decode.py``).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     B, Hq, Sq, D = q.shape
@@ -595,6 +614,7 @@ def attention_forward(
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
         FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         SEL_FAST=bool(sel_fast) and selection is not None and bool(is_causal) and pid in (1, 2),
+        SEL_PREFETCH=bool(sel_prefetch) and selection is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:

@@ -480,6 +480,32 @@ def test_token_layout_far_tiles_skip_the_element_rule(pack):
     assert rel(outs[0], outs[1]) < TOL32
 
 
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("q_len,splits,pack,dtype", [(37, 1, 2, torch.float32), (1, 3, 4, torch.float32), (3, 2, 2, torch.float16)])
+def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
+    """Selected-key indices loaded one tile ahead (``sel_prefetch``) against the load inside the
+    iteration and the float64 reference: prefill (odd lengths, GQA packing) and split-KV decode with
+    the fused merge; counts that are not multiples of the tile, zero weights, the last tile's
+    look-ahead past the count. Outputs poisoned with NaN first."""
+    g = torch.Generator().manual_seed(60 + q_len)
+    B, Hq, Hkv, Skv, D, QB, K = 2, 8, 2, 71, 16, 8, 45
+    p = get_pattern("sparse_k", sinks=2, window=5, top_k=K, query_block=QB)
+    geo = row_geometry(B, q_len, Skv, None, device=DEV)
+    sel = _random_selection(B, Hkv, q_len, Skv, QB, K, geo, g)
+    q, k, v = (rand(*s, gen=g, dtype=dtype) for s in ((B, Hq, q_len, D), (B, Hkv, Skv, D), (B, Hkv, Skv, D)))
+    lay = _layout(p, q_len, Skv, geo, Hkv, bq=16 // pack)
+    ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", selection=sel)
+    tol = TOL32 if dtype == torch.float32 else TOL16
+    outs = []
+    for prefetch in (True, False):
+        out = torch.full_like(q, float("nan"))
+        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
+                                     sel_prefetch=prefetch, out=out)
+        assert rel(out, ref) < tol, prefetch
+        outs.append(out)
+    assert rel(outs[0], outs[1]) < tol
+
+
 STRUCTURED_CASES = {
     # name: (pattern, Sq, Skv, left padding of row 1, key holes)
     "dense_square": (get_pattern("dense"), 45, 45, 0, False),
