@@ -33,20 +33,18 @@ from sparse_k import build_block_layout, get_pattern, row_geometry, torch_sparse
 
 HQ, HKV = bk.HQ, bk.HKV
 DECODE_VARIANTS = [  # (BLOCK_N, warps, stages, merge in the last split program instead of a combine kernel,
-    #                     selected-key indices loaded one tile ahead: sel_prefetch)
-    (64, 4, 3, True, False), (64, 4, 3, True, True), (64, 4, 4, True, True), (32, 4, 4, True, True),
-    (32, 4, 3, True, True), (64, 8, 3, True, True),
+    #                     selected-key indices loaded one tile ahead: sel_prefetch, unmasked row-major gathers: sel_lean,
+    #                     far-tile shortcut: sel_fast 0 / 1 per tile / 2 per block first)
+    (64, 4, 3, True, True, True, 0), (64, 4, 3, True, True, True, 2),
 ]
-DECODE_SPLITS = (2, 3, 4, 6, 8)
+DECODE_SPLITS = (3, 4, 5)
 # 2026-11-22 11:05 UTC, H100 (us, single-call graph replay; every row checked, rel. err 2.2-2.5e-3):
 #   window 4096:  128/4w/3st splits 1: 63.3, 2: 65.6, 5 (old rule): ~68; 64/4w/3st fused 2: 64.5, 4: 65.7
 #   top-2048:     128/4w/3st splits 2: 48.0, 4: 52.5; 64/4w/3st fused 4: 47.3, combine kernel 4: 47.1
 #   baselines:    SDPA on the pre-sliced window 66.5; torch gather + SDPA 154.3
 #   torch.profiler kernel time: window _attn_fwd 51 us; top-2048 _attn_fwd 34 us + _combine 2 us (fused: 36)
-TOKEN_VARIANTS = [  # (BLOCK_M, BLOCK_N, warps, stages, pack, sel_fast, sel_prefetch); rows per head BLOCK_M // pack
-    (128, 64, 8, 3, 4, False, False), (128, 64, 8, 3, 4, False, True), (128, 64, 8, 3, 4, True, True),
-    (128, 64, 8, 4, 4, True, True), (64, 64, 4, 3, 4, True, True),
-    (64, 64, 4, 3, 2, True, True), (128, 64, 8, 3, 4, True, False),
+TOKEN_VARIANTS = [  # (BLOCK_M, BLOCK_N, warps, stages, pack, sel_fast, sel_prefetch, sel_lean); rows per head BLOCK_M // pack
+    (128, 64, 8, 3, 4, 2, True, True), (128, 64, 8, 3, 4, 1, True, True), (128, 64, 8, 4, 4, 2, True, True),
 ]
 # swept on 2026-11-22 11:08 UTC (H100, S=64K; ms; SW 3072 structured forward 6.77 ms = 476 TF/s): 128x128 8w 2st pack 1: 20.78; 128x128 3st: 19.99; 128x64 3st: 17.22;
 # 128x64 4st: 17.28; 128x128 3st pack 4: 19.26; 128x64 3st pack 4: 16.79; 128x64 4st pack 4: 16.89; 128x64 3st pack 2: 17.00
@@ -78,6 +76,10 @@ def part_decode(args, rows):
     p_tok = get_pattern("sparse_k", sinks=0, window=1, top_k=2048, query_block=128)
     sel = bk.token_selection(B, 1, S, p_tok, dev)
     pats["token_top2048"] = (p_tok, sel)
+    # The same 2048 keys per head as one contiguous run (the 2048 before the query): the gather's
+    # access pattern against the bytes alone (a probe, not a target row).
+    run = (S - 2049 + torch.arange(2048, device=dev, dtype=torch.int32)).expand_as(sel.indices).contiguous()
+    pats["token_contig2048"] = (p_tok, sparse_k.TokenLayout(run, sel.counts, sel.query_block, sel.first_block))
     for name, (p, s) in pats.items():
         if name not in args.patterns:
             continue
@@ -91,29 +93,31 @@ def part_decode(args, rows):
         nbytes = 2 * B * HKV * keys * D * k.element_size()
         best = {}
         lays = {}
-        for bn, warps, stages, fuse, pf in DECODE_VARIANTS:
+        for bn, warps, stages, fuse, pf, lean, fast in DECODE_VARIANTS:
             if bn not in lays:
                 lays[bn] = build_block_layout(p, 1, S, geo, block_q=4, block_k=bn, num_kv_heads=HKV)
             lay = lays[bn]
+            if name == "token_contig2048" and (bn, warps, stages, fuse, pf, lean, fast) != DECODE_VARIANTS[0]:
+                continue  # the probe runs one variant
             for splits in DECODE_SPLITS:
                 if splits == 1 and fuse:
                     continue  # nothing to merge: the same launch as the unfused row
-                if pf and s is None:
-                    continue  # no selected keys: the same launch as without prefetch
+                if (pf or lean or fast) and s is None:
+                    continue  # no selected keys: the same launch as without them
                 row = dict(part="decode", pattern=name, S=S, bn=bn, warps=warps, stages=stages, fused=fuse, pf=pf,
-                           splits=splits)
+                           lean=lean, fast=fast, splits=splits)
 
-                def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse, pf=pf):
+                def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse, pf=pf, lean=lean, fast=fast):
                     return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=4, num_splits=splits,
                                                         num_warps=warps, num_stages=stages, selection=s,
-                                                        fuse_combine=fuse, sel_prefetch=pf)
+                                                        fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
 
                 try:
                     row["err"] = bk.rel_err(fn()[0], ref)
                     if row["err"] < bk.TOL:
                         row["graph_us"] = _us(gbench(fn))
                         row["gbps"] = round(nbytes / (row["graph_us"] * 1e-6) / 1e9)
-                        key = (fuse, pf)
+                        key = (fuse, pf, lean, fast)
                         if best.get(key) is None or row["graph_us"] < best[key][0]:
                             best[key] = (row["graph_us"], fn, row)
                     else:
@@ -122,9 +126,10 @@ def part_decode(args, rows):
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        for (fuse, pf), b in sorted(best.items()):
+        for (fuse, pf, lean, fast), b in sorted(best.items()):
             r = dict(part="decode", pattern=name, S=S, what=("best fused" if fuse else "best with combine kernel")
-                     + (", prefetch" if pf else ""), **{k_: b[2][k_] for k_ in ("bn", "warps", "stages", "fused", "pf", "splits")})
+                     + (", prefetch" if pf else "") + (", lean" if lean else "") + (f", fast {fast}" if fast else ""),
+                     **{k_: b[2][k_] for k_ in ("bn", "warps", "stages", "fused", "pf", "lean", "fast", "splits")})
             r["graph_us"] = b[0]
             r["graph10_us"] = _us(bk.graph_bench(b[1], calls=10, warmup_ms=10, rep_ms=100))
             r["eager_us"] = _us(bk.bench(b[1]))
@@ -140,6 +145,8 @@ def part_decode(args, rows):
                     return bk.sdpa(q, ks, vs, "flash", causal=False)
 
                 base["baseline"] = "SDPA flash on a pre-sliced window"
+            elif name == "token_contig2048":
+                continue  # a probe: no baseline row
             else:
                 blk = s.indices[:, :, -1].long()
 
@@ -178,16 +185,17 @@ def part_token(args, rows):
     rows.append(dict(part="token", S=S, what="sw3072 (default forward)", ms=round(sw_ms, 3), tflops=round(sw_tf, 1)))
     print(json.dumps(rows[-1]), flush=True)
     pairs = None
-    for bm, bn, warps, stages, pack, fast, pf in TOKEN_VARIANTS:
-        row = dict(part="token", S=S, bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast, pf=pf)
+    for bm, bn, warps, stages, pack, fast, pf, lean in TOKEN_VARIANTS:
+        row = dict(part="token", S=S, bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast, pf=pf, lean=lean)
         try:
             lay = build_block_layout(p_tok, S, S, geo, block_q=bm // pack, block_k=bn, num_kv_heads=HKV)
             if pairs is None:
                 pairs = (bk.allowed_pairs(lay, S) + bk.selected_pairs(sel, S, S)) * HQ
 
-            def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf):
+            def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf, lean=lean):
                 return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
-                                                    num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf)
+                                                    num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
+                                                    sel_lean=lean)
 
             out = fn()[0]
             row["err"] = max(bk.rel_err(out[:, :, q0 : q0 + 256], r) for q0, r in refs)
@@ -208,7 +216,8 @@ def part_token(args, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", type=lambda s: s.split(","), default=["decode", "token"])
-    ap.add_argument("--patterns", type=lambda s: s.split(","), default=["sliding_window", "token_top2048"])
+    ap.add_argument("--patterns", type=lambda s: s.split(","), default=["sliding_window", "token_top2048"],
+                    help="decode patterns: sliding_window, token_top2048, token_contig2048 (probe)")
     ap.add_argument("--kv-len", type=int, default=131072)
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--window", type=int, default=4096)
@@ -221,7 +230,7 @@ def main(argv=None):
         bk.bench = bk.graph_bench = lambda fn, *a, **k: (fn(), 1e-3)[1]
         bk.kernel_times = lambda fn, iters=3: {}
         global DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS
-        DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS = DECODE_VARIANTS[:2], (1, 3), TOKEN_VARIANTS[1:3]
+        DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS = DECODE_VARIANTS[:2], (1, 3), TOKEN_VARIANTS[:2]
     elif not torch.cuda.is_available():
         print("tune_decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -238,7 +247,7 @@ def main(argv=None):
         except Exception:  # noqa: BLE001 — keep the other part
             traceback.print_exc()
         torch.cuda.empty_cache()
-    keys = ("part", "pattern", "what", "bm", "bn", "warps", "stages", "fused", "pf", "pack", "fast", "splits", "graph_us",
+    keys = ("part", "pattern", "what", "bm", "bn", "warps", "stages", "fused", "pf", "lean", "pack", "fast", "splits", "graph_us",
             "graph10_us", "eager_us", "gbps",
             "ms", "tflops", "ratio_vs_sw3072", "err", "error")
     print("| " + " | ".join(keys) + " |")
@@ -250,7 +259,7 @@ def main(argv=None):
     for r in rows:
         if r.get("part") == "decode" and r.get("what") is None and r.get("graph_us") is not None:
             key = (r["pattern"], r["bn"], r["warps"], r["stages"], "fused" if r["fused"] else "combine",
-                   "prefetch" if r["pf"] else "")
+                   "prefetch" if r["pf"] else "", "lean" if r["lean"] else "", f"fast {r['fast']}" if r["fast"] else "")
             summary.setdefault(key, []).append(f"{r['splits']}:{r['graph_us']:.1f}")
     for key, vals in summary.items():
         print("decode", *key, " ".join(vals))
