@@ -178,7 +178,7 @@ def _keys_far(k_ok, kpos, q_min, P0, P1, PATTERN: tl.constexpr):
 def _selection_loop(
     acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
     k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv,
-    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    SEL_IDX, SEL_CNT, SEL_W, fb, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB, SEL_K, c_lo, c_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr, SEL_PREFETCH: tl.constexpr,
@@ -206,8 +206,7 @@ def _selection_loop(
     an additive bias: fewer integer and predicate instructions per gathered tile (sm_90 SASS of the
     prefill loop: 1260 instead of 1600 per iteration; the contiguous window loop has 420).
     """
-    fb = tl.load(FIRST_BLOCK + b64)
-    sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
+    sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,); fb: the row's first block, loaded at the kernel's start
     # The (BLOCK_M, BLOCK_N) mask arithmetic runs on int32 positions (half the registers of int64;
     # positions stay far below 2**31): row / key validity is folded into 1-D vectors first.
     qpos32 = qpos.to(tl.int32)
@@ -357,6 +356,10 @@ def _attn_fwd(
     qpos = qidx - k_start
 
     b64 = b.to(tl.int64)
+    if HAS_SEL:  # issued with the geometry loads: one round trip less before the first gathered tile
+        fb = tl.load(FIRST_BLOCK + b64)
+    else:
+        fb = 0
     q_ptrs = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
     kv_row0 = (b64 * Hkv + hkv) * Skv
@@ -420,7 +423,7 @@ def _attn_fwd(
         acc, l_i, m_i = _selection_loop(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
             k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
-            SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
+            SEL_IDX, SEL_CNT, SEL_W, fb, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
             stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, SEL_K, c_lo, c_hi,
             PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST, SEL_PREFETCH, SEL_LEAN,
             SEL_SCAN,

@@ -35,7 +35,7 @@ HQ, HKV = bk.HQ, bk.HKV
 DECODE_VARIANTS = [  # (BLOCK_N, warps, stages, merge in the last split program instead of a combine kernel,
     #                     selected-key indices loaded one tile ahead: sel_prefetch, unmasked row-major gathers: sel_lean,
     #                     far-tile shortcut: sel_fast 0 / 1 per tile / 2 per block first)
-    (64, 4, 3, True, True, True, 0), (64, 4, 3, True, True, True, 2),
+    (64, 4, 3, True, True, True, 0),
 ]
 DECODE_SPLITS = (3, 4, 5)
 # 2026-11-22 11:05 UTC, H100 (us, single-call graph replay; every row checked, rel. err 2.2-2.5e-3):
