@@ -517,6 +517,14 @@ def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
         assert rel(out, outs[0]) < tol
 
 
+@pytest.mark.parametrize("bad", [3, -1, "2"])
+def test_sel_fast_rejects_unknown_values(bad):
+    """``sel_fast`` takes None, 0 / False, 1 / True or 2; anything else is a ValueError naming it."""
+    q = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="sel_fast"):
+        triton_fwd.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
+
+
 STRUCTURED_CASES = {
     # name: (pattern, Sq, Skv, left padding of row 1, key holes)
     "dense_square": (get_pattern("dense"), 45, 45, 0, False),
