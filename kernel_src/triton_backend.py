@@ -73,7 +73,8 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
     ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
     (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
     run ahead too (H100, S=64K, top-2048 + window 1024: 16.8 ms vs 20.8 ms with one head per program
-    and 128-key tiles, 2 stages; scripts/tune_decode.py, 2026-11-22)."""
+    and 128-key tiles, 2 stages; with the session-4 selection loop 10.5 ms; scripts/tune_decode.py,
+    2026-11-22)."""
     if device_type != "cuda" or head_dim != 128:  # measured at D=128 only; other head dims keep the prefill tiles
         bm, bn = tile_config(head_dim, device_type, False)
         return bm, 1, bn
@@ -161,7 +162,8 @@ def _num_splits(programs: int, max_tiles: int, device, gathered: bool = False) -
     One wave: ``SMs // programs`` splits for contiguous key tiles (longer runs per program win), twice
     that when selected keys are gathered (each gathered tile waits on its index load; more programs
     hide it). H100, B=8 (64 programs), 128K cache: window 4096 best at 2 splits (64.5 us graph replay;
-    5 splits, the old rule, 66-67), top-2048 at 4 (47.3 us; 6: 47.2-48.6, 8: 52-55)."""
+    5 splits, the old rule, 66-67), top-2048 at 4 (47.3 us; 6: 47.2-48.6, 8: 52-55; with the
+    session-4 selection loop 44.5 us, 3 splits 44.2-45.0, 5 splits 45.1-45.9)."""
     if device.type != "cuda":
         return max(1, min(max_tiles, 3))
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -164,13 +164,25 @@ def _fwd_tile(
 
 
 @triton.jit
+def _keys_far(k_ok, kpos, q_min, P0, P1, PATTERN: tl.constexpr):
+    """Whether every valid key position of ``kpos`` (1-D, valid where ``k_ok``) lies behind the window
+    of the earliest row ``q_min`` (hence of every row, and causal) and, for streaming, past the sinks."""
+    kp_hi = tl.max(tl.where(k_ok, kpos, -(1 << 30)), 0)
+    far = q_min - kp_hi >= P0
+    if PATTERN == 2:
+        far = far & (tl.min(tl.where(k_ok, kpos, 1 << 30), 0) >= P1)
+    return far
+
+
+@triton.jit
 def _selection_loop(
     acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
     k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv,
-    SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
-    stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
+    SEL_IDX, SEL_CNT, SEL_W, fb, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
+    stride_swb, stride_swh, stride_swn, NB, QB, SEL_K, c_lo, c_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr,
+    HAS_KMASK: tl.constexpr, HAS_SELW: tl.constexpr, SEL_FAST: tl.constexpr, SEL_PREFETCH: tl.constexpr,
+    SEL_LEAN: tl.constexpr, SEL_SCAN: tl.constexpr,
 ):
     """Token-layout keys (learned top-k) of the selection blocks this tile's rows belong to.
 
@@ -179,10 +191,22 @@ def _selection_loop(
     Slots ``[c_lo, c_hi)`` of each block's list are handled here (a split's share in split-KV mode).
     With ``SEL_FAST`` (causal sliding_window / streaming static parts) a tile whose valid keys all
     lie behind every row's window, past the sinks and before every row needs only the 1-D row and
-    key masks: the (BLOCK_M, BLOCK_N) rule is evaluated for the other tiles alone.
+    key masks: the (BLOCK_M, BLOCK_N) rule is evaluated for the other tiles alone. ``SEL_FAST == 2``
+    first scans all slots of the block (``SEL_SCAN`` at a time): when they are all far, the tiles
+    skip their own check (two reductions and the CTA barriers they cost).
+    With ``SEL_PREFETCH`` the next tile's key indices are loaded one iteration ahead into registers
+    (a loop-carried vector). Loaded inside the iteration that uses them, Triton's pipeliner (sm_90,
+    3 stages) keeps two K/V buffers and waits for every copy in flight at the top of each iteration,
+    so the gathered rows were not fetched while the previous tile computed; with the index one
+    iteration ahead the K/V copies run two tiles ahead behind a partial wait, as in the
+    contiguous-tile loops (triton 3.9's sm_90 compile; on the H100 with triton 3.6 the token
+    prefill at S=64K took 14.4 instead of 16.8 ms).
+    With ``SEL_LEAN`` the K and V tiles are loaded row-major through one index vector without a
+    mask (invalid slots read key row 0 and are masked in the scores), and a far tile's key mask is
+    an additive bias: fewer integer and predicate instructions per gathered tile (sm_90 SASS of the
+    prefill loop: 1260 instead of 1600 per iteration; the contiguous window loop has 420).
     """
-    fb = tl.load(FIRST_BLOCK + b64)
-    sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,)
+    sb_row = _floordiv(qpos, QB) - fb  # (BLOCK_M,); fb: the row's first block, loaded at the kernel's start
     # The (BLOCK_M, BLOCK_N) mask arithmetic runs on int32 positions (half the registers of int64;
     # positions stay far below 2**31): row / key validity is folded into 1-D vectors first.
     qpos32 = qpos.to(tl.int32)
@@ -199,15 +223,44 @@ def _selection_loop(
         hi = tl.minimum(cnt, c_hi)
         row_in = sb_row == sb
         q_min = tl.min(tl.where(row_in & q_ok, qpos32, 1 << 30), 0)  # earliest row of this block in the tile
+        rows_all_in = tl.min(tl.where(q_ok & ~row_in, 0, 1), 0) == 1  # rows past Sq are never stored
+        idx_row = SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin
+        if SEL_FAST == 2:  # one check for all slots of the block (no per-tile reductions when it holds)
+            offs_b = tl.arange(0, SEL_SCAN)
+            blk_hi = tl.full([], -(1 << 30), tl.int32)
+            blk_lo = tl.full([], 1 << 30, tl.int32)
+            for c0 in range(c_lo, hi, SEL_SCAN):
+                sl = c0 + offs_b
+                kk = tl.load(idx_row + sl, mask=sl < SEL_K, other=-1).to(tl.int32)
+                okb = (sl < hi) & (kk >= k_lo) & (kk < k_hi)
+                kpb = kk - k_start32
+                blk_hi = tl.maximum(blk_hi, tl.max(tl.where(okb, kpb, -(1 << 30)), 0))
+                blk_lo = tl.minimum(blk_lo, tl.min(tl.where(okb, kpb, 1 << 30), 0))
+            block_far = q_min - blk_hi >= P0
+            if PATTERN == 2:
+                block_far = block_far & (blk_lo >= P1)
+        if SEL_PREFETCH:
+            # Bounded by the list's length SEL_K, not by the count: a mask constant over aligned runs of
+            # slots lets the index loads vectorise (slots past the count are masked through s_ok).
+            kidx_next = tl.load(idx_row + c_lo + offs_n, mask=c_lo + offs_n < SEL_K, other=-1).to(tl.int32)
         for c in range(c_lo, hi, BLOCK_N):
             slot = c + offs_n
             s_ok = slot < hi
-            kidx = tl.load(SEL_IDX + b64 * stride_sib + hkv * stride_sih + sbl * stride_sin + slot, mask=s_ok, other=-1).to(tl.int32)
+            if SEL_PREFETCH:
+                kidx = kidx_next
+                nxt = slot + BLOCK_N
+                kidx_next = tl.load(idx_row + nxt, mask=nxt < SEL_K, other=-1).to(tl.int32)
+            else:
+                kidx = tl.load(idx_row + slot, mask=s_ok, other=-1).to(tl.int32)
             k_ok = s_ok & (kidx >= k_lo) & (kidx < k_hi)
             ksafe = tl.where(k_ok, kidx, 0)
             koff = ksafe.to(tl.int64)
-            kt = tl.load(Kb + koff[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
-            vt = tl.load(Vb + koff[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            if SEL_LEAN:  # row-major K and V tiles share one index layout; invalid slots read row 0, unmasked
+                kt = tl.trans(tl.load(Kb + koff[:, None] * stride_kn + offs_d[None, :]))
+                vt = tl.load(Vb + koff[:, None] * stride_vn + offs_d[None, :])
+            else:
+                kt = tl.load(Kb + koff[None, :] * stride_kn + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+                vt = tl.load(Vb + koff[:, None] * stride_vn + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, kt)
             if HAS_SOFTCAP:
                 s = _softcap(s * (scale_log2 / 1.4426950408889634), softcap) * 1.4426950408889634
@@ -222,13 +275,21 @@ def _selection_loop(
                 k_ok = k_ok & (km != 0)
             kpos = ksafe - k_start32
             if SEL_FAST:
-                kp_lo = tl.min(tl.where(k_ok, kpos, 1 << 30), 0)
-                kp_hi = tl.max(tl.where(k_ok, kpos, -(1 << 30)), 0)
-                far = q_min - kp_hi >= P0  # behind every row's window, hence causal too
-                if PATTERN == 2:
-                    far = far & (kp_lo >= P1)  # past the sinks
+                if SEL_FAST == 2:
+                    far = block_far
+                    if not block_far:
+                        far = _keys_far(k_ok, kpos, q_min, P0, P1, PATTERN)
+                else:
+                    far = _keys_far(k_ok, kpos, q_min, P0, P1, PATTERN)
                 if far:
-                    s = tl.where(row_in[:, None] & k_ok[None, :], s, float("-inf"))
+                    if SEL_LEAN:  # an additive key bias; the row mask only where rows of other blocks share the tile
+                        bias = tl.where(k_ok, 0.0, float("-inf"))
+                        if rows_all_in:
+                            s = s + bias[None, :]
+                        else:
+                            s = tl.where(row_in[:, None], s + bias[None, :], float("-inf"))
+                    else:
+                        s = tl.where(row_in[:, None] & k_ok[None, :], s, float("-inf"))
                 else:
                     static = _pattern_rule(qpos32[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
                     ok = row_in[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos32[:, None]) & ~static
@@ -256,7 +317,7 @@ def _attn_fwd(
     stride_nb, stride_nh, stride_nm, stride_fb, stride_fh, stride_fm, stride_pb, stride_ph, stride_pm,
     stride_kmb, geo_stride,
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
-    stride_swb, stride_swh, stride_swn, NB, QB,
+    stride_swb, stride_swh, stride_swn, NB, QB, SEL_K,
     Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
     OUT_F, LSE_F, SEM, stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -265,6 +326,7 @@ def _attn_fwd(
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, USE_TMA: tl.constexpr, FULL_CONTIG: tl.constexpr,
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
+    SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -294,6 +356,10 @@ def _attn_fwd(
     qpos = qidx - k_start
 
     b64 = b.to(tl.int64)
+    if HAS_SEL:  # issued with the geometry loads: one round trip less before the first gathered tile
+        fb = tl.load(FIRST_BLOCK + b64)
+    else:
+        fb = 0
     q_ptrs = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
     kv_row0 = (b64 * Hkv + hkv) * Skv
@@ -357,9 +423,10 @@ def _attn_fwd(
         acc, l_i, m_i = _selection_loop(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, offs_n, offs_d, stride_kn, stride_vn, q_ok, qidx, qpos,
             k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, b64, hkv.to(tl.int64),
-            SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
-            stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, c_lo, c_hi,
-            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST,
+            SEL_IDX, SEL_CNT, SEL_W, fb, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch,
+            stride_scn, stride_swb, stride_swh, stride_swn, NB, QB, SEL_K, c_lo, c_hi,
+            PATTERN, CAUSAL, BLOCK_N, HAS_SOFTCAP, HAS_KMASK, HAS_SELW, SEL_FAST, SEL_PREFETCH, SEL_LEAN,
+            SEL_SCAN,
         )
 
     if HAS_SINK and not SPLIT:
@@ -485,7 +552,8 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
 def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=False,
+    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=None,
+    sel_prefetch=True, sel_lean=True,
 ):
     """Launch the block-sparse forward.
 
@@ -504,11 +572,21 @@ def attention_forward(
             (``combine_splits``); default on (off inside a CUDA-graph capture on a stream that has no
             counters yet).
         sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
-            (causal sliding_window / streaming static parts; see ``_selection_loop``). Opt-in: tested
-            under the interpreter and compiled for sm_90, not yet timed on a GPU
-            (``scripts/tune_decode.py --part token`` compares both).
+            (causal sliding_window / streaming static parts; see ``_selection_loop``): ``1`` (or True)
+            checks each tile, ``2`` first checks all of a block's slots at once and each tile only when
+            that fails, ``0`` (or False) never. Default: 2 without splits (H100, S=64K token prefill,
+            ``scripts/tune_decode.py --part token``: 10.5 ms; per tile 11.5; never 13.8), 0 for split-KV
+            decode (B=8, 128K: 44.2 us graph replay; 2: 45.5).
+        sel_prefetch: load the key indices of the next selected tile one iteration ahead, into
+            registers (see ``_selection_loop``); ``False`` keeps the index load inside the iteration
+            that uses it (kept for A/B timing in ``scripts/tune_decode.py``).
+        sel_lean: gathered K and V tiles loaded row-major through one index vector, without a mask
+            (slots past the count or outside the row's keys read key row 0, whose scores are masked
+            and whose probabilities are 0, as for the out-of-window keys of a partial block tile).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
+    if sel_fast not in (None, False, True, 0, 1, 2):
+        raise ValueError(f"sel_fast={sel_fast!r}: allowed are None (default), 0 / False, 1 / True and 2")
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -571,6 +649,10 @@ def attention_forward(
     if use_tma is None:  # decode: descriptor set-up costs more than it saves; selections gather rows
         use_tma = _tma_ok(k, v) and not split and pack == 1 and selection is None
     sel_args = _selection_args(selection, dev)
+    sel_k = selection.indices.shape[-1] if selection is not None else 1
+    fast = 0
+    if selection is not None and bool(is_causal) and pid in (1, 2):
+        fast = int(2 if sel_fast is None and not split else (sel_fast or 0))
     if full_contig is None:
         full_contig = full_tiles_contiguous(layout)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
@@ -585,7 +667,7 @@ def attention_forward(
         *o_strides[:3], o_strides[3], *l_strides[:3], l_strides[3],
         pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
         pidx.stride(0), pidx.stride(1), pidx.stride(2),
-        kmask.stride(0), int(geo.rows > 1), *sel_args,
+        kmask.stride(0), int(geo.rows > 1), *sel_args, sel_k,
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
         out, lse, sem, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
@@ -594,7 +676,9 @@ def attention_forward(
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
         FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        SEL_FAST=bool(sel_fast) and selection is not None and bool(is_causal) and pid in (1, 2),
+        SEL_FAST=fast, SEL_SCAN=max(16, min(2048, triton.next_power_of_2(sel_k))),
+        SEL_PREFETCH=bool(sel_prefetch) and selection is not None,
+        SEL_LEAN=bool(sel_lean) and selection is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:

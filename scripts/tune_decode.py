@@ -32,22 +32,36 @@ import sparse_k  # noqa: E402
 from sparse_k import build_block_layout, get_pattern, row_geometry, torch_sparse_attention  # noqa: E402
 
 HQ, HKV = bk.HQ, bk.HKV
-DECODE_VARIANTS = [  # (BLOCK_N, warps, stages, merge in the last split program instead of a combine kernel)
-    (128, 4, 3, False), (64, 4, 3, False), (64, 4, 4, False), (128, 4, 3, True), (64, 4, 2, True),
-    (64, 4, 3, True), (64, 4, 4, True), (32, 4, 4, True), (128, 8, 3, True),
+DECODE_VARIANTS = [  # (BLOCK_N, warps, stages, merge in the last split program instead of a combine kernel,
+    #                     selected-key indices loaded one tile ahead: sel_prefetch, unmasked row-major gathers: sel_lean,
+    #                     far-tile shortcut: sel_fast 0 / 1 per tile / 2 per block first); the default second
+    (64, 4, 3, True, True, False, 0), (64, 4, 3, True, True, True, 0), (64, 4, 3, True, True, True, 2),
+    (32, 4, 3, True, True, True, 0),
 ]
-DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12)
+DECODE_SPLITS = (3, 4, 5)
 # 2026-11-22 11:05 UTC, H100 (us, single-call graph replay; every row checked, rel. err 2.2-2.5e-3):
 #   window 4096:  128/4w/3st splits 1: 63.3, 2: 65.6, 5 (old rule): ~68; 64/4w/3st fused 2: 64.5, 4: 65.7
 #   top-2048:     128/4w/3st splits 2: 48.0, 4: 52.5; 64/4w/3st fused 4: 47.3, combine kernel 4: 47.1
 #   baselines:    SDPA on the pre-sliced window 66.5; torch gather + SDPA 154.3
 #   torch.profiler kernel time: window _attn_fwd 51 us; top-2048 _attn_fwd 34 us + _combine 2 us (fused: 36)
-TOKEN_VARIANTS = [  # (BLOCK_M, BLOCK_N, warps, stages, pack, sel_fast); rows per head BLOCK_M // pack; the default first
-    (128, 64, 8, 3, 4, False), (128, 64, 8, 3, 4, True), (64, 64, 4, 3, 4, True), (64, 64, 4, 3, 2, True),
+# Session 4, top-2048, 64/4w/3st fused (us, graph replay, splits 3 / 4 / 5; graph10 = 10 calls per graph):
+#   12:59 no prefetch 49.9 / 47.2 / -, prefetch 47.7 / 46.3 / - (graph10 at 4: 37.9 -> 37.2)
+#   13:06 up-front L2 prefetch of every gathered row (PTX prefetch.global.L2, dropped): 56.4 / 55.0 / -
+#   13:16 prefetch 46.9 / 46.0 / 46.1; + lean 45.0 / 44.6 / 45.9; 32-key tiles + lean 46.0 / 44.5 / 44.5
+#         (graph10 35.0); the same 2048 keys as one contiguous run (probe): 43.7 / 44.3 / 45.3 (graph10 34.2)
+#   13:25 lean 44.2 / 44.9 / 45.1, + block-wide far check (sel_fast=2) 45.5 / 46.2 / 48.0
+#   13:29 lean + first block loaded at the start 44.2 / 44.5 / 45.6 (graph10 at 3: 34.9; kernel 33 us)
+TOKEN_VARIANTS = [  # (BLOCK_M, BLOCK_N, warps, stages, pack, sel_fast, sel_prefetch, sel_lean); rows per head BLOCK_M // pack
+    (128, 64, 8, 3, 4, 2, True, True), (128, 64, 8, 3, 4, 1, True, True), (128, 64, 8, 3, 4, 0, True, True),
+    (128, 64, 8, 3, 4, 2, True, False), (128, 64, 8, 3, 4, 2, False, True), (128, 64, 8, 4, 4, 2, True, True),
 ]
 # swept on 2026-11-22 11:08 UTC (H100, S=64K; ms; SW 3072 structured forward 6.77 ms = 476 TF/s): 128x128 8w 2st pack 1: 20.78; 128x128 3st: 19.99; 128x64 3st: 17.22;
 # 128x64 4st: 17.28; 128x128 3st pack 4: 19.26; 128x64 3st pack 4: 16.79; 128x64 4st pack 4: 16.89; 128x64 3st pack 2: 17.00
-
+# Session 4 (128x64 8w pack 4; ms; SW 3072 6.57-6.80 ms in the same process):
+#   12:59 3st: no prefetch 16.77, prefetch 14.43, + per-tile far check 13.91, 4st 13.06; 64x64 4w 3st 13.67
+#   13:06 4st + far: 13.04, 5st 13.31; up-front L2 prefetch (dropped) 13.52 (512 slots) / 14.19 (2048)
+#   13:16 4st + far: not lean 12.37, lean 11.34; lean 3st 11.24, 5st 11.23; 64x64 4w lean 11.37; lean without far 13.77
+#   13:25 lean 3st: block-wide far check (sel_fast=2) 10.49, per-tile 11.46; 4st block-wide 10.87
 
 def gbench(fn) -> float:
     """CUDA-graph replay median in ms with a shorter do_bench budget than the benchmark's (many rows)."""
@@ -75,6 +89,10 @@ def part_decode(args, rows):
     p_tok = get_pattern("sparse_k", sinks=0, window=1, top_k=2048, query_block=128)
     sel = bk.token_selection(B, 1, S, p_tok, dev)
     pats["token_top2048"] = (p_tok, sel)
+    # The same 2048 keys per head as one contiguous run (the 2048 before the query): the gather's
+    # access pattern against the bytes alone (a probe, not a target row).
+    run = (S - 2049 + torch.arange(2048, device=dev, dtype=torch.int32)).expand_as(sel.indices).contiguous()
+    pats["token_contig2048"] = (p_tok, sparse_k.TokenLayout(run, sel.counts, sel.query_block, sel.first_block))
     for name, (p, s) in pats.items():
         if name not in args.patterns:
             continue
@@ -88,37 +106,45 @@ def part_decode(args, rows):
         nbytes = 2 * B * HKV * keys * D * k.element_size()
         best = {}
         lays = {}
-        for bn, warps, stages, fuse in DECODE_VARIANTS:
+        for bn, warps, stages, fuse, pf, lean, fast in DECODE_VARIANTS:
             if bn not in lays:
                 lays[bn] = build_block_layout(p, 1, S, geo, block_q=4, block_k=bn, num_kv_heads=HKV)
             lay = lays[bn]
+            if name == "token_contig2048" and (bn, warps, stages, fuse, pf, lean, fast) != DECODE_VARIANTS[0]:
+                continue  # the probe runs one variant
             for splits in DECODE_SPLITS:
                 if splits == 1 and fuse:
                     continue  # nothing to merge: the same launch as the unfused row
-                row = dict(part="decode", pattern=name, S=S, bn=bn, warps=warps, stages=stages, fused=fuse, splits=splits)
+                if (pf or lean or fast) and s is None:
+                    continue  # no selected keys: the same launch as without them
+                row = dict(part="decode", pattern=name, S=S, bn=bn, warps=warps, stages=stages, fused=fuse, pf=pf,
+                           lean=lean, fast=fast, splits=splits)
 
-                def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse):
+                def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse, pf=pf, lean=lean, fast=fast):
                     return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=4, num_splits=splits,
                                                         num_warps=warps, num_stages=stages, selection=s,
-                                                        fuse_combine=fuse)
+                                                        fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
 
                 try:
                     row["err"] = bk.rel_err(fn()[0], ref)
                     if row["err"] < bk.TOL:
                         row["graph_us"] = _us(gbench(fn))
                         row["gbps"] = round(nbytes / (row["graph_us"] * 1e-6) / 1e9)
-                        if best.get(fuse) is None or row["graph_us"] < best[fuse][0]:
-                            best[fuse] = (row["graph_us"], fn, row)
+                        key = (fuse, pf, lean, fast)
+                        if best.get(key) is None or row["graph_us"] < best[key][0]:
+                            best[key] = (row["graph_us"], fn, row)
                     else:
                         row["error"] = "check failed: void"
                 except Exception as e:  # noqa: BLE001 — a variant that fails to compile is reported
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        for fuse, b in sorted(best.items()):
-            r = dict(part="decode", pattern=name, S=S, what="best fused" if fuse else "best with combine kernel",
-                     **{k_: b[2][k_] for k_ in ("bn", "warps", "stages", "fused", "splits")})
+        for (fuse, pf, lean, fast), b in sorted(best.items()):
+            r = dict(part="decode", pattern=name, S=S, what=("best fused" if fuse else "best with combine kernel")
+                     + (", prefetch" if pf else "") + (", lean" if lean else "") + (f", fast {fast}" if fast else ""),
+                     **{k_: b[2][k_] for k_ in ("bn", "warps", "stages", "fused", "pf", "lean", "fast", "splits")})
             r["graph_us"] = b[0]
+            r["graph10_us"] = _us(bk.graph_bench(b[1], calls=10, warmup_ms=10, rep_ms=100))
             r["eager_us"] = _us(bk.bench(b[1]))
             r["kernels_us"] = {k_: round(1e3 * t, 2) for k_, t in bk.kernel_times(b[1], iters=20).items()}
             rows.append(r)
@@ -132,6 +158,8 @@ def part_decode(args, rows):
                     return bk.sdpa(q, ks, vs, "flash", causal=False)
 
                 base["baseline"] = "SDPA flash on a pre-sliced window"
+            elif name == "token_contig2048":
+                continue  # a probe: no baseline row
             else:
                 blk = s.indices[:, :, -1].long()
 
@@ -143,6 +171,7 @@ def part_decode(args, rows):
                 base["baseline"] = "torch gather + SDPA flash"
             base["err"] = bk.rel_err(bfn(), ref)
             base["graph_us"] = _us(bk.graph_bench(bfn))
+            base["graph10_us"] = _us(bk.graph_bench(bfn, calls=10, warmup_ms=10, rep_ms=100))
             base["eager_us"] = _us(bk.bench(bfn))
         except Exception as e:  # noqa: BLE001
             base["error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -169,16 +198,17 @@ def part_token(args, rows):
     rows.append(dict(part="token", S=S, what="sw3072 (default forward)", ms=round(sw_ms, 3), tflops=round(sw_tf, 1)))
     print(json.dumps(rows[-1]), flush=True)
     pairs = None
-    for bm, bn, warps, stages, pack, fast in TOKEN_VARIANTS:
-        row = dict(part="token", S=S, bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast)
+    for bm, bn, warps, stages, pack, fast, pf, lean in TOKEN_VARIANTS:
+        row = dict(part="token", S=S, bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast, pf=pf, lean=lean)
         try:
             lay = build_block_layout(p_tok, S, S, geo, block_q=bm // pack, block_k=bn, num_kv_heads=HKV)
             if pairs is None:
                 pairs = (bk.allowed_pairs(lay, S) + bk.selected_pairs(sel, S, S)) * HQ
 
-            def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast):
+            def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf, lean=lean):
                 return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
-                                                    num_stages=stages, selection=sel, sel_fast=fast)
+                                                    num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
+                                                    sel_lean=lean)
 
             out = fn()[0]
             row["err"] = max(bk.rel_err(out[:, :, q0 : q0 + 256], r) for q0, r in refs)
@@ -199,7 +229,8 @@ def part_token(args, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", type=lambda s: s.split(","), default=["decode", "token"])
-    ap.add_argument("--patterns", type=lambda s: s.split(","), default=["sliding_window", "token_top2048"])
+    ap.add_argument("--patterns", type=lambda s: s.split(","), default=["sliding_window", "token_top2048"],
+                    help="decode patterns: sliding_window, token_top2048, token_contig2048 (probe)")
     ap.add_argument("--kv-len", type=int, default=131072)
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--window", type=int, default=4096)
@@ -212,7 +243,7 @@ def main(argv=None):
         bk.bench = bk.graph_bench = lambda fn, *a, **k: (fn(), 1e-3)[1]
         bk.kernel_times = lambda fn, iters=3: {}
         global DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS
-        DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS = DECODE_VARIANTS[1:2] + DECODE_VARIANTS[5:6], (1, 3), TOKEN_VARIANTS[1:3]
+        DECODE_VARIANTS, DECODE_SPLITS, TOKEN_VARIANTS = DECODE_VARIANTS[:2], (1, 3), TOKEN_VARIANTS[:2]
     elif not torch.cuda.is_available():
         print("tune_decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -229,7 +260,8 @@ def main(argv=None):
         except Exception:  # noqa: BLE001 — keep the other part
             traceback.print_exc()
         torch.cuda.empty_cache()
-    keys = ("part", "pattern", "what", "bm", "bn", "warps", "stages", "fused", "pack", "fast", "splits", "graph_us", "eager_us", "gbps",
+    keys = ("part", "pattern", "what", "bm", "bn", "warps", "stages", "fused", "pf", "lean", "pack", "fast", "splits", "graph_us",
+            "graph10_us", "eager_us", "gbps",
             "ms", "tflops", "ratio_vs_sw3072", "err", "error")
     print("| " + " | ".join(keys) + " |")
     for r in rows:
@@ -239,7 +271,8 @@ def main(argv=None):
     summary = {}
     for r in rows:
         if r.get("part") == "decode" and r.get("what") is None and r.get("graph_us") is not None:
-            key = (r["pattern"], r["bn"], r["warps"], r["stages"], "fused" if r["fused"] else "combine")
+            key = (r["pattern"], r["bn"], r["warps"], r["stages"], "fused" if r["fused"] else "combine",
+                   "prefetch" if r["pf"] else "", "lean" if r["lean"] else "", f"fast {r['fast']}" if r["fast"] else "")
             summary.setdefault(key, []).append(f"{r['splits']}:{r['graph_us']:.1f}")
     for key, vals in summary.items():
         print("decode", *key, " ".join(vals))

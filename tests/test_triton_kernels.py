@@ -451,13 +451,16 @@ def test_token_layout_decode_split():
 @pytest.mark.parametrize("pack", [1, 2])
 def test_token_layout_far_tiles_skip_the_element_rule(pack):
     """Selected-key tiles wholly behind every row's window take the 1-D-mask path, the others the
-    element rule: both in one launch (far keys first, then sinks / window / future keys), against the
-    reference and against the launch without the shortcut."""
+    element rule: both in one launch (far keys first, then sinks / window / future keys), and lists of
+    far keys only (the block-wide check, ``sel_fast=2``); against the reference and against the
+    per-tile check and the launch without the shortcut."""
     g = torch.Generator().manual_seed(40 + pack)
     B, Hq, Hkv, S, D, QB, K = 1, 4, 2, 80, 16, 32, 32
     p = get_pattern("streaming", sinks=2, window=6)
     pl = get_pattern("sparse_k", sinks=2, window=6, top_k=K, query_block=QB)
     idx = torch.empty(B, Hkv, S // QB + 1, K, dtype=torch.int32)
+    idx_far = torch.zeros_like(idx)  # far keys only: every tile of the block is far (the block-wide check holds)
+    cnt_far = torch.zeros(idx.shape[:3], dtype=torch.int32)
     for h in range(Hkv):
         for n in range(idx.shape[2]):
             far = torch.arange(2, max(2, n * QB - 6 + 1))
@@ -465,19 +468,61 @@ def test_token_layout_far_tiles_skip_the_element_rule(pack):
             rest = torch.tensor([j for j in range(S) if j not in set(far.tolist())])
             near = rest[torch.randperm(len(rest), generator=g)[: K - len(far)]]
             idx[0, h, n] = torch.cat([far, near]).int()
+            idx_far[0, h, n, : len(far)] = far.int()
+            cnt_far[0, h, n] = len(far)
     cnt = torch.full(idx.shape[:3], K, dtype=torch.int32)
-    sel = sparse_k.TokenLayout(idx.to(DEV), cnt.to(DEV), QB, torch.zeros(B, dtype=torch.int64, device=DEV))
+    first = torch.zeros(B, dtype=torch.int64, device=DEV)
     q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
     geo = row_geometry(B, S, S, None, device=DEV)
     lay = _layout(p, S, S, geo, Hkv, bq=16 // pack)
-    ref = sparse_k.sparse_attention(q, k, v, pl, backend="reference", selection=sel)
+    for sel in (sparse_k.TokenLayout(idx.to(DEV), cnt.to(DEV), QB, first),
+                sparse_k.TokenLayout(idx_far.to(DEV), cnt_far.to(DEV), QB, first)):
+        ref = sparse_k.sparse_attention(q, k, v, pl, backend="reference", selection=sel)
+        outs = []
+        for fast in (2, 1, 0):
+            out = torch.full_like(q, float("nan"))
+            triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
+            assert rel(out, ref) < TOL32, fast
+            outs.append(out)
+        for out in outs[1:]:
+            assert rel(out, outs[0]) < TOL32
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("q_len,splits,pack,dtype", [(37, 1, 2, torch.float32), (1, 3, 4, torch.float32), (3, 2, 2, torch.float16)])
+def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
+    """Selected-key indices loaded one tile ahead (``sel_prefetch``) and the unmasked row-major
+    gathers with the additive far-tile bias (``sel_lean``), each against the load inside the
+    iteration, the masked gathers and the float64 reference: prefill (odd lengths, GQA packing,
+    rows of two selection blocks in one tile) and split-KV decode with the fused merge; counts that
+    are not multiples of the tile, zero weights, the look-ahead past the count and past the list's
+    length. Outputs poisoned with NaN first."""
+    g = torch.Generator().manual_seed(60 + q_len)
+    B, Hq, Hkv, Skv, D, QB, K = 2, 8, 2, 71, 16, 4, 45  # QB 4: rows of two selection blocks share a tile
+    p = get_pattern("sparse_k", sinks=2, window=5, top_k=K, query_block=QB)
+    geo = row_geometry(B, q_len, Skv, None, device=DEV)
+    sel = _random_selection(B, Hkv, q_len, Skv, QB, K, geo, g)
+    q, k, v = (rand(*s, gen=g, dtype=dtype) for s in ((B, Hq, q_len, D), (B, Hkv, Skv, D), (B, Hkv, Skv, D)))
+    lay = _layout(p, q_len, Skv, geo, Hkv, bq=16 // pack)
+    ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", selection=sel)
+    tol = TOL32 if dtype == torch.float32 else TOL16
     outs = []
-    for fast in (True, False):
+    for prefetch, lean, fast in ((True, True, 2), (False, False, 0), (True, False, 1), (True, True, 0)):
         out = torch.full_like(q, float("nan"))
-        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
-        assert rel(out, ref) < TOL32, fast
+        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
+                                     sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
+        assert rel(out, ref) < tol, (prefetch, lean, fast)
         outs.append(out)
-    assert rel(outs[0], outs[1]) < TOL32
+    for out in outs[1:]:
+        assert rel(out, outs[0]) < tol
+
+
+@pytest.mark.parametrize("bad", [3, -1, "2"])
+def test_sel_fast_rejects_unknown_values(bad):
+    """``sel_fast`` takes None, 0 / False, 1 / True or 2; anything else is a ValueError naming it."""
+    q = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="sel_fast"):
+        triton_fwd.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
 
 
 STRUCTURED_CASES = {
