@@ -394,20 +394,27 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Tile indices are loaded one iteration ahead (as the selection loop's SEL_PREFETCH does): an index
+    # loaded in the iteration that uses it holds the next tiles' K/V copies behind its own round trip.
     if FULL_CONTIG:
         n_first = tl.load(fidx)  # full tiles form one run: no index load inside the loop
+    else:
+        n_next = tl.load(fidx + f_lo, mask=f_lo < f_hi, other=0)
     for t in range(f_lo, f_hi):
         if FULL_CONTIG:
             n = n_first + t
         else:
-            n = tl.load(fidx + t)
+            n = n_next
+            n_next = tl.load(fidx + t + 1, mask=t + 1 < f_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
             PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
         )
+    n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
     for t in range(p_lo, p_hi):
-        n = tl.load(pidx + t)
+        n = n_next
+        n_next = tl.load(pidx + t + 1, mask=t + 1 < p_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
