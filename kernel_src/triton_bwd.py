@@ -117,9 +117,11 @@ def _dkdv_tile(
         if not EVEN_N:
             pT = tl.where(kin[:, None], pT, 0.0)
     else:
-        qidx = q_start + qi
-        ok = _pattern_rule(qidx[None, :] - k_start, kidx[:, None] - k_start, P0, P1, P2, P3, PATTERN, CAUSAL)
-        ok = ok & (kidx[:, None] >= k_start) & (kidx[:, None] < k_end) & kin[:, None]
+        # int32 positions (lengths < 2**31): half the registers of int64 masks
+        qpos = (q_start - k_start + qi).to(tl.int32)
+        kpos = (kidx - k_start).to(tl.int32)
+        k_ok = (kpos >= 0) & (kidx < k_end) & kin
+        ok = _pattern_rule(qpos[None, :], kpos[:, None], P0, P1, P2, P3, PATTERN, CAUSAL) & k_ok[:, None]
         pT = tl.where(ok, pT, 0.0)
     if HAS_KMASK:
         pT = tl.where(keyok[:, None], pT, 0.0)
@@ -222,9 +224,11 @@ def _dq_tile(
         if not EVEN_N:
             p = tl.where(kin[None, :], p, 0.0)
     else:
-        ok = _pattern_rule(qidx[:, None] - k_start, kidx[None, :] - k_start, P0, P1, P2, P3, PATTERN, CAUSAL)
-        ok = ok & (kidx[None, :] >= k_start) & (kidx[None, :] < k_end) & kin[None, :]
-        p = tl.where(ok, p, 0.0)
+        # int32 positions (lengths < 2**31): half the registers of int64 masks
+        kpos = (kidx - k_start).to(tl.int32)
+        k_ok = (kpos >= 0) & (kidx < k_end) & kin
+        ok = _pattern_rule((qidx - k_start).to(tl.int32)[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+        p = tl.where(ok & k_ok[None, :], p, 0.0)
     if HAS_KMASK:
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
         p = tl.where(km[None, :] != 0, p, 0.0)

@@ -114,7 +114,7 @@ def _softcap(s, softcap):
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, K, V, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-    qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+    qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -143,10 +143,10 @@ def _fwd_tile(
     if IS_FULL:
         if not EVEN_N:
             s = tl.where(kin[None, :], s, float("-inf"))
-    else:
-        kpos = kidx - k_start
-        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
-        ok = ok & (kidx[None, :] >= k_start) & (kidx[None, :] < k_end) & kin[None, :]
+    else:  # int32 positions (lengths < 2**31; ``qpos`` int32 too): half the registers of int64 masks
+        kpos = offs_n + (n * BLOCK_N - k_start).to(tl.int32)
+        k_ok = (kpos >= 0) & (kidx < k_end) & kin
+        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL) & k_ok[None, :]
         s = tl.where(ok, s, float("-inf"))
     if HAS_KMASK:
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
@@ -354,6 +354,7 @@ def _attn_fwd(
     k_end = tl.load(KEND + g)
     qidx = q_start + qi
     qpos = qidx - k_start
+    qpos32 = qpos.to(tl.int32)
 
     b64 = b.to(tl.int64)
     if HAS_SEL:  # issued with the geometry loads: one round trip less before the first gathered tile
@@ -408,7 +409,7 @@ def _attn_fwd(
             n_next = tl.load(fidx + t + 1, mask=t + 1 < f_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+            qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
             PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
         )
     n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
@@ -417,7 +418,7 @@ def _attn_fwd(
         n_next = tl.load(pidx + t + 1, mask=t + 1 < p_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qidx, qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+            qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
             PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
         )
     if HAS_SEL:
