@@ -11,6 +11,10 @@ probabilities ``P (B, Hq, S, S)`` on the states the sparse forward actually prod
 * ``future`` (a): ``u_j = sum_n M[n, j]``, the total mass key ``j`` receives from all queries of the
   sequence, future ones included: one score per key and KV head for every block, i.e. an upper bound
   for any query-independent score (SparseK by design §6);
+* ``candidate`` (a'): ``u_j = sum_n M[n, j] [j is a candidate of block n]``, the same but only from
+  the blocks that can select ``j`` (mass that the window serves anyway does not count): the better
+  query-independent oracle of the two (neither is a strict bound: the best fixed ranking is a
+  combinatorial problem);
 * ``causal`` (b): ``u_j(n) = sum_{n' < n} M[n', j]``, the mass received from the queries before block
   ``n`` (what a cumulative, heavy-hitter-like score could know when the block starts);
 * ``block`` (c): ``u_j(n) = M[n, j]``, the mass the block's own queries give each candidate: the
@@ -49,6 +53,7 @@ ATTN_IMPLEMENTATION = "sparse_k_selection_oracle"
 #: Oracle modes and their table labels.
 ORACLES = {
     "future": "oracle (a): query-independent, total mass incl. future queries",
+    "candidate": "oracle (a'): query-independent, mass from the blocks where the key is a candidate",
     "causal": "oracle (b): query-independent, mass from queries before the block",
     "block": "oracle (c): per block and KV head, mass from the block's queries",
 }
@@ -68,10 +73,13 @@ def _script(name: str):
     return mod
 
 
-def oracle_scores(mass: torch.Tensor, mode: str) -> torch.Tensor:
-    """Scores ``(B, Hkv, 1 | NB, S)`` of oracle ``mode`` (module docstring) from ``mass (B, Hkv, NB, S)``."""
+def oracle_scores(mass: torch.Tensor, mode: str, cand: torch.Tensor) -> torch.Tensor:
+    """Scores ``(B, Hkv, 1 | NB, S)`` of oracle ``mode`` (module docstring) from ``mass (B, Hkv, NB, S)``
+    and the candidate mask ``cand (B, NB, S)`` (``selection_blocks``)."""
     if mode == "future":
         return mass.sum(2, keepdim=True)
+    if mode == "candidate":
+        return (mass * cand[:, None]).sum(2, keepdim=True)
     if mode == "causal":
         return mass.cumsum(2) - mass
     if mode == "block":
@@ -93,10 +101,10 @@ def oracle_selection(pattern, query: torch.Tensor, key: torch.Tensor, scale: flo
     B, _, S, _ = query.shape
     mass = _script("train_selector").block_attention_mass(query, key, scale, pattern.query_block)
     geometry = row_geometry(B, S, S, None, None, device=query.device)
-    layout = selection_from_scores(pattern, oracle_scores(mass, mode), geometry, S, S)
+    cand = selection_blocks(pattern, geometry, B, S, S, mass.shape[2])[3]  # (B, NB, S)
+    layout = selection_from_scores(pattern, oracle_scores(mass, mode, cand), geometry, S, S)
     if layout is None:
         return None, 0.0, 0.0
-    cand = selection_blocks(pattern, geometry, B, S, S, mass.shape[2])[3]  # (B, NB, S)
     total = float((mass * cand[:, None]).sum())
     idx = layout.indices.long()
     kept = float(torch.where(idx >= 0, mass.gather(-1, idx.clamp_min(0)), torch.zeros((), dtype=mass.dtype)).sum())

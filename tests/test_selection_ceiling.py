@@ -41,7 +41,9 @@ def _brute_selection(P, Hkv, pattern, mode):
         b0 = n * bq
         cands = list(range(pattern.sinks, b0 - pattern.window + 1))
         own = grp[:, :, b0:b0 + bq].sum(2)
-        score = {"future": grp.sum(2), "causal": grp[:, :, :b0].sum(2), "block": own}[mode]
+        seen = [i for i in range(S) if (i // bq) * bq - pattern.window >= pattern.sinks]  # queries whose block has candidates
+        via_cand = sum(grp[:, :, i] * (torch.arange(S) <= (i // bq) * bq - pattern.window) for i in seen)
+        score = {"future": grp.sum(2), "candidate": via_cand, "causal": grp[:, :, :b0].sum(2), "block": own}[mode]
         for b in range(B):
             for g in range(Hkv):
                 chosen = sorted(sorted(cands, key=lambda j: -float(score[b, g, j]))[:pattern.top_k])
@@ -51,7 +53,7 @@ def _brute_selection(P, Hkv, pattern, mode):
     return out, kept, total
 
 
-@pytest.mark.parametrize("mode", ["future", "causal", "block"])
+@pytest.mark.parametrize("mode", ["future", "candidate", "causal", "block"])
 def test_oracle_selection_and_attention_match_brute_force(mode):
     mod = _script()
     torch.manual_seed(3)
@@ -105,7 +107,7 @@ def test_oracle_covering_every_candidate_equals_dense_model():
 def test_errors():
     mod = _script()
     with pytest.raises(ValueError, match="oracle mode"):
-        mod.oracle_scores(torch.zeros(1, 1, 1, 4), "mean")
+        mod.oracle_scores(torch.zeros(1, 1, 1, 4), "mean", torch.ones(1, 1, 4, dtype=torch.bool))
     q = torch.randn(1, 2, 16, 4)
     cfg = SimpleNamespace(sparse_attention={"pattern": "sparse_k", "sinks": 1, "window": 2, "top_k": 2, "query_block": 4})
     with pytest.raises(RuntimeError, match="oracle_mode"):
