@@ -42,7 +42,7 @@ from .scorers import LightningIndexer, SparseKScorer
 from .sparsek import sparsek
 from .token_layout import TokenLayout
 
-__all__ = ["build_selection", "selection_blocks", "training_free_scores"]
+__all__ = ["build_selection", "selection_blocks", "selection_from_scores", "training_free_scores"]
 
 #: Upper bound on elements of one (B, Hkv, blocks, keys) score slab (memory of the SparseK sort).
 _CHUNK_ELEMENTS = 1 << 21
@@ -197,6 +197,39 @@ def build_selection(
         indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
         query_block=pattern.query_block, first_block=first, weights=None,
     )
+
+
+def selection_from_scores(pattern: Pattern, scores: torch.Tensor, geometry: RowGeometry, q_len: int,
+                          kv_len: int) -> TokenLayout | None:
+    """The learned pattern's selection (module docstring's candidate rules) for given key scores.
+
+    For analyses that score keys by other means than a selector (e.g. oracle scores read from dense
+    attention, ``scripts/selection_ceiling.py``): per query block and KV head, the ``top_k``
+    candidates with the largest score, weight 1 (``weights`` None); ties go to the earlier key.
+
+    Args:
+        pattern: a learned pattern (``SparseK`` or ``DSA``); its sinks, window, top_k, query_block apply.
+        scores: ``(B, Hkv, 1, Skv)`` (one score per key for every block) or ``(B, Hkv, NB, Skv)`` with
+            ``NB`` the call's query blocks (``selection_blocks``: from the block of each row's first
+            query); any float dtype.
+        geometry: the call's ``RowGeometry``. q_len, kv_len: query and key tensor lengths.
+    Returns:
+        a ``TokenLayout`` as ``build_selection``'s, or None when ``top_k == 0`` or no block has a candidate.
+    """
+    if not getattr(pattern, "learned", False):
+        raise TypeError(f"selection_from_scores: `pattern` must be a learned pattern, got {pattern!r}")
+    if not isinstance(geometry, RowGeometry):
+        raise TypeError(f"selection_from_scores: `geometry` must be a RowGeometry, got {type(geometry).__name__}")
+    nb, max_c, span = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 4 or scores.shape[2] not in (1, nb) \
+            or scores.shape[-1] != kv_len or not scores.is_floating_point():
+        raise ValueError(f"selection_from_scores: `scores` must be a float (B, Hkv, 1 or {nb}, {kv_len}) tensor, "
+                         f"got {getattr(scores, 'shape', scores)!r}")
+    if pattern.top_k == 0 or max_c == 0:
+        return None
+    first, _, _, cand, _ = selection_blocks(pattern, geometry, scores.shape[0], q_len, kv_len, nb)
+    return _topk_layout(scores, cand[:, None], min(pattern.top_k, max_c), pattern.top_k, first, pattern.query_block,
+                        span, weighted=False)
 
 
 def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool) -> TokenLayout:
