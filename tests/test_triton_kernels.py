@@ -535,6 +535,7 @@ STRUCTURED_CASES = {
     "window_bidir": (get_pattern("sliding_window", window=20, causal=False), 50, 66, 11, False),
     "streaming_sinks_span_tiles": (get_pattern("streaming", sinks=21, window=18), 80, 80, 6, False),
     "streaming_window_reaches_sinks": (get_pattern("streaming", sinks=3, window=40), 29, 64, 0, True),
+    "streaming_sink_tile_and_edge": (get_pattern("streaming", sinks=5, window=32), 97, 97, 4, False),
     "q_longer_than_k": (get_pattern("sliding_window", window=12), 40, 30, 0, False),
 }
 
