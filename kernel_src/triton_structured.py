@@ -35,7 +35,9 @@ two loops over concatenated runs (full tiles then all masked tiles: sliding_wind
 unmasked in a loop of their own (streaming 17.75 / 17.67 against 17.85 / 17.71, same runs) or at the
 head of the full loop (20.38), the sink tiles and the left edge in one loop (17.85 and 20.90 against
 17.73 and 17.71), and Triton's automatic warp specialisation of the full loop (sliding_window 17.03
-against 16.87; streaming 19.27 against 17.73; 4 warps fail to compile).
+against 16.87; streaming 19.27 against 17.73; 4 warps fail to compile). The sink tile and the left
+edge in one two-step loop with an affine tile index does not fit: every loop gets its own pipeline
+buffers, and five loops at 128x128, 3 stages, D=128 need 427 KB of shared memory (232 KB exist).
 
 Program order (``ORDER`` constexpr) over the ``(query tile, batch x query head)`` grid:
 0 query tiles fastest, ascending; 1 query tiles fastest, longest first (dense causal: the last
