@@ -40,6 +40,11 @@ PATTERN_IDS = {
 }
 
 
+#: ``dilated`` with at most this many scales compiles its scale loop unrolled (one kernel variant per
+#: scale count); more scales loop at run time.
+MAX_UNROLLED_SCALES = 8
+
+
 def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
     """``(PATTERN id, (P0, P1, P2, P3))`` for the kernels; learned patterns use their static part."""
     if hasattr(pattern, "pid"):  # already encoded (ops._PatternCode)
@@ -68,8 +73,12 @@ def _floordiv(a, b):
 
 
 @triton.jit
-def _pattern_rule(qpos, kpos, P0, P1, P2, P3, PATTERN: tl.constexpr, CAUSAL: tl.constexpr):
-    """Element rule of design §4 on positions (broadcast int tensors); ``kpos >= 0`` and causality included."""
+def _pattern_rule(qpos, kpos, P0, P1, P2, P3, PATTERN: tl.constexpr, CAUSAL: tl.constexpr, SCALES: tl.constexpr = 0):
+    """Element rule of design §4 on positions (broadcast int tensors); ``kpos >= 0`` and causality included.
+
+    ``SCALES``: dilated only, the number of scales ``P1`` as a compile-time constant (the scale loop is
+    unrolled); 0 loops over ``P1`` at run time, a loop inside the tile loop that Triton does not
+    software-pipeline around."""
     d = qpos - kpos
     if PATTERN == 0:
         ok = d == d
@@ -87,10 +96,14 @@ def _pattern_rule(qpos, kpos, P0, P1, P2, P3, PATTERN: tl.constexpr, CAUSAL: tl.
     elif PATTERN == 5:
         ad = tl.where(d >= 0, d, -d)
         ok = d != d
-        stride = 1
-        for _s in range(0, P1):
-            ok = ok | (((ad & (stride - 1)) == 0) & (ad < P0 * stride))
-            stride = stride * 2
+        if SCALES > 0:
+            for s in tl.static_range(SCALES):
+                ok = ok | (((ad & ((1 << s) - 1)) == 0) & (ad < P0 * (1 << s)))
+        else:
+            stride = 1
+            for _s in range(0, P1):
+                ok = ok | (((ad & (stride - 1)) == 0) & (ad < P0 * stride))
+                stride = stride * 2
     else:
         win = _floordiv(qpos, P0) - P1 < _floordiv(kpos, P0)
         kp = tl.where(kpos >= 0, kpos, 0)
@@ -117,7 +130,7 @@ def _fwd_tile(
     qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SCALES: tl.constexpr,
 ):
     """One key tile ``n`` of the online softmax: acc (BLOCK_M, D) fp32, l_i/m_i (BLOCK_M,) in log2 units.
 
@@ -146,7 +159,7 @@ def _fwd_tile(
     else:  # int32 positions (lengths < 2**31; ``qpos`` int32 too): half the registers of int64 masks
         kpos = offs_n + (n * BLOCK_N - k_start).to(tl.int32)
         k_ok = (kpos >= 0) & (kidx < k_end) & kin
-        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL) & k_ok[None, :]
+        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL, SCALES) & k_ok[None, :]
         s = tl.where(ok, s, float("-inf"))
     if HAS_KMASK:
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
@@ -327,6 +340,7 @@ def _attn_fwd(
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
     SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
+    DIL_SCALES: tl.constexpr = 0,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -410,7 +424,7 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
-            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
+            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
         )
     n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
     for t in range(p_lo, p_hi):
@@ -419,7 +433,7 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
-            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM,
+            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
         )
     if HAS_SEL:
         if SPLIT:
@@ -687,6 +701,7 @@ def attention_forward(
         SEL_FAST=fast, SEL_SCAN=max(16, min(2048, triton.next_power_of_2(sel_k))),
         SEL_PREFETCH=bool(sel_prefetch) and selection is not None,
         SEL_LEAN=bool(sel_lean) and selection is not None,
+        DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:

@@ -80,6 +80,7 @@ PATTERNS = {
     "block_diagonal_bidir": get_pattern("block_diagonal", block=12, causal=False),
     "dilated": get_pattern("dilated", window=4, scales=3),
     "dilated_bidir": get_pattern("dilated", window=3, scales=2, causal=False),
+    "dilated_many_scales": get_pattern("dilated", window=1, scales=10),  # > MAX_UNROLLED_SCALES: run-time loop
     "l2_aligned": get_pattern("l2_aligned", block=8, window_blocks=2, segment=24, anchor=5),
     "bigbird": get_pattern("bigbird", block=16, window_blocks=1, global_blocks=1, random_blocks=1, seed=3),
     "sparse_k_static": get_pattern("sparse_k", sinks=2, window=9, top_k=4, query_block=16),
