@@ -1,20 +1,12 @@
 """scripts/evaluate_selectors.py: the variants it evaluates follow the selector files (no model run)."""
 
-import importlib.util
-import os
-
 import pytest
 import sparse_k
-from helpers import tiny_llama
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_script, tiny_llama
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("evaluate_selectors", os.path.join(ROOT, "scripts", "evaluate_selectors.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("evaluate_selectors")
 
 
 def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):

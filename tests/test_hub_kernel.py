@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import sparse_k as sk
 import torch
+from helpers import load_script
 
 kernels = pytest.importorskip("kernels")
 
@@ -72,10 +73,7 @@ def schema_violations(cfg: dict) -> list[str]:
 
 
 def _load_build_script():
-    spec = importlib.util.spec_from_file_location("build_kernel", REPO / "scripts" / "build_kernel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_kernel")
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,19 @@
 """scripts/selection_ceiling.py: oracle masses, selections and attention against brute force (float64, GQA,
 odd lengths), and the model-level identity "top_k covering every candidate == dense"."""
 
-import importlib.util
-import os
 from types import SimpleNamespace
 
 import pytest
 import sparse_k
 import torch
-from helpers import tiny_llama
+from helpers import load_script, tiny_llama
 from sparse_k.geometry import row_geometry
 from sparse_k.reference import masked_attention
 from sparse_k.selectors import selection_from_scores
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("selection_ceiling", os.path.join(ROOT, "scripts", "selection_ceiling.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("selection_ceiling")
 
 
 def _brute_probs(q, k, scale):

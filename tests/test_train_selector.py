@@ -1,6 +1,5 @@
 """scripts/train_selector.py end to end on CPU with a tiny random Llama: train, resume, load back."""
 
-import importlib.util
 import json
 import os
 import string
@@ -8,15 +7,11 @@ import string
 import pytest
 import sparse_k
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_selector", os.path.join(ROOT, "scripts", "train_selector.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_selector")
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +208,7 @@ def test_per_kv_head_dsa_distills_each_head_to_its_own_group():
 
 
 def test_compare_loss_curves(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("compare_loss_curves", os.path.join(ROOT, "scripts", "compare_loss_curves.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("compare_loss_curves")
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n" for s in range(1, 21)))
     # Step 5 differs by 10% (before the skip), step 15 by 1.5%; a resumed log repeats step 20.
