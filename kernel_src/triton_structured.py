@@ -38,6 +38,14 @@ head of the full loop (20.38), the sink tiles and the left edge in one loop (17.
 against 16.87; streaming 19.27 against 17.73; 4 warps fail to compile). The sink tile and the left
 edge in one two-step loop with an affine tile index does not fit: every loop gets its own pipeline
 buffers, and five loops at 128x128, 3 stages, D=128 need 427 KB of shared memory (232 KB exist).
+Session 5 (15:25-15:33 UTC, same process as Flex, two interleaved rounds, ms sliding_window / streaming):
+this kernel 17.04, 17.00 / 17.79, 17.95; a persistent grid (one program per SM walking the same tile
+order) 16.84, 17.26 / 17.93, 18.10 (no gain beyond the run-to-run spread); pointer loads instead of
+TMA 18.54 / 20.16; one-warpgroup programs (two per SM) 64x64 3 stages 17.98 / 18.76, 64x64 4 stages
+22.70 / 24.10, 64x128 2 stages 24.66 / 26.18; 128x64 4 stages 18.29 / 19.45. An sm_90 compile shows
+why the two warpgroups of a program cannot overlap softmax with the other's MMAs here: every loop
+iteration holds six CTA-wide barriers (one after the Q K^T wait, two around each of the K and V TMA
+issues), and ncu (S=16K) puts a third of the stall cycles on them (tensor pipe 56% busy).
 
 Program order (``ORDER`` constexpr) over the ``(query tile, batch x query head)`` grid:
 0 query tiles fastest, ascending; 1 query tiles fastest, longest first (dense causal: the last
