@@ -575,7 +575,7 @@ def attention_forward(
     q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
     num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
     full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=None,
-    sel_prefetch=True, sel_lean=True,
+    sel_prefetch=True, sel_lean=True, cuda_structured=None,
 ):
     """Launch the block-sparse forward.
 
@@ -587,6 +587,9 @@ def attention_forward(
         out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
         structured: run dense / sliding_window / streaming through ``triton_structured`` (tile ranges by
             arithmetic, no index lists); default: whenever ``structured_ok`` allows it.
+        cuda_structured: for a structured launch, let the Hopper CUDA kernel take it where
+            ``cuda_dispatch`` allows (default None: yes, unless a Triton tuning argument ``num_warps``,
+            ``num_stages``, ``use_tma`` or ``order`` is given); False: always the Triton kernel.
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
@@ -625,6 +628,16 @@ def attention_forward(
     if structured is None:
         structured = structured_ok(pid, bool(is_causal), pack=pack, num_splits=num_splits, selection=selection)
     if structured:
+        from .cuda_dispatch import try_cuda_structured
+
+        triton_tuning = (num_warps, num_stages, use_tma, order) != (None, None, None, None)
+        if cuda_structured is not False and not triton_tuning:
+            fast = try_cuda_structured(
+                q, k, v, geo, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale, softcap=softcap,
+                sink_logits=sink_logits, key_mask=key_mask, out=out,
+            )
+            if fast is not None:
+                return fast
         return structured_forward(
             q, k, v, geo, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale, block_m=block_m,
             block_n=block_n, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,

@@ -262,6 +262,21 @@ def _inputs(B, S, D, dtype, dev, seed):
     return q, k, v
 
 
+def _forward_kernel_name(q, k, v, layout) -> str:
+    """Which forward kernel ``block_attn`` runs for this eager call: "cuda_sm90", "triton_structured" or
+    "triton_layout" (the dispatch of ``triton_fwd.attention_forward``)."""
+    from sparse_k import triton_fwd
+    from sparse_k.cuda_dispatch import cuda_structured_applies
+    from sparse_k.triton_structured import structured_ok
+
+    pid, _ = triton_fwd.pattern_code(layout.pattern)
+    if not structured_ok(pid, bool(layout.pattern.causal), pack=1, num_splits=1, selection=None):
+        return "triton_layout"
+    if cuda_structured_applies(q, k, v, layout.geometry, pattern_id=pid, causal=layout.pattern.causal):
+        return "cuda_sm90"
+    return "triton_structured"
+
+
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
@@ -286,6 +301,15 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     if not ok:
         row["error"] = "correctness check failed: row void"
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
+    row["kernel"] = _forward_kernel_name(q, k, v, layout)
+    if ok and row["kernel"] == "cuda_sm90":  # the portable Triton kernel beside it, same inputs
+        from sparse_k import triton_fwd
+
+        triton_call = lambda: triton_fwd.attention_forward(q, k, v, layout, scale=scale, cuda_structured=False)
+        row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
+        if row["err_large_triton"] < TOL:
+            row["triton_ms"] = bench(triton_call)
+            row["tflops_triton"] = flops / row["triton_ms"] / 1e9
     if S <= args.flex_max:
         try:
             lay_flex = layout
@@ -299,6 +323,8 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
             if e_flex < TOL:
                 row["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=bm_flex, enable_gqa=True, scale=scale))
                 row["ratio_vs_flex"] = row["flex_ms"] / row["ours_ms"] if row["ours_ms"] else None
+                if row.get("triton_ms"):
+                    row["ratio_triton_vs_flex"] = row["flex_ms"] / row["triton_ms"]
             del o_flex, bm_flex
         except Exception as e:  # noqa: BLE001 — a baseline failing is reported, not fatal
             row["flex_error"] = f"{type(e).__name__}: {str(e)[:120]}"
@@ -857,8 +883,8 @@ def _fmt(x, nd=2):
 def print_table(results):
     cols = [
         ("section", "section"), ("pattern", "pattern"), ("S", "S"), ("D", "D"), ("tile", "tile"), ("warps", "warps"),
-        ("stages", "stages"), ("tma", "tma"), ("ours_ms", "ours ms"),
-        ("tflops_ours", "TF/s"), ("flex_ms", "flex ms"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
+        ("stages", "stages"), ("tma", "tma"), ("kernel", "kernel"), ("ours_ms", "ours ms"),
+        ("tflops_ours", "TF/s"), ("triton_ms", "triton ms"), ("tflops_triton", "triton TF/s"), ("flex_ms", "flex ms"), ("ratio_triton_vs_flex", "triton x flex"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
         ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),

@@ -1,0 +1,83 @@
+"""When the structured forward runs on the Hopper CUDA kernel (``cuda_structured``) instead of Triton.
+
+``triton_fwd.attention_forward`` asks ``try_cuda_structured`` first for dense / sliding_window /
+streaming launches. The CUDA kernel takes a call when all of these hold, else the Triton kernel runs:
+
+* the environment variable ``SPARSE_K_CUDA`` is unset or ``1`` (``0`` switches the kernel off);
+* an sm_90 GPU (H100 / H200) and nvcc are present (the extension is built on first use: about a
+  minute once, then loaded from ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``);
+* causal self-attention over the plain geometry (no padding, ``Sq == Skv``, query ``i`` at key
+  index ``i``), D = 128, bf16 / fp16, contiguous q / k / v, no softcap, sink logits or key mask, and
+  no caller-provided output view.
+
+If the extension cannot be built, a one-time warning says why and every later call takes the Triton
+kernel; never a different answer (both compute the same function, tested against the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .api import warn_once
+
+__all__ = ["CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "plain_geometry", "try_cuda_structured"]
+
+#: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
+CUDA_ENV = "SPARSE_K_CUDA"
+_BUILD_FAILED = False
+
+
+def cuda_enabled() -> bool:
+    """``SPARSE_K_CUDA``: unset or "1" -> True, "0" -> False; any other value is a ValueError."""
+    value = os.environ.get(CUDA_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_ENV}={value!r}: allowed are '1' (default: use the Hopper CUDA forward where it applies) and '0'")
+    return value == "1"
+
+
+def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
+    ``k_end == kv_len``, judged from the geometry's host offsets (None: not known -> False, no sync)."""
+    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries none
+    if q_len != kv_len or host is None:
+        return False
+    q_start, k_start, k_end = host
+    return all(x == 0 for x in q_start) and all(x == 0 for x in k_start) and all(x == kv_len for x in k_end)
+
+
+def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
+                            key_mask=None, out=None) -> bool:
+    """Whether ``try_cuda_structured`` would hand this call to the CUDA kernel (module docstring)."""
+    if _BUILD_FAILED or out is not None or not q.is_cuda or not cuda_enabled():
+        return False
+    from . import cuda_structured as cs
+
+    plain = plain_geometry(geometry, q.shape[2], k.shape[2])
+    return cs.cuda_structured_available(q.device) and cs.cuda_structured_ok(
+        q, k, v, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+
+
+def try_cuda_structured(q, k, v, geometry, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
+                        key_mask=None, out=None):
+    """``(out, lse)`` from the CUDA kernel, or None when the call is not one it takes (module docstring).
+
+    Args: as ``triton_structured.structured_forward`` (``params`` from ``triton_fwd.pattern_code``:
+    ``P0`` the window, ``P1`` the sinks).
+    """
+    global _BUILD_FAILED
+    if not cuda_structured_applies(q, k, v, geometry, pattern_id=pattern_id, causal=causal, softcap=softcap,
+                                   sink_logits=sink_logits, key_mask=key_mask, out=out):
+        return None
+    from . import cuda_structured as cs
+
+    try:
+        cs.load_extension()
+    except Exception as e:  # noqa: BLE001 — any build failure: say why once, then the Triton kernel
+        _BUILD_FAILED = True
+        warn_once(f"sparse_k: the Hopper CUDA forward could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                  f"the Triton kernel runs instead (set {CUDA_ENV}=0 to skip the attempt)")
+        return None
+    return cs.cuda_structured_forward(q, k, v, pattern_id=pattern_id, window=int(params[0]), sinks=int(params[1]),
+                                      scale=float(scale))
