@@ -107,8 +107,9 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: bit 0 three K/V pipeline stages instead of two; bit 1 no ping-pong between the two
-            consumer warpgroups (tuning only).
+        variant: tuning only. Bit 0: three K/V pipeline stages instead of two; bit 1: no ping-pong
+            between the two consumer warpgroups; bit 2: one CTA per 128-row work tile instead of a
+            persistent grid of one CTA per multiprocessor.
     Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
     """
     if pattern_id not in CUDA_PATTERNS:

@@ -207,7 +207,7 @@ struct Params {
   int window;   // W (dense: ignored)
   int sinks;    // streaming only
   float scale_log2;
-  uint32_t v_lbo, v_sbo;  // V (N-major) descriptor: column-half stride, 8-key group stride (bytes)
+  int total_work;  // num_q_tiles * B * Hq
 };
 
 struct TileRange {
@@ -248,11 +248,11 @@ __device__ __forceinline__ TileRange tile_range(const Params& p, int m) {
   return r;
 }
 
-// CTA -> (query tile, batch*Hq + head): the query heads of one KV group on consecutive CTAs, then
-// query tiles (concurrent CTAs share K/V tiles in L2); dense causal: longest query tiles first.
-__device__ __forceinline__ void cta_coords(const Params& p, int& m, int& bh) {
+// Work tile -> (query tile, batch*Hq + head): the query heads of one KV group on consecutive work
+// tiles, then query tiles (CTAs running together share K/V tiles in L2); dense causal: longest
+// query tiles first.
+__device__ __forceinline__ void work_coords(const Params& p, int lin, int& m, int& bh) {
   const int group = p.Hq / p.Hkv;
-  const int lin = blockIdx.x;
   const int g = lin % group;
   const int rest = lin / group;
   m = rest % p.num_q_tiles;
@@ -261,6 +261,9 @@ __device__ __forceinline__ void cta_coords(const Params& p, int& m, int& bh) {
 }
 
 // ------------------------------------------------------------------ kernel
+// Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
+// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
+// have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
 template <bool BF16, int STAGES, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -269,8 +272,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 1024-byte alignment for the 128-byte swizzle atoms (TMA and wgmma agree on the pattern there)
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t bar_q = base;
-  const uint32_t bar_kfull = base + 8;                  // [STAGES]
+  const uint32_t bar_q = base;                          // Q loaded
+  const uint32_t bar_qempty = base + 8;                 // Q read by both consumers' last Q K^T
+  const uint32_t bar_kfull = base + 16;                 // [STAGES]
   const uint32_t bar_vfull = bar_kfull + 8 * STAGES;    // [STAGES]
   const uint32_t bar_kempty = bar_vfull + 8 * STAGES;   // [STAGES]
   const uint32_t bar_vempty = bar_kempty + 8 * STAGES;  // [STAGES]
@@ -278,24 +282,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sk = sq + kTileBytes;                 // [STAGES] tiles
   const uint32_t sv = sk + STAGES * kTileBytes;        // [STAGES] tiles
 
-  int m, bh;
-  cta_coords(p, m, bh);
-  const int b = bh / p.Hq;
-  const int h = bh % p.Hq;
-  const int kvh = b * p.Hkv + h / (p.Hq / p.Hkv);
-  const TileRange tr = tile_range(p, m);
-  const int ntiles = tr.count;
-
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
+    mbar_init(bar_qempty, 8);  // lane 0 of each of the 8 consumer warps
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_kfull + 8 * s, 1);
       mbar_init(bar_vfull + 8 * s, 1);
-      mbar_init(bar_kempty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+      mbar_init(bar_kempty + 8 * s, 8);
       mbar_init(bar_vempty + 8 * s, 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -308,21 +305,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_k)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_v)) : "memory");
-      mbar_expect_tx(bar_q, kTileBytes);
-      tma_load_3d(sq, &tm_q, bar_q, 0, m * kBlockM, bh);
-      tma_load_3d(sq + kHalfBytes, &tm_q, bar_q, 64, m * kBlockM, bh);
-      for (int it = 0; it < ntiles; ++it) {
-        const int s = it % STAGES;
-        const uint32_t ph = ((it / STAGES) & 1) ^ 1;
-        const int row = tr.tile(it) * kBlockN;
-        if (it >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
-        mbar_expect_tx(bar_kfull + 8 * s, kTileBytes);
-        tma_load_3d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh);
-        tma_load_3d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh);
-        if (it >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
-        mbar_expect_tx(bar_vfull + 8 * s, kTileBytes);
-        tma_load_3d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh);
-        tma_load_3d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh);
+      int cnt = 0, local = 0;
+      for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+        int m, bh;
+        work_coords(p, w, m, bh);
+        const int kvh = (bh / p.Hq) * p.Hkv + (bh % p.Hq) / (p.Hq / p.Hkv);
+        const TileRange tr = tile_range(p, m);
+        if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
+        mbar_expect_tx(bar_q, kTileBytes);
+        tma_load_3d(sq, &tm_q, bar_q, 0, m * kBlockM, bh);
+        tma_load_3d(sq + kHalfBytes, &tm_q, bar_q, 64, m * kBlockM, bh);
+        for (int it = 0; it < tr.count; ++it, ++cnt) {
+          const int s = cnt % STAGES;
+          const uint32_t ph = ((cnt / STAGES) & 1) ^ 1;  // the release of the slot's previous tile
+          const int row = tr.tile(it) * kBlockN;
+          if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
+          mbar_expect_tx(bar_kfull + 8 * s, kTileBytes);
+          tma_load_3d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh);
+          tma_load_3d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh);
+          if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
+          mbar_expect_tx(bar_vfull + 8 * s, kTileBytes);
+          tma_load_3d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh);
+          tma_load_3d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh);
+        }
       }
     }
     return;
@@ -330,26 +335,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  const int cw = wg - 1;             // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63
+  const int cw = wg - 1;  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
   const int wq = (threadIdx.x % 128) / 32;
   const int g = lane / 4;
   const int qd = lane % 4;
-  const int row0 = m * kBlockM + cw * 64 + wq * 16 + g;  // this thread's rows: row0 and row0 + 8
   const float sl2 = p.scale_log2;
   const int W = p.pattern == 0 ? 0x7fffffff : p.window;
   const int sinks = p.pattern == 2 ? p.sinks : 0;
   const int bar_mine = 1 + cw, bar_other = 2 - cw;
+  const uint32_t q_base = sq + cw * 64 * 128;  // this warpgroup's 64 rows inside each column half
 
   float o[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float s[64];
   uint32_t pa[32];
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-  // Q descriptor of k-step kk: column half kk/4, 32 bytes per k16 step inside the 128-byte row
-  const uint32_t q_base = sq + cw * 64 * 128;
-  if (PINGPONG && cw == 1) named_arrive(bar_other, 256);  // consumer 0 issues first
+  float m0, m1, l0, l1;
+  int row0;
+  TileRange tr;
 
   // Softmax of the scores in s (tile `it`): masks, updates m/l, leaves p in s, returns alpha.
   auto softmax = [&](int it, float& alpha0, float& alpha1) {
@@ -398,23 +399,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     m1 = mn1;
   };
 
-  auto issue_qk = [&](int it) {
-    const int st = it % STAGES;
+  auto issue_qk = [&](int st) {
     const uint32_t kb = sk + st * kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
+      // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
       const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
       wgmma_ss<BF16>(s, make_desc(q_base + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
     }
   };
-  auto issue_pv = [&](int it) {
-    const int st = it % STAGES;
+  auto issue_pv = [&](int st) {
     const uint32_t vb = sv + st * kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
       wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                     make_desc(vb + kk * 2048, p.v_lbo, p.v_sbo));
+                     make_desc(vb + kk * 2048, kHalfBytes, 1024));
     }
   };
   auto convert_p = [&]() {
@@ -428,93 +428,115 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(bar);
   };
 
-  mbar_wait(bar_q, 0);
-  // prologue: tile 0's scores
-  mbar_wait(bar_kfull, 0);
-  if (PINGPONG) named_sync(bar_mine, 256);
-  wg_fence();
-  issue_qk(0);
-  wg_commit();
-  if (PINGPONG) named_arrive(bar_other, 256);
-  wg_wait<0>();
-  reg_fence(s);
-  release(bar_kempty);
-  {
-    float a0, a1;
-    softmax(0, a0, a1);
-  }
-  convert_p();
-
-  for (int it = 1; it < ntiles; ++it) {
-    const int st = it % STAGES, pst = (it - 1) % STAGES;
-    mbar_wait(bar_kfull + 8 * st, (it / STAGES) & 1);
-    mbar_wait(bar_vfull + 8 * pst, ((it - 1) / STAGES) & 1);
-    if (PINGPONG) named_sync(bar_mine, 256);
-    reg_fence(o);
-    reg_fence(pa);
-    wg_fence();
-    issue_qk(it);
-    wg_commit();
-    issue_pv(it - 1);
-    wg_commit();
-    if (PINGPONG) named_arrive(bar_other, 256);
-    wg_wait<1>();
-    reg_fence(s);
-    release(bar_kempty + 8 * st);
-    float a0, a1;
-    softmax(it, a0, a1);
-    wg_wait<0>();
-    reg_fence(o);
-    reg_fence(pa);
-    release(bar_vempty + 8 * pst);
+  if (PINGPONG && cw == 1) named_arrive(bar_other, 256);  // consumer 0 issues first
+  int cnt = 0, local = 0;
+  for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+    int m, bh;
+    work_coords(p, w, m, bh);
+    tr = tile_range(p, m);
+    const int ntiles = tr.count;
+    row0 = m * kBlockM + cw * 64 + wq * 16 + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[4 * j] *= a0;
-      o[4 * j + 1] *= a0;
-      o[4 * j + 2] *= a1;
-      o[4 * j + 3] *= a1;
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    m0 = -INFINITY;
+    m1 = -INFINITY;
+    l0 = 0.f;
+    l1 = 0.f;
+
+    mbar_wait(bar_q, local & 1);
+    // prologue: tile 0's scores
+    {
+      const int st = cnt % STAGES;
+      mbar_wait(bar_kfull + 8 * st, (cnt / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(s);
+      release(bar_kempty + 8 * st);
+      if (ntiles == 1) release(bar_qempty);
+      float a0, a1;
+      softmax(0, a0, a1);
+      convert_p();
     }
-    convert_p();
-  }
-  {
-    const int pst = (ntiles - 1) % STAGES;
-    mbar_wait(bar_vfull + 8 * pst, ((ntiles - 1) / STAGES) & 1);
-    if (PINGPONG) named_sync(bar_mine, 256);
-    reg_fence(o);
-    reg_fence(pa);
-    wg_fence();
-    issue_pv(ntiles - 1);
-    wg_commit();
-    if (PINGPONG) named_arrive(bar_other, 256);
-    wg_wait<0>();
-    reg_fence(o);
-    reg_fence(pa);
-    release(bar_vempty + 8 * pst);
+    for (int it = 1; it < ntiles; ++it) {
+      const int c = cnt + it;
+      const int st = c % STAGES, pst = (c - 1) % STAGES;
+      mbar_wait(bar_kfull + 8 * st, (c / STAGES) & 1);
+      mbar_wait(bar_vfull + 8 * pst, ((c - 1) / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      issue_pv(pst);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<1>();
+      reg_fence(s);
+      release(bar_kempty + 8 * st);
+      if (it == ntiles - 1) release(bar_qempty);
+      float a0, a1;
+      softmax(it, a0, a1);
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      release(bar_vempty + 8 * pst);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        o[4 * j] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+      }
+      convert_p();
+    }
+    {
+      const int c = cnt + ntiles - 1;
+      const int pst = c % STAGES;
+      mbar_wait(bar_vfull + 8 * pst, (c / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_pv(pst);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      release(bar_vempty + 8 * pst);
+    }
+    cnt += ntiles;
+
+    // ---------------- epilogue: O / l, lse
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const size_t head_row = static_cast<size_t>(bh) * p.S;
+    const int row1 = row0 + 8;
+    uint32_t* out32 = reinterpret_cast<uint32_t*>(p.out);
+    if (row0 < p.S) {
+      uint32_t* dst = out32 + ((head_row + row0) * kHeadDim + 2 * qd) / 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
+    }
+    if (row1 < p.S) {
+      uint32_t* dst = out32 + ((head_row + row1) * kHeadDim + 2 * qd) / 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
+    }
   }
   if (PINGPONG && cw == 0) named_sync(bar_mine, 256);  // consumer 1's last arrive
-
-  // ---------------- epilogue: O / l, lse
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const size_t head_row = static_cast<size_t>(bh) * p.S;
-  const int row1 = row0 + 8;
-  uint32_t* out32 = reinterpret_cast<uint32_t*>(p.out);
-  if (row0 < p.S) {
-    uint32_t* dst = out32 + ((head_row + row0) * kHeadDim + 2 * qd) / 2;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-    if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
-  }
-  if (row1 < p.S) {
-    uint32_t* dst = out32 + ((head_row + row1) * kHeadDim + 2 * qd) / 2;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-    if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-  }
 }
 
 // ------------------------------------------------------------------ host side
@@ -577,7 +599,8 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMa
 }  // namespace sk90
 
 // Host entry point. variant: bit 0 = 3 pipeline stages (else 2), bit 1 = no ping-pong between the two
-// consumer warpgroups. Returns 0 on success, else writes a message to err.
+// consumer warpgroups, bit 2 = one CTA per work tile instead of a persistent grid (tuning only).
+// Returns 0 on success, else writes a message to err.
 extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
                                    int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
                                    int variant, void* stream, char* err, int errlen) {
@@ -606,16 +629,23 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   p.window = window;
   p.sinks = sinks;
   p.scale_log2 = scale * 1.4426950408889634f;
-  p.v_lbo = (variant & 4) ? 1024 : kHalfBytes;  // bit 2: the two strides swapped (layout probe)
-  p.v_sbo = (variant & 4) ? kHalfBytes : 1024;
-  const long long grid = static_cast<long long>(p.num_q_tiles) * B * Hq;
-  if (grid > 0x7fffffffLL) {
-    snprintf(err, errlen, "grid too large: %lld CTAs", grid);
+  const long long total = static_cast<long long>(p.num_q_tiles) * B * Hq;
+  if (total > 0x7fffffffLL) {
+    snprintf(err, errlen, "too many work tiles: %lld", total);
+    return 1;
+  }
+  p.total_work = static_cast<int>(total);
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess || sms < 1) {
+    snprintf(err, errlen, "multiprocessor count: %s", cudaGetErrorString(e));
     return 1;
   }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool three = variant & 1, pingpong = !(variant & 2);
-  const int g = static_cast<int>(grid);
+  // one CTA per multiprocessor (persistent), or with bit 2 one CTA per work tile
+  const int g = (variant & 4) ? p.total_work : (p.total_work < sms ? p.total_work : sms);
   if (bf16) {
     if (three) return pingpong ? launch<true, 3, true>(tq, tk, tv, p, g, st, err, errlen)
                                : launch<true, 3, false>(tq, tk, tv, p, g, st, err, errlen);
