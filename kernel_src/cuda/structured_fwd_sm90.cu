@@ -1,0 +1,659 @@
+// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming.
+//
+// Contract (the same as ``triton_structured.structured_forward`` with a plain self-attention
+// geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128) contiguous,
+// bf16 or fp16; query head h reads KV head h / (Hq / Hkv). Query i sees key j when j <= i and
+//   dense           always
+//   sliding_window  i - j < W
+//   streaming       i - j < W  or  j < sinks
+// Outputs: out (B, Hq, S, 128) in q's dtype, lse (B, Hq, S) float32, natural log.
+//
+// One CTA = 128 query rows of one (batch, query head), 3 warpgroups (384 threads):
+//   warpgroup 0  producer: one thread issues TMA bulk tensor copies (128-byte swizzle) of the
+//                Q tile once and of the K and V tiles into a STAGES-deep ring, each slot guarded by
+//                a "full" mbarrier (transaction bytes) and an "empty" mbarrier (consumer release);
+//                K and V have separate barriers so a K slot is refilled as soon as Q K^T has read it.
+//   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T with wgmma m64n128k16 (both operands
+//                in shared memory), online softmax in registers (log2 domain, ex2.approx, row max over
+//                the 4 threads of a quad by shuffles, the row sum kept per thread and reduced once at
+//                the end), P converted to 16 bits in registers and O += P V with the register-A
+//                form of wgmma (V read N-major through the descriptor's transpose bit).
+// The consumer loop is software-pipelined by one tile: iteration j issues Q K_j^T and P_{j-1} V_{j-1}
+// back to back, waits for the first, runs the softmax of tile j while P_{j-1} V_{j-1} still runs,
+// then waits for it, rescales O and converts P_j. With PINGPONG the two consumer warpgroups take turns
+// issuing their matrix products (two named barriers), so one warpgroup's softmax overlaps the other's
+// tensor-core work.
+//
+// Key tiles per CTA, by arithmetic (the table of triton_structured's docstring): the streaming sink
+// tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is full (every row
+// sees every key: no element mask); every other tile evaluates the element rule per score.
+//
+// This file needs no torch headers: the host entry point sk90_structured_fwd takes raw pointers and a
+// stream; torch's binding lives in structured_fwd_sm90.cpp.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+namespace sk90 {
+
+constexpr int kBlockM = 128;        // query rows per CTA
+constexpr int kBlockN = 128;        // keys per tile
+constexpr int kHeadDim = 128;
+constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 columns x 2 bytes
+constexpr int kTileBytes = 2 * kHalfBytes;  // 128 rows x 128 columns
+constexpr int kThreads = 384;
+constexpr int kBarBytes = 1024;             // mbarriers at the start of dynamic shared memory
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ------------------------------------------------------------------ PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_LOOP:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_LOOP;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle. lbo/sbo in bytes.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16;
+  d |= static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keep the compiler from moving register reads/writes of an in-flight wgmma operand across this point.
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+#define SK90_ACC64                                                                                        \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,"   \
+  "%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define SK90_ACC64_OPS                                                                                      \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
+      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
+      "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),            \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),            \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),            \
+      "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),            \
+      "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// D(64x128, f32) (+)= A(64x16, smem, K-major) * B(16x128, smem, K-major)
+template <bool BF16>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SK90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : SK90_ACC64_OPS
+        : "l"(da), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SK90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : SK90_ACC64_OPS
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+}
+
+// D(64x128, f32) += A(64x16, registers) * B(16x128, smem, N-major)
+template <bool BF16>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SK90_ACC64
+        ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : SK90_ACC64_OPS
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SK90_ACC64
+        ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : SK90_ACC64_OPS
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// ------------------------------------------------------------------ tile ranges
+struct Params {
+  void* out;
+  float* lse;
+  int S;
+  int Hq;
+  int Hkv;
+  int num_q_tiles;
+  int pattern;  // 0 dense, 1 sliding_window, 2 streaming (all causal)
+  int window;   // W (dense: ignored)
+  int sinks;    // streaming only
+  float scale_log2;
+  int total_work;  // num_q_tiles * B * Hq
+};
+
+struct TileRange {
+  int s_lo, n_sink, n_lo, f_lo, f_hi, count;
+  __device__ __forceinline__ int tile(int it) const { return it < n_sink ? s_lo + it : n_lo + (it - n_sink); }
+  __device__ __forceinline__ bool masked(int it) const {
+    if (it < n_sink) return true;
+    const int t = n_lo + (it - n_sink);
+    return t < f_lo || t >= f_hi;
+  }
+};
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ TileRange tile_range(const Params& p, int m) {
+  const int qlo = m * kBlockM;
+  const int qhi = min(qlo + kBlockM, p.S) - 1;
+  int a_lo = 0, w_lo = 0;
+  int a_hi = min(p.S, qhi + 1);
+  const int w_hi = min(p.S, qlo + 1);
+  if (p.pattern != 0) {
+    a_lo = max(0, qlo - p.window + 1);
+    w_lo = max(0, qhi - p.window + 1);
+  }
+  a_hi = max(a_hi, a_lo);
+  TileRange r;
+  r.n_lo = a_lo / kBlockN;
+  const int n_hi = max(cdiv(a_hi, kBlockN), r.n_lo);
+  r.f_lo = min(max(cdiv(w_lo, kBlockN), r.n_lo), n_hi);
+  r.f_hi = min(max(w_hi / kBlockN, r.f_lo), n_hi);
+  r.s_lo = 0;
+  r.n_sink = 0;
+  if (p.pattern == 2) {
+    const int s_end = min(min(p.sinks, p.S), qhi + 1);
+    r.n_sink = max(min(cdiv(max(s_end, 0), kBlockN), r.n_lo), 0);
+  }
+  r.count = r.n_sink + (n_hi - r.n_lo);
+  return r;
+}
+
+// Work tile -> (query tile, batch*Hq + head): the query heads of one KV group on consecutive work
+// tiles, then query tiles (CTAs running together share K/V tiles in L2); dense causal: longest
+// query tiles first.
+__device__ __forceinline__ void work_coords(const Params& p, int lin, int& m, int& bh) {
+  const int group = p.Hq / p.Hkv;
+  const int g = lin % group;
+  const int rest = lin / group;
+  m = rest % p.num_q_tiles;
+  bh = (rest / p.num_q_tiles) * group + g;
+  if (p.pattern == 0) m = p.num_q_tiles - 1 - m;
+}
+
+// ------------------------------------------------------------------ kernel
+// Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
+// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
+// have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
+template <bool BF16, int STAGES, bool PINGPONG>
+__global__ void __launch_bounds__(kThreads, 1)
+    structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte alignment for the 128-byte swizzle atoms (TMA and wgmma agree on the pattern there)
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t bar_q = base;                          // Q loaded
+  const uint32_t bar_qempty = base + 8;                 // Q read by both consumers' last Q K^T
+  const uint32_t bar_kfull = base + 16;                 // [STAGES]
+  const uint32_t bar_vfull = bar_kfull + 8 * STAGES;    // [STAGES]
+  const uint32_t bar_kempty = bar_vfull + 8 * STAGES;   // [STAGES]
+  const uint32_t bar_vempty = bar_kempty + 8 * STAGES;  // [STAGES]
+  const uint32_t sq = base + kBarBytes;
+  const uint32_t sk = sq + kTileBytes;                 // [STAGES] tiles
+  const uint32_t sv = sk + STAGES * kTileBytes;        // [STAGES] tiles
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    mbar_init(bar_qempty, 8);  // lane 0 of each of the 8 consumer warps
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_kfull + 8 * s, 1);
+      mbar_init(bar_vfull + 8 * s, 1);
+      mbar_init(bar_kempty + 8 * s, 8);
+      mbar_init(bar_vempty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (warp == 0 && lane == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_k)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_v)) : "memory");
+      int cnt = 0, local = 0;
+      for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+        int m, bh;
+        work_coords(p, w, m, bh);
+        const int kvh = (bh / p.Hq) * p.Hkv + (bh % p.Hq) / (p.Hq / p.Hkv);
+        const TileRange tr = tile_range(p, m);
+        if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
+        mbar_expect_tx(bar_q, kTileBytes);
+        tma_load_3d(sq, &tm_q, bar_q, 0, m * kBlockM, bh);
+        tma_load_3d(sq + kHalfBytes, &tm_q, bar_q, 64, m * kBlockM, bh);
+        for (int it = 0; it < tr.count; ++it, ++cnt) {
+          const int s = cnt % STAGES;
+          const uint32_t ph = ((cnt / STAGES) & 1) ^ 1;  // the release of the slot's previous tile
+          const int row = tr.tile(it) * kBlockN;
+          if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
+          mbar_expect_tx(bar_kfull + 8 * s, kTileBytes);
+          tma_load_3d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh);
+          tma_load_3d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh);
+          if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
+          mbar_expect_tx(bar_vfull + 8 * s, kTileBytes);
+          tma_load_3d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh);
+          tma_load_3d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  const int cw = wg - 1;  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
+  const int wq = (threadIdx.x % 128) / 32;
+  const int g = lane / 4;
+  const int qd = lane % 4;
+  const float sl2 = p.scale_log2;
+  const int W = p.pattern == 0 ? 0x7fffffff : p.window;
+  const int sinks = p.pattern == 2 ? p.sinks : 0;
+  const int bar_mine = 1 + cw, bar_other = 2 - cw;
+  const uint32_t q_base = sq + cw * 64 * 128;  // this warpgroup's 64 rows inside each column half
+
+  float o[64];
+  float s[64];
+  uint32_t pa[32];
+  float m0, m1, l0, l1;
+  int row0;
+  TileRange tr;
+
+  // Softmax of the scores in s (tile `it`): masks, updates m/l, leaves p in s, returns alpha.
+  auto softmax = [&](int it, float& alpha0, float& alpha1) {
+    if (tr.masked(it)) {
+      const int key0 = tr.tile(it) * kBlockN + 2 * qd;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + (e & 1);
+          const int row = row0 + ((e >> 1) << 3);
+          const bool ok = key <= row && (row - key < W || key < sinks);
+          if (!ok) s[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * sl2);  // scale > 0: max(s) * scale == max(s * scale)
+    const float mn1 = fmaxf(m1, mx1 * sl2);
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    alpha0 = ex2(m0 - ms0);
+    alpha1 = ex2(m1 - ms1);
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      s[4 * j] = ex2(fmaf(s[4 * j], sl2, -ms0));
+      s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], sl2, -ms0));
+      s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], sl2, -ms1));
+      s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], sl2, -ms1));
+      r0 += s[4 * j] + s[4 * j + 1];
+      r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * alpha0 + r0;
+    l1 = l1 * alpha1 + r1;
+    m0 = mn0;
+    m1 = mn1;
+  };
+
+  auto issue_qk = [&](int st) {
+    const uint32_t kb = sk + st * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
+      const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
+      wgmma_ss<BF16>(s, make_desc(q_base + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
+    }
+  };
+  auto issue_pv = [&](int st) {
+    const uint32_t vb = sv + st * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
+      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                     make_desc(vb + kk * 2048, kHalfBytes, 1024));
+    }
+  };
+  auto convert_p = [&]() {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      pa[2 * j] = pack2<BF16>(s[4 * j], s[4 * j + 1]);
+      pa[2 * j + 1] = pack2<BF16>(s[4 * j + 2], s[4 * j + 3]);
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) mbar_arrive(bar);
+  };
+
+  if (PINGPONG && cw == 1) named_arrive(bar_other, 256);  // consumer 0 issues first
+  int cnt = 0, local = 0;
+  for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+    int m, bh;
+    work_coords(p, w, m, bh);
+    tr = tile_range(p, m);
+    const int ntiles = tr.count;
+    row0 = m * kBlockM + cw * 64 + wq * 16 + g;  // this thread's rows: row0 and row0 + 8
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    m0 = -INFINITY;
+    m1 = -INFINITY;
+    l0 = 0.f;
+    l1 = 0.f;
+
+    mbar_wait(bar_q, local & 1);
+    // prologue: tile 0's scores
+    {
+      const int st = cnt % STAGES;
+      mbar_wait(bar_kfull + 8 * st, (cnt / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(s);
+      release(bar_kempty + 8 * st);
+      if (ntiles == 1) release(bar_qempty);
+      float a0, a1;
+      softmax(0, a0, a1);
+      convert_p();
+    }
+    for (int it = 1; it < ntiles; ++it) {
+      const int c = cnt + it;
+      const int st = c % STAGES, pst = (c - 1) % STAGES;
+      mbar_wait(bar_kfull + 8 * st, (c / STAGES) & 1);
+      mbar_wait(bar_vfull + 8 * pst, ((c - 1) / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      issue_pv(pst);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<1>();
+      reg_fence(s);
+      release(bar_kempty + 8 * st);
+      if (it == ntiles - 1) release(bar_qempty);
+      float a0, a1;
+      softmax(it, a0, a1);
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      release(bar_vempty + 8 * pst);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        o[4 * j] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+      }
+      convert_p();
+    }
+    {
+      const int c = cnt + ntiles - 1;
+      const int pst = c % STAGES;
+      mbar_wait(bar_vfull + 8 * pst, (c / STAGES) & 1);
+      if (PINGPONG) named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_pv(pst);
+      wg_commit();
+      if (PINGPONG) named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      release(bar_vempty + 8 * pst);
+    }
+    cnt += ntiles;
+
+    // ---------------- epilogue: O / l, lse
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const size_t head_row = static_cast<size_t>(bh) * p.S;
+    const int row1 = row0 + 8;
+    uint32_t* out32 = reinterpret_cast<uint32_t*>(p.out);
+    if (row0 < p.S) {
+      uint32_t* dst = out32 + ((head_row + row0) * kHeadDim + 2 * qd) / 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
+    }
+    if (row1 < p.S) {
+      uint32_t* dst = out32 + ((head_row + row1) * kHeadDim + 2 * qd) / 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
+    }
+  }
+  if (PINGPONG && cw == 0) named_sync(bar_mine, 256);  // consumer 1's last arrive
+}
+
+// ------------------------------------------------------------------ host side
+typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn get_encode_fn(char* err, int errlen) {
+  static EncodeTiledFn fn = nullptr;
+  if (fn) return fn;
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || ptr == nullptr) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled not found in the CUDA driver (%s)", cudaGetErrorString(e));
+    return nullptr;
+  }
+  fn = reinterpret_cast<EncodeTiledFn>(ptr);
+  return fn;
+}
+
+// 3-D map (D, S, heads) with a (64, 128, 1) box and 128-byte swizzle; rows past S read as zeros.
+static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool bf16, int S, int heads, char* err,
+                     int errlen) {
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(S),
+                        static_cast<cuuint64_t>(heads)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(kHeadDim) * 2, static_cast<cuuint64_t>(S) * kHeadDim * 2};
+  cuuint32_t box[3] = {64, 128, 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+                   const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d)", static_cast<int>(r));
+    return false;
+  }
+  return true;
+}
+
+template <bool BF16, int STAGES, bool PINGPONG>
+static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, int grid,
+                  cudaStream_t stream, char* err, int errlen) {
+  const int smem = 1024 + kBarBytes + kTileBytes * (1 + 2 * STAGES);
+  auto kern = structured_fwd_kernel<BF16, STAGES, PINGPONG>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
+    return 1;
+  }
+  kern<<<grid, kThreads, smem, stream>>>(tq, tk, tv, p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace sk90
+
+// Host entry point. variant: bit 0 = 3 pipeline stages (else 2), bit 1 = no ping-pong between the two
+// consumer warpgroups, bit 2 = one CTA per work tile instead of a persistent grid (tuning only).
+// Returns 0 on success, else writes a message to err.
+extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
+                                   int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
+                                   int variant, void* stream, char* err, int errlen) {
+  using namespace sk90;
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || pattern < 0 || pattern > 2 ||
+      (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
+    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d pattern=%d window=%d sinks=%d scale=%g", B, Hq, Hkv,
+             S, pattern, window, sinks, static_cast<double>(scale));
+    return 1;
+  }
+  EncodeTiledFn enc = get_encode_fn(err, errlen);
+  if (!enc) return 1;
+  CUtensorMap tq, tk, tv;
+  const bool bf16 = is_bf16 != 0;
+  if (!make_map(&tq, enc, q, bf16, S, B * Hq, err, errlen) || !make_map(&tk, enc, k, bf16, S, B * Hkv, err, errlen) ||
+      !make_map(&tv, enc, v, bf16, S, B * Hkv, err, errlen))
+    return 1;
+  Params p;
+  p.out = out;
+  p.lse = lse;
+  p.S = S;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.num_q_tiles = (S + kBlockM - 1) / kBlockM;
+  p.pattern = pattern;
+  p.window = window;
+  p.sinks = sinks;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  const long long total = static_cast<long long>(p.num_q_tiles) * B * Hq;
+  if (total > 0x7fffffffLL) {
+    snprintf(err, errlen, "too many work tiles: %lld", total);
+    return 1;
+  }
+  p.total_work = static_cast<int>(total);
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess || sms < 1) {
+    snprintf(err, errlen, "multiprocessor count: %s", cudaGetErrorString(e));
+    return 1;
+  }
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const bool three = variant & 1, pingpong = !(variant & 2);
+  // one CTA per multiprocessor (persistent), or with bit 2 one CTA per work tile
+  const int g = (variant & 4) ? p.total_work : (p.total_work < sms ? p.total_work : sms);
+  if (bf16) {
+    if (three) return pingpong ? launch<true, 3, true>(tq, tk, tv, p, g, st, err, errlen)
+                               : launch<true, 3, false>(tq, tk, tv, p, g, st, err, errlen);
+    return pingpong ? launch<true, 2, true>(tq, tk, tv, p, g, st, err, errlen)
+                    : launch<true, 2, false>(tq, tk, tv, p, g, st, err, errlen);
+  }
+  if (three) return pingpong ? launch<false, 3, true>(tq, tk, tv, p, g, st, err, errlen)
+                             : launch<false, 3, false>(tq, tk, tv, p, g, st, err, errlen);
+  return pingpong ? launch<false, 2, true>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 2, false>(tq, tk, tv, p, g, st, err, errlen);
+}

@@ -1,0 +1,144 @@
+"""Hopper CUDA forward for the structured causal patterns (``cuda/structured_fwd_sm90.cu``).
+
+An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x128 tiles) for
+dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16. The contract is that
+of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
+softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
+sinks`` for streaming; dense: always). The extension is compiled on first use with torch's extension
+tooling (nvcc, ``sm_90a``), once per process, into a cache folder (``$SPARSE_K_CUDA_CACHE`` or
+``~/.cache/sparse_k``) keyed by the sources' hash. It is not part of the default dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import torch
+
+__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_ok", "cuda_structured_forward"]
+
+#: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
+CUDA_PATTERNS = (0, 1, 2)
+
+_SRC_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
+_SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
+_CUDA_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo"]
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """Build (or load from the cache folder) the extension; RuntimeError saying why when it cannot."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_structured needs a CUDA device (torch.cuda.is_available() is False)")
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        raise RuntimeError("cuda_structured needs nvcc: CUDA_HOME not found (set CUDA_HOME or put nvcc on PATH)")
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_SRC_DIR / name).read_bytes())
+    digest.update(" ".join(_CUDA_FLAGS).encode())
+    tag = digest.hexdigest()[:12]
+    root = pathlib.Path(os.environ.get("SPARSE_K_CUDA_CACHE", pathlib.Path.home() / ".cache" / "sparse_k"))
+    build = root / f"structured_sm90_{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"sk_structured_sm90_{tag}",
+        sources=[str(_SRC_DIR / n) for n in _SOURCES],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=list(_CUDA_FLAGS),
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def cuda_structured_available(device=None) -> bool:
+    """Whether the device is an sm_90 GPU (H100/H200) and nvcc is there to build the kernel."""
+    if not torch.cuda.is_available():
+        return False
+    from torch.utils import cpp_extension
+
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    return _is_sm90(dev) and cpp_extension.CUDA_HOME is not None
+
+
+def cuda_structured_ok(
+    q, k, v, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True, softcap=None, sink_logits=None,
+    key_mask=None,
+) -> bool:
+    """Whether ``cuda_structured_forward`` computes this call exactly (else use another path).
+
+    ``plain_geometry``: no padding and query ``i`` at key index ``i`` (the caller's ``RowGeometry``
+    has ``q_start == k_start == 0`` and ``k_end == Skv``).
+    """
+    if pattern_id not in CUDA_PATTERNS or not causal or not plain_geometry:
+        return False
+    if softcap is not None or sink_logits is not None or key_mask is not None:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in (q, k, v)):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if not (q.device == k.device == v.device) or not _is_sm90(q.device):
+        return False
+    B, Hq, S, D = q.shape
+    if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        return False
+    if k.shape[1] < 1 or Hq % k.shape[1] != 0 or S < 1 or S >= 2**31 or B * Hq >= 2**31:
+        return False
+    # TMA: 16-byte aligned base addresses (contiguous rows of 256 bytes are then aligned too)
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
+                            variant: int = 0):
+    """Causal structured attention forward on an sm_90 GPU.
+
+    Args:
+        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; contiguous, bf16 or fp16, ``Hq % Hkv == 0``.
+        pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_PATTERNS``).
+        window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
+        sinks: streaming only, the number of leading keys every query sees.
+        scale: softmax scale (> 0).
+        variant: tuning only. Bit 0: three K/V pipeline stages instead of two; bit 1: no ping-pong
+            between the two consumer warpgroups; bit 2: one CTA per 128-row work tile instead of a
+            persistent grid of one CTA per multiprocessor.
+    Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
+    """
+    if pattern_id not in CUDA_PATTERNS:
+        raise ValueError(f"pattern_id={pattern_id!r}: the CUDA kernel computes {CUDA_PATTERNS} (dense, sliding_window, streaming)")
+    if pattern_id != 0 and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a positive int is required for pattern_id {pattern_id}")
+    if pattern_id == 2 and (not isinstance(sinks, int) or sinks < 0):
+        raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
+    if not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r}: a positive float is required")
+    if not isinstance(variant, int) or not 0 <= variant <= 7:
+        raise ValueError(f"variant={variant!r}: 0..7 allowed")
+    if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):
+        raise ValueError(
+            "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, "
+            f"D=128, Sq == Skv, Hq % Hkv == 0): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
+            f"v {tuple(v.shape)} {v.dtype}"
+        )
+    B, Hq, S, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
+    _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant)
+    return out, lse
+
+
+def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant):
+    """Write ``out`` and ``lse`` (allocated by the caller, shapes as returned by ``cuda_structured_forward``)."""
+    mod = _load()
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(variant),
+                           int(stream))
