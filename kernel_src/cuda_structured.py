@@ -18,7 +18,7 @@ import pathlib
 
 import torch
 
-__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_ok", "cuda_structured_forward"]
+__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_ok", "cuda_structured_forward", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_PATTERNS = (0, 1, 2)
@@ -142,3 +142,9 @@ def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(variant),
                            int(stream))
+
+
+def load_extension():
+    """Build the extension on first use (then loaded from the cache folder) and return it; RuntimeError
+    saying why when there is no CUDA device or no nvcc, and the compiler's error when the build fails."""
+    return _load()

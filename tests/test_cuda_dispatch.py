@@ -51,3 +51,32 @@ def test_cpu_calls_stay_on_triton():
     geo = row_geometry(1, 40, 40, None)
     assert not cuda_structured_applies(q, k, v, geo, pattern_id=1, causal=True)
     assert try_cuda_structured(q, k, v, geo, pattern_id=1, params=(16, 0, 0, 0), causal=True, scale=0.1) is None
+
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name, kw", [("sliding_window", dict(window=300)), ("streaming", dict(window=300, sinks=64)),
+                                      ("dense", {})])
+def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
+    """Plain causal bf16 self-attention goes to the CUDA kernel; its output matches the Triton kernel's
+    (same inputs) and the float64 reference. bf16 operands: 1e-3..1e-2 relative (METHOD.md)."""
+    from sparse_k import build_block_layout, get_pattern, reference_attention, triton_fwd
+    from sparse_k.ops import block_attn
+
+    S, D = 1001, 128
+    q = torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    p = get_pattern(name, **kw)
+    geo = row_geometry(1, S, S, None, device="cuda")
+    lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=2)
+    pid, _ = triton_fwd.pattern_code(p)
+    assert cuda_structured_applies(q, k, v, geo, pattern_id=pid, causal=True)
+    out, lse = block_attn(q, k, v, lay, scale=D ** -0.5)
+    out_t, lse_t = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, cuda_structured=False)
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert rel(out, ref) < 2e-2 and rel(out, out_t) < 2e-2
+    torch.testing.assert_close(lse, lse_t, rtol=0, atol=2e-2)
