@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .cuda_dispatch import plain_geometry
 
 __all__ = ["block_attn", "layout_args"]
 
@@ -38,8 +39,11 @@ class _PatternCode:
         self.pid, self.causal, self.params = pid, causal, tuple(params)
 
 
-def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params):
-    geo = SimpleNamespace(q_start=qs, k_start=ks, k_end=ke, rows=qs.shape[0])
+def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False):
+    # ``plain``: the caller's geometry had host offsets q_start == k_start == 0, k_end == kv_len
+    # (``cuda_dispatch.plain_geometry``); the device tensors alone cannot say so without a sync.
+    host = ([0], [0], [kv_len]) if plain else None
+    geo = SimpleNamespace(q_start=qs, k_start=ks, k_end=ke, rows=qs.shape[0], host=host)
     return SimpleNamespace(
         full_kv_num_blocks=fnum, full_kv_indices=fidx, kv_num_blocks=pnum, kv_indices=pidx,
         block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, geometry=geo,
@@ -58,13 +62,14 @@ def block_attn_fwd(
     pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, pack: int, num_splits: int,
     scale: float, softcap: float, full_contig: bool,
     sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
-    sel_first: torch.Tensor | None = None, sel_qb: int = 1,
+    sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _ = _kernels()
     sel = None
     if sel_idx is not None:
         sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
-    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
+    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id,
+                     causal, params, plain_geo)
     return fwd.attention_forward(
         q, k, v, lay, scale=scale, softcap=softcap if softcap > 0 else None, sink_logits=sink_logits,
         key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern, full_contig=full_contig,
@@ -75,7 +80,7 @@ def block_attn_fwd(
 @block_attn_fwd.register_fake
 def _(q, k, v, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end, sink_logits, key_mask,
       pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap, full_contig,
-      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1):
+      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1, plain_geo=False):
     B, Hq, Sq, D = q.shape
     return q.new_empty(B, Hq, Sq, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
@@ -89,13 +94,14 @@ def block_attn_bwd(
     sink_logits: torch.Tensor | None, key_mask: torch.Tensor | None,
     pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, scale: float, softcap: float,
     sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
-    sel_first: torch.Tensor | None = None, sel_qb: int = 1,
+    sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _, bwd = _kernels()
     sel = None
     if sel_idx is not None:
         sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
-    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id, causal, params)
+    lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id,
+                     causal, params, plain_geo)
     lay._transposed = (t_fnum, t_fidx, t_pnum, t_pidx)
     dq, dk, dv, dsink, dw = bwd.attention_backward(
         do, q, k, v, out, lse, lay, scale=scale, softcap=softcap if softcap > 0 else None,
@@ -111,7 +117,7 @@ def block_attn_bwd(
 @block_attn_bwd.register_fake
 def _(do, q, k, v, out, lse, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end,
       sink_logits, key_mask, pattern_id, causal, params, block_q, block_k, scale, softcap,
-      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1):
+      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1, plain_geo=False):
     dw = q.new_empty(sel_w.shape if sel_w is not None else (0,), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(q.shape[1], dtype=torch.float32), dw
 
@@ -120,7 +126,7 @@ _FWD_ARGS = (
     "q", "k", "v", "fnum", "fidx", "pnum", "pidx", "t_fnum", "t_fidx", "t_pnum", "t_pidx",
     "q_start", "k_start", "k_end", "sink_logits", "key_mask",
     "pattern_id", "causal", "params", "block_q", "block_k", "pack", "num_splits", "scale", "softcap", "full_contig",
-    "sel_idx", "sel_cnt", "sel_w", "sel_first", "sel_qb",
+    "sel_idx", "sel_cnt", "sel_w", "sel_first", "sel_qb", "plain_geo",
 )
 
 
@@ -137,6 +143,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_kmask = a["key_mask"] is not None
     ctx.meta = (a["pattern_id"], a["causal"], a["params"], a["block_q"], a["block_k"], a["scale"], a["softcap"])
     ctx.sel = (a["sel_idx"], a["sel_cnt"], a["sel_w"], a["sel_first"], a["sel_qb"])
+    ctx.plain_geo = bool(a.get("plain_geo", False))
     if a["pack"] != 1 or a["num_splits"] != 1:
         ctx.meta = None  # decode-style launches are inference only
 
@@ -152,10 +159,11 @@ def _backward(ctx, d_out, d_lse):
     dq, dk, dv, dsink, dw = block_attn_bwd(
         d_out.contiguous(), q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke,
         sink if ctx.has_sink else None, kmask if ctx.has_kmask else None, pid, causal, params, bq, bk, scale, softcap,
-        sel_idx, sel_cnt, sel_w, sel_first, sel_qb,
+        sel_idx, sel_cnt, sel_w, sel_first, sel_qb, ctx.plain_geo,
     )
     grads = [dq, dk, dv] + [None] * 11 + [dsink.to(sink.dtype) if ctx.has_sink else None] + [None] * 11
     grads += [None, None, dw.to(sel_w.dtype) if sel_w is not None else None, None, None]
+    grads.append(None)  # plain_geo
     return tuple(grads)
 
 
@@ -216,5 +224,6 @@ def block_attn(
         q, k, v, *layout_args(layout, need_transposed=need_grad), geo.q_start, geo.k_start, geo.k_end,
         sink_logits, key_mask, pid, bool(layout.pattern.causal), list(params), layout.block_q, layout.block_k,
         pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
-        fwd.full_tiles_contiguous(layout), *sel,
+        fwd.full_tiles_contiguous(layout), *(sel or (None, None, None, None, 1)),
+        plain_geometry(geo, q.shape[2], k.shape[2]),
     )
