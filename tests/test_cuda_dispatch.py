@@ -96,7 +96,11 @@ def test_autograd_path_uses_cuda_forward_and_triton_backward(monkeypatch):
     lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=2)
     leaves = [torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
     do = torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16)
+    taken = []
+    real = cuda_dispatch.try_cuda_structured
+    monkeypatch.setattr(cuda_dispatch, "try_cuda_structured", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
     out, _ = block_attn(*leaves, lay, scale=D ** -0.5, need_grad=True)
+    assert len(taken) == 1 and taken[0] is not None  # the CUDA kernel ran the forward
     grads = torch.autograd.grad(out, leaves, do)
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref, _ = reference_attention(*ref_leaves, p, geo, scale=D ** -0.5)
