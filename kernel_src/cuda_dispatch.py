@@ -1,7 +1,9 @@
-"""When the structured forward runs on the Hopper CUDA kernel (``cuda_structured``) instead of Triton.
+"""When the structured forward and backward run on the Hopper CUDA kernels (``cuda_structured``,
+``cuda_structured_bwd``) instead of Triton.
 
 ``triton_fwd.attention_forward`` asks ``try_cuda_structured`` first for dense / sliding_window /
-streaming launches. The CUDA kernel takes a call when all of these hold, else the Triton kernel runs:
+streaming launches, ``triton_bwd.attention_backward`` asks ``try_cuda_structured_backward``. A CUDA
+kernel takes a call when all of these hold, else the Triton kernel runs:
 
 * the environment variable ``SPARSE_K_CUDA`` is unset or ``1`` (``0`` switches the kernel off);
 * an sm_90 GPU (H100 / H200) and nvcc are present (the extension is built on first use: about a
@@ -10,7 +12,7 @@ streaming launches. The CUDA kernel takes a call when all of these hold, else th
   index ``i``), D = 128, bf16 / fp16, contiguous q / k / v, no softcap, sink logits or key mask, and
   no caller-provided output view.
 
-If the extension cannot be built, a one-time warning says why and every later call takes the Triton
+If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
 """
 
@@ -20,11 +22,14 @@ import os
 
 from .api import warn_once
 
-__all__ = ["CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "plain_geometry", "try_cuda_structured"]
+__all__ = [
+    "CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "plain_geometry", "try_cuda_structured",
+    "try_cuda_structured_backward",
+]
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
 CUDA_ENV = "SPARSE_K_CUDA"
-_BUILD_FAILED = False
+_BUILD_FAILED: set[str] = set()  # names of the extensions that failed to build in this process
 
 
 def cuda_enabled() -> bool:
@@ -48,7 +53,7 @@ def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
 def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
                             key_mask=None, out=None) -> bool:
     """Whether ``try_cuda_structured`` would hand this call to the CUDA kernel (module docstring)."""
-    if _BUILD_FAILED or out is not None or not q.is_cuda or not cuda_enabled():
+    if "forward" in _BUILD_FAILED or out is not None or not q.is_cuda or not cuda_enabled():
         return False
     from . import cuda_structured as cs
 
@@ -59,6 +64,18 @@ def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=No
     )
 
 
+def _built(name: str, module) -> bool:
+    """Build (or load) ``module``'s extension; on failure warn once, remember it, and return False."""
+    try:
+        module.load_extension()
+    except Exception as e:  # noqa: BLE001 — any build failure: say why once, then the Triton kernel
+        _BUILD_FAILED.add(name)
+        warn_once(f"sparse_k: the Hopper CUDA {name} could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                  f"the Triton kernel runs instead (set {CUDA_ENV}=0 to skip the attempt)")
+        return False
+    return True
+
+
 def try_cuda_structured(q, k, v, geometry, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
                         key_mask=None, out=None):
     """``(out, lse)`` from the CUDA kernel, or None when the call is not one it takes (module docstring).
@@ -66,18 +83,35 @@ def try_cuda_structured(q, k, v, geometry, *, pattern_id, params, causal, scale,
     Args: as ``triton_structured.structured_forward`` (``params`` from ``triton_fwd.pattern_code``:
     ``P0`` the window, ``P1`` the sinks).
     """
-    global _BUILD_FAILED
     if not cuda_structured_applies(q, k, v, geometry, pattern_id=pattern_id, causal=causal, softcap=softcap,
                                    sink_logits=sink_logits, key_mask=key_mask, out=out):
         return None
     from . import cuda_structured as cs
 
-    try:
-        cs.load_extension()
-    except Exception as e:  # noqa: BLE001 — any build failure: say why once, then the Triton kernel
-        _BUILD_FAILED = True
-        warn_once(f"sparse_k: the Hopper CUDA forward could not be built ({type(e).__name__}: {str(e)[:300]}); "
-                  f"the Triton kernel runs instead (set {CUDA_ENV}=0 to skip the attempt)")
+    if not _built("forward", cs):
         return None
     return cs.cuda_structured_forward(q, k, v, pattern_id=pattern_id, window=int(params[0]), sinks=int(params[1]),
                                       scale=float(scale))
+
+
+def try_cuda_structured_backward(do, q, k, v, out, lse, geometry, *, pattern_id, params, causal, scale, softcap=None,
+                                 sink_logits=None, key_mask=None):
+    """``(dq, dk, dv)`` from the CUDA backward, or None when the call is not one it takes (module
+    docstring; the forward's ``lse`` may come from either kernel: both give the natural-log LSE).
+
+    Args: as ``triton_structured_bwd.structured_backward``.
+    """
+    if "backward" in _BUILD_FAILED or not q.is_cuda or not cuda_enabled():
+        return None
+    from . import cuda_structured_bwd as cb
+
+    plain = plain_geometry(geometry, q.shape[2], k.shape[2])
+    if not cb.cuda_structured_bwd_available(q.device) or not cb.cuda_structured_bwd_ok(
+        do, q, k, v, out, lse, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    ):
+        return None
+    if not _built("backward", cb):
+        return None
+    return cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=pattern_id, window=int(params[0]),
+                                       sinks=int(params[1]), scale=float(scale))

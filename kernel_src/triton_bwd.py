@@ -378,7 +378,7 @@ def _attn_bwd_dq(
 
 def attention_backward(
     do, q, k, v, out, lse, layout, *, scale, softcap=None, sink_logits=None, key_mask=None,
-    num_warps=None, num_stages=None, selection=None, structured=None,
+    num_warps=None, num_stages=None, selection=None, structured=None, cuda_structured=None,
 ):
     """Gradients of the block-sparse forward.
 
@@ -392,6 +392,9 @@ def attention_backward(
         streaming causal only). On the H100 (2026-11-22, sliding window 4096, S=64K) it ran 28.8 ms
         against 34.4 ms for this layout-path backward (``scripts/benchmark_kernels.py --section
         tune_structured_bwd``).
+        ``cuda_structured``: for a structured launch, let the Hopper CUDA backward take it where
+        ``cuda_dispatch`` allows (default None: yes, unless ``num_warps`` / ``num_stages`` are given);
+        False: always the Triton kernels.
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """
@@ -402,7 +405,6 @@ def attention_backward(
     do = do.contiguous() if do.stride(-1) != 1 else do
     out = out.contiguous() if out.stride(-1) != 1 else out
     lse = lse.contiguous()
-    delta, lse2 = bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32 each
     pid, params = pattern_code(layout.pattern)
     geo = layout.geometry
     causal = bool(layout.pattern.causal)
@@ -410,6 +412,16 @@ def attention_backward(
         from .triton_structured import STRUCTURED_PATTERNS
 
         structured = pid in STRUCTURED_PATTERNS and selection is None and (causal or pid != 2)
+    if structured and cuda_structured is not False and (num_warps, num_stages) == (None, None):
+        from .cuda_dispatch import try_cuda_structured_backward
+
+        grads = try_cuda_structured_backward(
+            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale, softcap=softcap,
+            sink_logits=sink_logits, key_mask=key_mask,
+        )
+        if grads is not None:
+            return (*grads, None, None)
+    delta, lse2 = bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32 each
     if structured:
         from .triton_structured_bwd import structured_backward
 

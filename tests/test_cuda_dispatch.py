@@ -109,3 +109,12 @@ def test_autograd_path_uses_cuda_forward_and_triton_backward(monkeypatch):
     assert rel(out, ref) < 2e-2
     for g, r in zip(grads, ref_grads):
         assert rel(g, r) < 2e-2
+
+
+def test_cpu_backward_stays_on_triton():
+    from sparse_k.cuda_dispatch import try_cuda_structured_backward
+
+    q, k, v = torch.randn(1, 4, 40, 128), torch.randn(1, 2, 40, 128), torch.randn(1, 2, 40, 128)
+    geo = row_geometry(1, 40, 40, None)
+    assert try_cuda_structured_backward(q, q, k, v, q, torch.zeros(1, 4, 40), geo, pattern_id=1, params=(16, 0, 0, 0),
+                                        causal=True, scale=0.1) is None
