@@ -23,8 +23,8 @@ import os
 from .api import warn_once
 
 __all__ = [
-    "CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "plain_geometry", "try_cuda_structured",
-    "try_cuda_structured_backward",
+    "CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "cuda_structured_backward_applies", "plain_geometry",
+    "try_cuda_structured", "try_cuda_structured_backward",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
@@ -94,6 +94,20 @@ def try_cuda_structured(q, k, v, geometry, *, pattern_id, params, causal, scale,
                                       scale=float(scale))
 
 
+def cuda_structured_backward_applies(do, q, k, v, out, lse, geometry, *, pattern_id, causal, softcap=None,
+                                     sink_logits=None, key_mask=None) -> bool:
+    """Whether ``try_cuda_structured_backward`` would hand this call to the CUDA backward."""
+    if "backward" in _BUILD_FAILED or not q.is_cuda or not cuda_enabled():
+        return False
+    from . import cuda_structured_bwd as cb
+
+    plain = plain_geometry(geometry, q.shape[2], k.shape[2])
+    return cb.cuda_structured_bwd_available(q.device) and cb.cuda_structured_bwd_ok(
+        do, q, k, v, out, lse, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+
+
 def try_cuda_structured_backward(do, q, k, v, out, lse, geometry, *, pattern_id, params, causal, scale, softcap=None,
                                  sink_logits=None, key_mask=None):
     """``(dq, dk, dv)`` from the CUDA backward, or None when the call is not one it takes (module
@@ -101,16 +115,11 @@ def try_cuda_structured_backward(do, q, k, v, out, lse, geometry, *, pattern_id,
 
     Args: as ``triton_structured_bwd.structured_backward``.
     """
-    if "backward" in _BUILD_FAILED or not q.is_cuda or not cuda_enabled():
+    if not cuda_structured_backward_applies(do, q, k, v, out, lse, geometry, pattern_id=pattern_id, causal=causal,
+                                            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask):
         return None
     from . import cuda_structured_bwd as cb
 
-    plain = plain_geometry(geometry, q.shape[2], k.shape[2])
-    if not cb.cuda_structured_bwd_available(q.device) or not cb.cuda_structured_bwd_ok(
-        do, q, k, v, out, lse, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
-        sink_logits=sink_logits, key_mask=key_mask,
-    ):
-        return None
     if not _built("backward", cb):
         return None
     return cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=pattern_id, window=int(params[0]),

@@ -410,6 +410,28 @@ def section_bwd(args, results):
                 print(json.dumps(row), flush=True)
 
 
+def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
+    """Which backward kernel the op ran ("cuda_sm90" or "triton") and, for the CUDA one, the Triton
+    backward beside it on the same inputs (gradients compared, then timed)."""
+    from sparse_k import triton_bwd, triton_fwd
+    from sparse_k.cuda_dispatch import cuda_structured_backward_applies
+
+    pid, _ = triton_fwd.pattern_code(p)
+    with torch.no_grad():
+        out, lse = block_attn(q, k, v, layout, scale=scale)
+    cuda = pid in (0, 1, 2) and cuda_structured_backward_applies(do, q, k, v, out, lse, layout.geometry, pattern_id=pid,
+                                                                 causal=p.causal)
+    row["kernel"] = "cuda_sm90" if cuda else "triton"
+    if not cuda:
+        return
+    grads = triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3]
+    triton_call = lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda_structured=False)
+    row["err_grads_vs_triton"] = max(rel_err(a, b) for a, b in zip(grads, triton_call()[:3]))
+    if row["err_grads_vs_triton"] < TOL:
+        row["triton_ms"] = bench(triton_call)
+        row["tflops_triton"] = flops / row["triton_ms"] / 1e9
+
+
 def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D + 1)
     for t in (q, k, v):
@@ -428,6 +450,7 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
     if ok:
         row["ours_ms"] = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
         row["tflops_ours"] = flops / row["ours_ms"] / 1e9
+        _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row)
     else:
         row["error"] = "correctness check failed: row void"
     if S <= args.flex_max:
@@ -439,6 +462,8 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
             row["err_flex_fwd"] = rel_err(o_flex, out)
             row["flex_ms"] = bench(lambda: torch.autograd.grad(o_flex, (q, k, v), do, retain_graph=True))
             row["ratio_vs_flex"] = row["flex_ms"] / row["ours_ms"] if row.get("ours_ms") else None
+            if row.get("triton_ms"):
+                row["ratio_triton_vs_flex"] = row["flex_ms"] / row["triton_ms"]
             del o_flex
         except Exception as e:  # noqa: BLE001
             row["flex_error"] = f"{type(e).__name__}: {str(e)[:120]}"
