@@ -8,7 +8,7 @@
 //   streaming       i - j < W  or  j < sinks
 // Outputs: out (B, Hq, S, 128) in q's dtype, lse (B, Hq, S) float32, natural log.
 //
-// One CTA = 128 query rows of one (batch, query head), 3 warpgroups (384 threads):
+// Work tile = 128 query rows of one (batch, query head); CTA = 3 warpgroups (384 threads):
 //   warpgroup 0  producer: one thread issues TMA bulk tensor copies (128-byte swizzle) of the
 //                Q tile once and of the K and V tiles into a STAGES-deep ring, each slot guarded by
 //                a "full" mbarrier (transaction bytes) and an "empty" mbarrier (consumer release);
@@ -19,10 +19,16 @@
 //                the end), P converted to 16 bits in registers and O += P V with the register-A
 //                form of wgmma (V read N-major through the descriptor's transpose bit).
 // The consumer loop is software-pipelined by one tile: iteration j issues Q K_j^T and P_{j-1} V_{j-1}
-// back to back, waits for the first, runs the softmax of tile j while P_{j-1} V_{j-1} still runs,
-// then waits for it, rescales O and converts P_j. With PINGPONG the two consumer warpgroups take turns
-// issuing their matrix products (two named barriers), so one warpgroup's softmax overlaps the other's
-// tensor-core work.
+// back to back, waits for the first, runs the softmax of tile j, waits for the second, rescales O
+// (skipped in a warp whose row maxima all stayed) and converts P_j. The two consumer warpgroups take
+// turns issuing their matrix products (ping-pong, two named barriers), so one warpgroup's softmax
+// overlaps the other's tensor-core work. ptxas places the second wait above the softmax (SASS), so the
+// softmax does not also overlap the same warpgroup's P V: forcing that order (a never-taken branch on a
+// vote over the softmax's row sums before the wait) made ptxas serialize the wgmmas and spill (C7512,
+// ~195 registers wanted, more than it allocates to the consumers of this 384-thread kernel), as did
+// packing P into a second register buffer and computing a quarter of the exponentials on the FMA pipe
+// (C7511). The grid is persistent: one CTA per multiprocessor walks the work tiles (query tile, head),
+// and the producer loads the next tile's Q and first K/V tiles while the consumers finish the last.
 //
 // Key tiles per CTA, by arithmetic (the table of triton_structured's docstring): the streaming sink
 // tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is full (every row
@@ -264,7 +270,8 @@ __device__ __forceinline__ void work_coords(const Params& p, int lin, int& m, in
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
 // on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
 // have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
-template <bool BF16, int STAGES, bool PINGPONG>
+// SKIP_RESCALE: leave O as it is in a warp whose rows all kept their running max.
+template <bool BF16, int STAGES, bool PINGPONG, bool SKIP_RESCALE>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -381,8 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float mn1 = fmaxf(m1, mx1 * sl2);
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    alpha0 = ex2(m0 - ms0);
-    alpha1 = ex2(m1 - ms1);
+    alpha0 = mn0 == m0 ? 1.f : ex2(m0 - ms0);  // exactly 1 when the row max did not change
+    alpha1 = mn1 == m1 ? 1.f : ex2(m1 - ms1);
     float r0 = 0.f, r1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -486,12 +493,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       reg_fence(o);
       reg_fence(pa);
       release(bar_vempty + 8 * pst);
+      // SKIP_RESCALE: a warp whose 16 rows all kept their max (alpha == 1) leaves O as it is
+      if (!SKIP_RESCALE || __any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        o[4 * j] *= a0;
-        o[4 * j + 1] *= a0;
-        o[4 * j + 2] *= a1;
-        o[4 * j + 3] *= a1;
+        for (int j = 0; j < 16; ++j) {
+          o[4 * j] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
       }
       convert_p();
     }
@@ -577,11 +587,11 @@ static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool 
   return true;
 }
 
-template <bool BF16, int STAGES, bool PINGPONG>
+template <bool BF16, int STAGES, bool PINGPONG, bool SKIP_RESCALE>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, int grid,
                   cudaStream_t stream, char* err, int errlen) {
   const int smem = 1024 + kBarBytes + kTileBytes * (1 + 2 * STAGES);
-  auto kern = structured_fwd_kernel<BF16, STAGES, PINGPONG>;
+  auto kern = structured_fwd_kernel<BF16, STAGES, PINGPONG, SKIP_RESCALE>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
     snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
@@ -598,8 +608,9 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMa
 
 }  // namespace sk90
 
-// Host entry point. variant: bit 0 = 3 pipeline stages (else 2), bit 1 = no ping-pong between the two
-// consumer warpgroups, bit 2 = one CTA per work tile instead of a persistent grid (tuning only).
+// Host entry point. variant (tuning only; 0 = the default: 3 K/V stages, ping-pong, SKIP_RESCALE,
+// persistent grid): 8 = O rescaled on every tile; + 4 = one CTA per work tile instead of a persistent
+// grid. (Two stages and no ping-pong, measured slower on the H100, are template arguments only.)
 // Returns 0 on success, else writes a message to err.
 extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
                                    int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
@@ -643,17 +654,17 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
     return 1;
   }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool three = variant & 1, pingpong = !(variant & 2);
   // one CTA per multiprocessor (persistent), or with bit 2 one CTA per work tile
   const int g = (variant & 4) ? p.total_work : (p.total_work < sms ? p.total_work : sms);
-  if (bf16) {
-    if (three) return pingpong ? launch<true, 3, true>(tq, tk, tv, p, g, st, err, errlen)
-                               : launch<true, 3, false>(tq, tk, tv, p, g, st, err, errlen);
-    return pingpong ? launch<true, 2, true>(tq, tk, tv, p, g, st, err, errlen)
-                    : launch<true, 2, false>(tq, tk, tv, p, g, st, err, errlen);
+  switch (variant & ~4) {
+    case 0:
+      return bf16 ? launch<true, 3, true, true>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, true, true>(tq, tk, tv, p, g, st, err, errlen);
+    case 8:  // O rescaled on every tile (the run-2 kernel)
+      return bf16 ? launch<true, 3, true, false>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, true, false>(tq, tk, tv, p, g, st, err, errlen);
+    default:
+      snprintf(err, errlen, "variant %d not built (0, 4, 8, 12)", variant);
+      return 1;
   }
-  if (three) return pingpong ? launch<false, 3, true>(tq, tk, tv, p, g, st, err, errlen)
-                             : launch<false, 3, false>(tq, tk, tv, p, g, st, err, errlen);
-  return pingpong ? launch<false, 2, true>(tq, tk, tv, p, g, st, err, errlen)
-                  : launch<false, 2, false>(tq, tk, tv, p, g, st, err, errlen);
 }
