@@ -107,8 +107,9 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: tuning only: 0 the default; 8 rescales O on every tile (no skip when the row maxima
-            stay); + 4 one CTA per 128-row work tile instead of a persistent grid.
+        variant: tuning only: 0 the default; 2 no ping-pong; 8 without the loop rotation that lets the softmax overlap
+            the same warpgroup's P V; 16 that and O rescaled on every tile; + 4 one CTA per 128-row
+            work tile instead of a persistent grid.
     Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
     """
     if pattern_id not in CUDA_PATTERNS:
@@ -119,8 +120,8 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
     if not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale={scale!r}: a positive float is required")
-    if variant not in (0, 4, 8, 12):
-        raise ValueError(f"variant={variant!r}: 0, 4, 8 or 12 allowed")
+    if variant not in (0, 2, 4, 6, 8, 12, 16, 20):
+        raise ValueError(f"variant={variant!r}: 0, 2, 4, 6, 8, 12, 16 or 20 allowed")
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, "
