@@ -45,11 +45,11 @@ CASES = [  # B, Hq, Hkv, S, dtype, pattern id, window, sinks
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("variant", [0, 5])
+@pytest.mark.parametrize("variant", [0, 20])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-p{c[5]}-W{c[6]}-s{c[7]}")
 def test_matches_reference(case, variant):
-    """Poisoned outputs, fresh random inputs; the default persistent kernel (0) and the per-tile grid
-    with three stages (5)."""
+    """Poisoned outputs, fresh random inputs; the default kernel (0) and the simplest one (20: per-tile
+    grid, loop not rotated, O rescaled on every tile)."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)

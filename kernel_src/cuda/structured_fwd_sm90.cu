@@ -8,7 +8,7 @@
 //   streaming       i - j < W  or  j < sinks
 // Outputs: out (B, Hq, S, 128) in q's dtype, lse (B, Hq, S) float32, natural log.
 //
-// One CTA = 128 query rows of one (batch, query head), 3 warpgroups (384 threads):
+// Work tile = 128 query rows of one (batch, query head); CTA = 3 warpgroups (384 threads):
 //   warpgroup 0  producer: one thread issues TMA bulk tensor copies (128-byte swizzle) of the
 //                Q tile once and of the K and V tiles into a STAGES-deep ring, each slot guarded by
 //                a "full" mbarrier (transaction bytes) and an "empty" mbarrier (consumer release);
@@ -19,10 +19,15 @@
 //                the end), P converted to 16 bits in registers and O += P V with the register-A
 //                form of wgmma (V read N-major through the descriptor's transpose bit).
 // The consumer loop is software-pipelined by one tile: iteration j issues Q K_j^T and P_{j-1} V_{j-1}
-// back to back, waits for the first, runs the softmax of tile j while P_{j-1} V_{j-1} still runs,
-// then waits for it, rescales O and converts P_j. With PINGPONG the two consumer warpgroups take turns
-// issuing their matrix products (two named barriers), so one warpgroup's softmax overlaps the other's
-// tensor-core work.
+// back to back, waits for the first and runs the softmax of tile j while P_{j-1} V_{j-1} still runs;
+// the wait for that product, the O rescale (skipped in a warp whose row maxima all stayed) and the
+// conversion of P_j open iteration j+1 (ROTATE: written in one block after the softmax, ptxas hoists
+// the wait above the softmax, seen in the SASS; a never-taken trap after the softmax kept the order
+// but made ptxas serialize the wgmmas for lack of registers, C7512). The two consumer warpgroups take
+// turns issuing their matrix products (ping-pong, two named barriers), so one warpgroup's softmax also
+// overlaps the other's tensor-core work. The grid is persistent: one CTA per multiprocessor walks the
+// work tiles (query tile, head), and the producer loads the next tile's Q and first K/V tiles while
+// the consumers finish the last.
 //
 // Key tiles per CTA, by arithmetic (the table of triton_structured's docstring): the streaming sink
 // tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is full (every row
@@ -264,7 +269,10 @@ __device__ __forceinline__ void work_coords(const Params& p, int lin, int& m, in
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
 // on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
 // have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
-template <bool BF16, int STAGES, bool PINGPONG>
+// SKIP_RESCALE: leave O as it is in a warp whose rows all kept their running max. ROTATE: the wait
+// for P_{j-1} V_{j-1}, the O rescale and the P conversion move to the top of the next iteration, where
+// ptxas cannot hoist the wait above the softmax of tile j (it does within one basic block).
+template <bool BF16, int STAGES, bool PINGPONG, bool SKIP_RESCALE, bool ROTATE>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -381,8 +389,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float mn1 = fmaxf(m1, mx1 * sl2);
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    alpha0 = ex2(m0 - ms0);
-    alpha1 = ex2(m1 - ms1);
+    alpha0 = mn0 == m0 ? 1.f : ex2(m0 - ms0);  // exactly 1 when the row max did not change
+    alpha1 = mn1 == m1 ? 1.f : ex2(m1 - ms1);
     float r0 = 0.f, r1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -443,8 +451,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     l0 = 0.f;
     l1 = 0.f;
 
+    // O *= alpha (SKIP_RESCALE: not in a warp whose 16 rows all kept their max, alpha == 1)
+    auto rescale = [&](float a0, float a1) {
+      if (!SKIP_RESCALE || __any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          o[4 * j] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
+      }
+    };
+
     mbar_wait(bar_q, local & 1);
     // prologue: tile 0's scores
+    float a0, a1;
     {
       const int st = cnt % STAGES;
       mbar_wait(bar_kfull + 8 * st, (cnt / STAGES) & 1);
@@ -458,13 +480,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       reg_fence(s);
       release(bar_kempty + 8 * st);
       if (ntiles == 1) release(bar_qempty);
-      float a0, a1;
       softmax(0, a0, a1);
-      convert_p();
+      if (!ROTATE) convert_p();
     }
     for (int it = 1; it < ntiles; ++it) {
       const int c = cnt + it;
       const int st = c % STAGES, pst = (c - 1) % STAGES;
+      if (ROTATE) {
+        // the previous iteration's tail: P_{it-2} V_{it-2} ran during the softmax of tile it-1
+        wg_wait<0>();
+        reg_fence(o);
+        reg_fence(pa);
+        if (it >= 2) release(bar_vempty + 8 * ((c - 2) % STAGES));
+        rescale(a0, a1);
+        convert_p();
+      }
       mbar_wait(bar_kfull + 8 * st, (c / STAGES) & 1);
       mbar_wait(bar_vfull + 8 * pst, ((c - 1) / STAGES) & 1);
       if (PINGPONG) named_sync(bar_mine, 256);
@@ -480,24 +510,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       reg_fence(s);
       release(bar_kempty + 8 * st);
       if (it == ntiles - 1) release(bar_qempty);
-      float a0, a1;
       softmax(it, a0, a1);
-      wg_wait<0>();
-      reg_fence(o);
-      reg_fence(pa);
-      release(bar_vempty + 8 * pst);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        o[4 * j] *= a0;
-        o[4 * j + 1] *= a0;
-        o[4 * j + 2] *= a1;
-        o[4 * j + 3] *= a1;
+      if (!ROTATE) {
+        wg_wait<0>();
+        reg_fence(o);
+        reg_fence(pa);
+        release(bar_vempty + 8 * pst);
+        rescale(a0, a1);
+        convert_p();
       }
-      convert_p();
     }
     {
       const int c = cnt + ntiles - 1;
       const int pst = c % STAGES;
+      if (ROTATE) {
+        wg_wait<0>();
+        reg_fence(o);
+        reg_fence(pa);
+        if (ntiles >= 2) release(bar_vempty + 8 * ((c - 1) % STAGES));
+        rescale(a0, a1);
+        convert_p();
+      }
       mbar_wait(bar_vfull + 8 * pst, (c / STAGES) & 1);
       if (PINGPONG) named_sync(bar_mine, 256);
       reg_fence(o);
@@ -577,11 +610,11 @@ static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool 
   return true;
 }
 
-template <bool BF16, int STAGES, bool PINGPONG>
+template <bool BF16, int STAGES, bool PINGPONG, bool SKIP_RESCALE, bool ROTATE>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, int grid,
                   cudaStream_t stream, char* err, int errlen) {
   const int smem = 1024 + kBarBytes + kTileBytes * (1 + 2 * STAGES);
-  auto kern = structured_fwd_kernel<BF16, STAGES, PINGPONG>;
+  auto kern = structured_fwd_kernel<BF16, STAGES, PINGPONG, SKIP_RESCALE, ROTATE>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
     snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
@@ -598,8 +631,10 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMa
 
 }  // namespace sk90
 
-// Host entry point. variant: bit 0 = 3 pipeline stages (else 2), bit 1 = no ping-pong between the two
-// consumer warpgroups, bit 2 = one CTA per work tile instead of a persistent grid (tuning only).
+// Host entry point. variant (tuning only; 0 = the default: 3 K/V stages, ping-pong, SKIP_RESCALE,
+// ROTATE, persistent grid): 2 = no ping-pong, 8 = not rotated, 16 = not rotated and O rescaled on
+// every tile (the second device run's kernel); + 4 = one CTA per work tile instead of a persistent
+// grid. (Two K/V stages, measured slower on the H100, is a template argument only.)
 // Returns 0 on success, else writes a message to err.
 extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
                                    int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
@@ -643,17 +678,23 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
     return 1;
   }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool three = variant & 1, pingpong = !(variant & 2);
   // one CTA per multiprocessor (persistent), or with bit 2 one CTA per work tile
   const int g = (variant & 4) ? p.total_work : (p.total_work < sms ? p.total_work : sms);
-  if (bf16) {
-    if (three) return pingpong ? launch<true, 3, true>(tq, tk, tv, p, g, st, err, errlen)
-                               : launch<true, 3, false>(tq, tk, tv, p, g, st, err, errlen);
-    return pingpong ? launch<true, 2, true>(tq, tk, tv, p, g, st, err, errlen)
-                    : launch<true, 2, false>(tq, tk, tv, p, g, st, err, errlen);
+  switch (variant & ~4) {
+    case 0:
+      return bf16 ? launch<true, 3, true, true, true>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, true, true, true>(tq, tk, tv, p, g, st, err, errlen);
+    case 2:  // no ping-pong
+      return bf16 ? launch<true, 3, false, true, true>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, false, true, true>(tq, tk, tv, p, g, st, err, errlen);
+    case 8:  // not rotated: the wait for P V ends up above the softmax
+      return bf16 ? launch<true, 3, true, true, false>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, true, true, false>(tq, tk, tv, p, g, st, err, errlen);
+    case 16:  // not rotated, O rescaled on every tile (the run-2 kernel)
+      return bf16 ? launch<true, 3, true, false, false>(tq, tk, tv, p, g, st, err, errlen)
+                  : launch<false, 3, true, false, false>(tq, tk, tv, p, g, st, err, errlen);
+    default:
+      snprintf(err, errlen, "variant %d not built (0, 2, 8, 16, each optionally + 4)", variant);
+      return 1;
   }
-  if (three) return pingpong ? launch<false, 3, true>(tq, tk, tv, p, g, st, err, errlen)
-                             : launch<false, 3, false>(tq, tk, tv, p, g, st, err, errlen);
-  return pingpong ? launch<false, 2, true>(tq, tk, tv, p, g, st, err, errlen)
-                  : launch<false, 2, false>(tq, tk, tv, p, g, st, err, errlen);
 }
