@@ -196,6 +196,32 @@ __device__ __forceinline__ void wgmma_ss64(float (&d)[32], uint64_t da, uint64_t
   }
 }
 
+#define SK90C_ACC32_OUT                                                                                     \
+  "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),         \
+      "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), \
+      "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]),            \
+      "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]),            \
+      "=f"(d[30]), "=f"(d[31])
+
+// D(64x64, f32) = A(64x16, smem) * B(16x64, smem), D not read (first k-step): the old accumulator
+// values are dead to the compiler, so a loop-carried accumulator does not stay live between uses.
+template <bool BF16, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss64_first(float (&d)[32], uint64_t da, uint64_t db) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SK90C_ACC32 ", %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : SK90C_ACC32_OUT
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SK90C_ACC32 ", %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : SK90C_ACC32_OUT
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+  }
+}
+
 template <bool BF16>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (BF16) {

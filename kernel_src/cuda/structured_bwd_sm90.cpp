@@ -14,7 +14,8 @@ static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& lse2, const at::Tensor& delta, at::Tensor& dq_acc, at::Tensor& dk,
                            at::Tensor& dv, int64_t pattern, int64_t window, int64_t sinks, double scale,
                            int64_t variant, int64_t stream) {
-  for (const at::Tensor* t : {&q, &k, &v, &dout, &lse2, &delta, &dq_acc, &dk, &dv}) {
+  const at::Tensor* all[] = {&q, &k, &v, &dout, &lse2, &delta, &dq_acc, &dk, &dv};
+  for (const at::Tensor* t : all) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "contiguous CUDA tensors expected");
   }
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, S, D)");

@@ -102,7 +102,7 @@ __device__ __forceinline__ QRange q_range(const Params& p, int n) {
   return r;
 }
 
-template <bool BF16, int STAGES>
+template <bool BF16, int STAGES, bool PIPE>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -192,6 +192,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   mbar_wait(bar_kv, 0);
 
+  float sacc[32], dpacc[32], dq[32];
+  uint32_t pa[16], da[16];
+  auto issue_s = [&](int st) {  // S^T = K_c Q^T
+    const uint32_t qs = sq + st * kQTile;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t ka = sk + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
+      const uint32_t qb = qs + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024));
+      else
+        wgmma_ss64<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024), 1);
+    }
+  };
+  auto issue_dp = [&](int st) {  // dP^T = V_c dO^T
+    const uint32_t dos = sdo + st * kQTile;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t va = sv + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
+      const uint32_t ob = dos + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024));
+      else
+        wgmma_ss64<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024), 1);
+    }
+  };
+  if (PIPE && count > 0) {
+    mbar_wait(bar_full, 0);
+    wg_fence();
+    issue_s(0);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(sacc);
+  }
+
   for (int it = 0; it < count; ++it) {
     const int s = it % STAGES;
     const int gi = it / nm;
@@ -199,30 +234,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool masked = m < r.fm_lo || m >= r.fm_hi;
     const uint32_t qs = sq + s * kQTile, dos = sdo + s * kQTile;
     const uint32_t dsb = sds + (it & 1) * kDSTile;
-    float sacc[32], dpacc[32], dq[32];
-    uint32_t pa[16], da[16];
 
-    mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {  // S^T = K_c Q^T
-      const uint32_t ka = sk + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
-      const uint32_t qb = qs + (kk >> 2) * kQHalf + (kk & 3) * 32;
-      wgmma_ss64<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024), kk > 0);
+    if (PIPE) {  // S^T of this tile done (previous iteration); dP^T runs during the exponentials
+      wg_fence();
+      issue_dp(s);
+      wg_commit();
+    } else {
+      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
+      wg_fence();
+      issue_s(s);
+      wg_commit();
+      issue_dp(s);
+      wg_commit();
+      wg_wait<1>();
+      reg_fence(sacc);
     }
-    wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {  // dP^T = V_c dO^T
-      const uint32_t va = sv + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
-      const uint32_t ob = dos + (kk >> 2) * kQHalf + (kk & 3) * 32;
-      wgmma_ss64<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024), kk > 0);
-    }
-    wg_commit();
 
     const float* lse_s = stat_ptr + s * (kStatBytes / 4);
     const float* del_s = lse_s + kBlockM;
-    wg_wait<1>();
-    reg_fence(sacc);
     // P^T: rows = keys key0 (+8), columns = queries m*64 + 8j + 2qd (+1)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -288,16 +317,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(1, 256);  // both halves of dS^T stored
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk)  // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys
-      wgmma_ss64<BF16, 1, 1>(dq, make_desc(dsb + kk * 2048, kQHalf, 1024),
-                             make_desc(sk + cw * kKVHalf + kk * 2048, kKVHalf, 1024), kk > 0);
+    for (int kk = 0; kk < 8; ++kk) {  // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys
+      const uint64_t a = make_desc(dsb + kk * 2048, kQHalf, 1024);
+      const uint64_t bd = make_desc(sk + cw * kKVHalf + kk * 2048, kKVHalf, 1024);
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 1, 1>(dq, a, bd);
+      else
+        wgmma_ss64<BF16, 1, 1>(dq, a, bd, 1);
+    }
     wg_commit();
-    wg_wait<0>();
-    reg_fence(dq);
-    reg_fence(dk);
-    reg_fence(dv);
-    reg_fence(pa);
-    reg_fence(da);
+    const bool next = PIPE && it + 1 < count;
+    const int s2 = (it + 1) % STAGES;
+    if (PIPE) {
+      wg_wait<1>();  // dV and dK done: P^T and dS^T registers free
+      reg_fence(dk);
+      reg_fence(dv);
+      reg_fence(pa);
+      reg_fence(da);
+      // The next tile's S^T runs on the tensor cores during this tile's dQ reduce-adds. After the last
+      // tile it reads the slot's stale contents (no load is pending there) and its result is never
+      // used: the same wgmma sequence on every path keeps ptxas from serialising the pipeline.
+      if (next) mbar_wait(bar_full + 8 * s2, ((it + 1) / STAGES) & 1);
+      wg_fence();
+      issue_s(s2);
+      wg_commit();
+      wg_wait<1>();
+      reg_fence(dq);
+    } else {
+      wg_wait<0>();
+      reg_fence(dq);
+      reg_fence(dk);
+      reg_fence(dv);
+      reg_fence(pa);
+      reg_fence(da);
+    }
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
     const int bh = b * p.Hq + kvh * G + gi;
@@ -311,6 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (qrow + 8 < p.S) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) red_add_v2(dst + 8 * kHeadDim + 8 * j, dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
+    }
+    if (PIPE) {  // nothing in flight across the loop's back edge
+      wg_wait<0>();
+      reg_fence(sacc);
     }
   }
 
@@ -375,11 +432,11 @@ static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool 
   return true;
 }
 
-template <bool BF16, int STAGES>
+template <bool BF16, int STAGES, bool PIPE>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv,
                   const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
   const int smem = 1024 + kBarBytes + 2 * kKVTile + 2 * STAGES * kQTile + 2 * kDSTile + STAGES * kStatBytes;
-  auto kern = structured_bwd_kernel<BF16, STAGES>;
+  auto kern = structured_bwd_kernel<BF16, STAGES, PIPE>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
     snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
@@ -396,7 +453,8 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorM
 
 }  // namespace sk90b
 
-// Host entry point. variant: bit 0 = 3 pipeline stages (else 2). Returns 0 on success, else writes a
+// Host entry point. variant: bit 0 = 3 pipeline stages (else 2); bit 1 = no software pipelining of the
+// next tile's S^T / dP^T across this tile's dQ (tuning only). Returns 0 on success, else writes a
 // message to err.
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, int B,
@@ -440,9 +498,15 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (bf16)
-    return (variant & 1) ? launch<true, 3>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-                         : launch<true, 2>(tq, tdo, tk, tv, p, grid, st, err, errlen);
-  return (variant & 1) ? launch<false, 3>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-                       : launch<false, 2>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+  const bool three = variant & 1, pipe = !(variant & 2);
+  if (bf16) {
+    if (three) return pipe ? launch<true, 3, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
+                           : launch<true, 3, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+    return pipe ? launch<true, 2, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
+                : launch<true, 2, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+  }
+  if (three) return pipe ? launch<false, 3, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
+                         : launch<false, 3, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+  return pipe ? launch<false, 2, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
+              : launch<false, 2, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
 }
