@@ -121,7 +121,9 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
         variant: tuning only; bit 0: three Q/dO pipeline stages instead of two; bit 1: no software
-            pipelining (the next tile's ``S^T`` is not computed during this tile's dQ reduce-adds).
+            pipelining (the next tile's ``S^T`` is not computed during this tile's dQ reduce-adds); bit 2:
+            dQ through shared memory and TMA reduce-adds issued by a producer-side warp instead of
+            ``red.global.add`` from the consumers' registers.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v``.
     """
     if pattern_id not in CUDA_BWD_PATTERNS:
@@ -132,8 +134,8 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
     if not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale={scale!r}: a positive float is required")
-    if not isinstance(variant, int) or not 0 <= variant <= 3:
-        raise ValueError(f"variant={variant!r}: 0..3 allowed")
+    if not isinstance(variant, int) or not 0 <= variant <= 7:
+        raise ValueError(f"variant={variant!r}: 0..7 allowed")
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, "

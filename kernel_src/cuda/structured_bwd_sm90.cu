@@ -54,8 +54,10 @@ constexpr int kKVTile = 2 * kKVHalf;    // 32 KB
 constexpr int kQHalf = 64 * 64 * 2;     // one Q/dO TMA box: 64 rows x 64 columns
 constexpr int kQTile = 2 * kQHalf;      // 16 KB
 constexpr int kDSTile = 128 * 64 * 2;   // dS^T: 128 keys x 64 queries
-constexpr int kBarBytes = 1024;
 constexpr int kStatBytes = 2 * kBlockM * 4;  // lse2 + delta of one stage
+constexpr int kHeadBytes = 2048;             // mbarriers (first 256 bytes), then the lse2/delta ring
+constexpr int kDQBox = 64 * 32 * 4;          // one dQ reduce box: 64 rows x 32 float32 columns
+constexpr int kDQTile = 4 * kDQBox;          // 64 rows x 128 columns (warpgroup c: boxes 2c, 2c + 1)
 
 struct Params {
   void* dk;
@@ -102,23 +104,26 @@ __device__ __forceinline__ QRange q_range(const Params& p, int n) {
   return r;
 }
 
-template <bool BF16, int STAGES, bool PIPE>
+template <bool BF16, int STAGES, bool PIPE, bool DQT>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const Params p) {
+                          const __grid_constant__ CUtensorMap tm_dq, const Params p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t bar_kv = base;
   const uint32_t bar_full = base + 8;                   // [STAGES]
   const uint32_t bar_empty = bar_full + 8 * STAGES;     // [STAGES]
-  const uint32_t sk = base + kBarBytes;
+  const uint32_t bar_dqfull = bar_empty + 8 * STAGES;   // [2] (DQT) dQ block of warpgroup c written
+  const uint32_t bar_dqempty = bar_dqfull + 16;         // [2] (DQT) dQ block of warpgroup c read by TMA
+  const uint32_t sstat = base + 256;                    // [STAGES] x (lse2[64], delta[64])
+  const uint32_t sk = base + kHeadBytes;
   const uint32_t sv = sk + kKVTile;
   const uint32_t sq = sv + kKVTile;                     // [STAGES]
   const uint32_t sdo = sq + STAGES * kQTile;            // [STAGES]
   const uint32_t sds = sdo + STAGES * kQTile;           // [2]
-  const uint32_t sstat = sds + 2 * kDSTile;             // [STAGES] x (lse2[64], delta[64])
+  const uint32_t sdq = sds + 2 * kDSTile;              // (DQT) 4 boxes of float32 dQ
   const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sstat - raw));
 
   const int warp = threadIdx.x / 32;
@@ -137,6 +142,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);
       mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+    }
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(bar_dqfull + 8 * c, 128);  // every thread of consumer warpgroup c
+      mbar_init(bar_dqempty + 8 * c, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -168,6 +177,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_load(sstat + s * kStatBytes, p.lse2 + srow, kBlockM * 4, fb);
         bulk_load(sstat + s * kStatBytes + kBlockM * 4, p.delta + srow, kBlockM * 4, fb);
       }
+    } else if (DQT && warp == 1 && lane == 0) {
+      // dQ writer: each consumer warpgroup's 64 x 64 float32 block -> dq_acc by TMA reduce-adds
+      for (int it = 0; it < count; ++it) {
+        const int gi = it / nm;
+        const int m = r.m_lo + (it - gi * nm);
+        const int bh = b * p.Hq + kvh * G + gi;
+        for (int c = 0; c < 2; ++c) {
+          mbar_wait(bar_dqfull + 8 * c, it & 1);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c) * kDQBox, 64 * c, m * kBlockM, bh);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c + 1) * kDQBox, 64 * c + 32, m * kBlockM, bh);
+          bulk_commit();
+          bulk_wait_read0();
+          mbar_arrive(bar_dqempty + 8 * c);
+        }
+      }
+      bulk_wait0();
     }
     return;
   }
@@ -353,15 +378,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
+    const float sc = p.scale;
+    if (DQT) {
+      // scale * dQ to the warpgroup's two 64 x 32 boxes (128-byte swizzle: 16-byte chunk c of row r at
+      // (c ^ (r & 7))), then the writer thread reduce-adds them into dq_acc
+      if (it > 0) mbar_wait(bar_dqempty + 8 * cw, (it - 1) & 1);
+      float* dqs = reinterpret_cast<float*>(smem_raw + (sdq - raw));
+      const int r0 = wq * 16 + g;  // rows r0 and r0 + 8: the same swizzle phase
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int box = 2 * cw + (j >> 2);
+        const int chunk = 2 * (j & 3) + (qd >> 1);
+        const int off = box * (kDQBox / 4) + (((chunk ^ (r0 & 7)) << 4) + (qd & 1) * 8) / 4;
+        *reinterpret_cast<float2*>(dqs + off + r0 * 32) = make_float2(dq[4 * j] * sc, dq[4 * j + 1] * sc);
+        *reinterpret_cast<float2*>(dqs + off + (r0 + 8) * 32) = make_float2(dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
+      }
+      fence_proxy_async();
+      mbar_arrive(bar_dqfull + 8 * cw);
+    }
     const int bh = b * p.Hq + kvh * G + gi;
     const int qrow = m * kBlockM + wq * 16 + g;
     float* dst = p.dq_acc + (static_cast<size_t>(bh) * p.S_pad + qrow) * kHeadDim + cw * 64 + 2 * qd;
-    const float sc = p.scale;
-    if (qrow < p.S) {
+    if (!DQT && qrow < p.S) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) red_add_v2(dst + 8 * j, dq[4 * j] * sc, dq[4 * j + 1] * sc);
     }
-    if (qrow + 8 < p.S) {
+    if (!DQT && qrow + 8 < p.S) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) red_add_v2(dst + 8 * kHeadDim + 8 * j, dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
     }
@@ -432,17 +474,36 @@ static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool 
   return true;
 }
 
-template <bool BF16, int STAGES, bool PIPE>
+// float32 map of dq_acc (D, S_pad, heads) with a (32, 64, 1) box and 128-byte swizzle (reduce-adds).
+static bool make_dq_map(CUtensorMap* map, EncodeTiledFn enc, float* ptr, int S_pad, int heads, char* err,
+                        int errlen) {
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(S_pad),
+                        static_cast<cuuint64_t>(heads)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(kHeadDim) * 4, static_cast<cuuint64_t>(S_pad) * kHeadDim * 4};
+  cuuint32_t box[3] = {32, static_cast<cuuint32_t>(kBlockM), 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  CUresult res = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, ptr, dims, strides, box, estr,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled (dq) failed (CUresult %d)", static_cast<int>(res));
+    return false;
+  }
+  return true;
+}
+
+template <bool BF16, int STAGES, bool PIPE, bool DQT>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv,
-                  const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
-  const int smem = 1024 + kBarBytes + 2 * kKVTile + 2 * STAGES * kQTile + 2 * kDSTile + STAGES * kStatBytes;
-  auto kern = structured_bwd_kernel<BF16, STAGES, PIPE>;
+                  const CUtensorMap& tdq, const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
+  // 1024 bytes of alignment slack; with DQT and 3 stages exactly the 227 KB a block may have
+  const int smem = 1024 + kHeadBytes + 2 * kKVTile + 2 * STAGES * kQTile + 2 * kDSTile + (DQT ? kDQTile : 0);
+  auto kern = structured_bwd_kernel<BF16, STAGES, PIPE, DQT>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
     snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
     return 1;
   }
-  kern<<<grid, kThreads, smem, stream>>>(tq, tdo, tk, tv, p);
+  kern<<<grid, kThreads, smem, stream>>>(tq, tdo, tk, tv, tdq, p);
   e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
@@ -454,17 +515,20 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorM
 }  // namespace sk90b
 
 // Host entry point. variant: bit 0 = 3 pipeline stages (else 2); bit 1 = no software pipelining of the
-// next tile's S^T / dP^T across this tile's dQ (tuning only). Returns 0 on success, else writes a
-// message to err.
+// next tile's S^T across this tile's dQ; bit 2 = dQ through shared memory and TMA reduce-adds issued by
+// a producer-side warp (else red.global.add from the consumers' registers). Tuning only. Returns 0 on
+// success, else writes a message to err.
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, int B,
                                    int Hq, int Hkv, int S, int S_pad, int is_bf16, int pattern, int window,
                                    int sinks, float scale, int variant, void* stream, char* err, int errlen) {
   using namespace sk90b;
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 || pattern < 0 ||
-      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
-    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g", B,
-             Hq, Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale));
+      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f) || variant < 0 ||
+      variant > 7) {
+    snprintf(err, errlen,
+             "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g variant=%d", B, Hq,
+             Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale), variant);
     return 1;
   }
   const long long nk = (S + kBlockN - 1) / kBlockN;
@@ -474,8 +538,9 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   }
   EncodeTiledFn enc = get_encode_fn(err, errlen);
   if (!enc) return 1;
-  CUtensorMap tq, tdo, tk, tv;
+  CUtensorMap tq, tdo, tk, tv, tdq;
   const bool bf16 = is_bf16 != 0;
+  if (!make_dq_map(&tdq, enc, dq_acc, S_pad, B * Hq, err, errlen)) return 1;
   if (!make_map(&tq, enc, q, bf16, S, B * Hq, kBlockM, err, errlen) ||
       !make_map(&tdo, enc, dout, bf16, S, B * Hq, kBlockM, err, errlen) ||
       !make_map(&tk, enc, k, bf16, S, B * Hkv, kBlockN, err, errlen) ||
@@ -498,15 +563,28 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool three = variant & 1, pipe = !(variant & 2);
-  if (bf16) {
-    if (three) return pipe ? launch<true, 3, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-                           : launch<true, 3, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
-    return pipe ? launch<true, 2, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-                : launch<true, 2, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+  switch ((bf16 ? 8 : 0) | (variant & 7)) {
+#define SK90B_CASE(V, BF, ST, PI, DQ) \
+  case V:                            \
+    return launch<BF, ST, PI, DQ>(tq, tdo, tk, tv, tdq, p, grid, st, err, errlen);
+    SK90B_CASE(0, false, 2, true, false)
+    SK90B_CASE(1, false, 3, true, false)
+    SK90B_CASE(2, false, 2, false, false)
+    SK90B_CASE(3, false, 3, false, false)
+    SK90B_CASE(4, false, 2, true, true)
+    SK90B_CASE(5, false, 3, true, true)
+    SK90B_CASE(6, false, 2, false, true)
+    SK90B_CASE(7, false, 3, false, true)
+    SK90B_CASE(8, true, 2, true, false)
+    SK90B_CASE(9, true, 3, true, false)
+    SK90B_CASE(10, true, 2, false, false)
+    SK90B_CASE(11, true, 3, false, false)
+    SK90B_CASE(12, true, 2, true, true)
+    SK90B_CASE(13, true, 3, true, true)
+    SK90B_CASE(14, true, 2, false, true)
+    SK90B_CASE(15, true, 3, false, true)
+#undef SK90B_CASE
   }
-  if (three) return pipe ? launch<false, 3, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-                         : launch<false, 3, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
-  return pipe ? launch<false, 2, true>(tq, tdo, tk, tv, p, grid, st, err, errlen)
-              : launch<false, 2, false>(tq, tdo, tk, tv, p, grid, st, err, errlen);
+  snprintf(err, errlen, "bad variant %d", variant);
+  return 1;
 }
