@@ -4,11 +4,16 @@ An FA3-style kernel: one CTA per 128-key tile of a (batch row, KV head), a TMA p
 streaming 64-row Q / dO tiles of every query head of the group, two wgmma consumer warpgroups (64 keys
 each) computing five matrix products per tile pair (``S^T = K Q^T``, ``dP^T = V dO^T``, ``dV +=
 P^T dO``, ``dK += dS^T Q``, ``dQ = dS K``), dK/dV summed over the group in registers and dQ added
-into a float32 buffer with reduce-adds. Patterns: dense, sliding_window, streaming (causal), plain
+into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while the consumers go on). Patterns: dense, sliding_window, streaming (causal), plain
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
 ``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
 use (nvcc, ``sm_90a``) into ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``, keyed by the sources'
 hash. Not part of the default dispatch.
+
+H100 (2026-11-22, B=1, Hq=32, Hkv=8, D=128, bf16, S=65536, whole backward including the
+preparation pass, the dq_acc zeroing and the final cast): sliding window 4096 21.5 ms against 28.3 for
+FlexAttention's backward and 28.3 for ``triton_structured_bwd``; streaming (4096 + 128 sinks) 22.5 ms
+against 32.6 and 38.2.
 """
 
 from __future__ import annotations
@@ -120,10 +125,12 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: tuning only; bit 0: three Q/dO pipeline stages instead of two; bit 1: no software
-            pipelining (the next tile's ``S^T`` is not computed during this tile's dQ reduce-adds); bit 2:
-            dQ through shared memory and TMA reduce-adds issued by a producer-side warp instead of
-            ``red.global.add`` from the consumers' registers.
+        variant: tuning only; 0 is the configuration timed fastest (H100, sliding window 4096,
+            S=64K, bf16, 2026-11-22: kernel 20.7 ms against 22.4..29.8 for the others). Bit 0: two Q/dO
+            pipeline stages instead of three; bit 1: no software pipelining (the next tile's ``S^T`` is
+            not computed during this tile's dQ reduce-adds); bit 2: dQ by ``red.global.add`` from the
+            consumers' registers instead of through shared memory and TMA reduce-adds issued by a
+            producer-side warp.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v``.
     """
     if pattern_id not in CUDA_BWD_PATTERNS:
