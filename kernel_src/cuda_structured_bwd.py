@@ -27,7 +27,7 @@ import torch
 
 from .triton_bwd import bwd_preprocess
 
-__all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_bwd_available", "cuda_structured_bwd_ok", "cuda_structured_backward"]
+__all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_available", "cuda_structured_bwd_ok"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_BWD_PATTERNS = (0, 1, 2)
@@ -43,7 +43,7 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load():
     """Build (or load from the cache folder) the extension; RuntimeError saying why when it cannot."""
     if not torch.cuda.is_available():
@@ -175,7 +175,7 @@ def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, var
     ``(B, Hq, S_pad, 128)`` (scale applied; rows past S are zero)."""
     mod = _load()
     lse2, delta = padded_stats(do, out, lse)
-    B, Hq, S, D = q.shape
+    B, Hq, _, D = q.shape
     dq_acc = torch.zeros(B, Hq, lse2.shape[2], D, device=q.device, dtype=torch.float32)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream

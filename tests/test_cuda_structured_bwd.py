@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-
 from sparse_k import cuda_structured_bwd as cb
 from sparse_k import get_pattern, reference_attention, row_geometry
 
