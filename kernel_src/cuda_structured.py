@@ -4,10 +4,9 @@ An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x
 dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16. The contract is that
 of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
-sinks`` for streaming; dense: always). The extension is compiled on first use with torch's extension
-tooling (nvcc, ``sm_90a``), once per process, into a cache folder (``$SPARSE_K_CUDA_CACHE`` or
-``~/.cache/sparse_k``) keyed by the sources' hash (about 25 s on the H100 machine). It is not part of
-the default dispatch.
+sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
+``sm_90a``, cached on disk; about 25 s once on the H100 machine). ``triton_fwd.attention_forward``
+hands it the calls it computes (``cuda_dispatch``).
 
 H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``cuda/NOTES.md``, 2026-11-22): sliding_window
 15.1 ms (574 TF/s; 16.9 ms timed again later in the same process), streaming 15.5 ms (16.6); Triton's
@@ -17,62 +16,26 @@ SDPA's cuDNN backend.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import pathlib
-
 import torch
 
-__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_ok", "cuda_structured_forward", "load_extension"]
+from .cuda_build import is_sm90, load_sm90_extension, sm90_available
+
+__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_PATTERNS = (0, 1, 2)
 
-_SRC_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
 _SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
-_CUDA_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo"]
 
 
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _load():
-    """Build (or load from the cache folder) the extension; RuntimeError saying why when it cannot."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("cuda_structured needs a CUDA device (torch.cuda.is_available() is False)")
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME is None:
-        raise RuntimeError("cuda_structured needs nvcc: CUDA_HOME not found (set CUDA_HOME or put nvcc on PATH)")
-    digest = hashlib.sha256()
-    for name in _SOURCES:
-        digest.update((_SRC_DIR / name).read_bytes())
-    digest.update(" ".join(_CUDA_FLAGS).encode())
-    tag = digest.hexdigest()[:12]
-    root = pathlib.Path(os.environ.get("SPARSE_K_CUDA_CACHE", pathlib.Path.home() / ".cache" / "sparse_k"))
-    build = root / f"structured_sm90_{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"sk_structured_sm90_{tag}",
-        sources=[str(_SRC_DIR / n) for n in _SOURCES],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=list(_CUDA_FLAGS),
-        build_directory=str(build),
-        verbose=False,
-    )
+def load_extension():
+    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    return load_sm90_extension("structured_sm90", _SOURCES)
 
 
 def cuda_structured_available(device=None) -> bool:
     """Whether the device is an sm_90 GPU (H100/H200) and nvcc is there to build the kernel."""
-    if not torch.cuda.is_available():
-        return False
-    from torch.utils import cpp_extension
-
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    return _is_sm90(dev) and cpp_extension.CUDA_HOME is not None
+    return sm90_available(device)
 
 
 def cuda_structured_ok(
@@ -92,7 +55,7 @@ def cuda_structured_ok(
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not (q.device == k.device == v.device) or not _is_sm90(q.device):
+    if not (q.device == k.device == v.device) or not is_sm90(q.device):
         return False
     B, Hq, S, D = q.shape
     if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
@@ -143,14 +106,9 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
 
 def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant):
     """Write ``out`` and ``lse`` (allocated by the caller, shapes as returned by ``cuda_structured_forward``)."""
-    mod = _load()
+    mod = load_extension()
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(variant),
                            int(stream))
 
-
-def load_extension():
-    """Build the extension on first use (then loaded from the cache folder) and return it; RuntimeError
-    saying why when there is no CUDA device or no nvcc, and the compiler's error when the build fails."""
-    return _load()

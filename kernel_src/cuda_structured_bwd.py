@@ -7,8 +7,8 @@ P^T dO``, ``dK += dS^T Q``, ``dQ = dS K``), dK/dV summed over the group in regis
 into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while the consumers go on). Patterns: dense, sliding_window, streaming (causal), plain
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
 ``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
-use (nvcc, ``sm_90a``) into ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``, keyed by the sources'
-hash. Not part of the default dispatch.
+use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``triton_bwd.attention_backward`` hands it the
+calls it computes (``cuda_dispatch``).
 
 H100 (2026-11-22 16:05 UTC, B=1, Hq=32, Hkv=8, D=128, bf16, S=65536, whole backward including the
 preparation pass, the dq_acc zeroing and the final cast; do_bench medians): sliding window 4096 21.4 ms
@@ -18,66 +18,28 @@ sinks) 22.3 ms against 32.7 and 38.8.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import pathlib
-
 import torch
 
+from .cuda_build import is_sm90, load_sm90_extension, sm90_available
 from .triton_bwd import bwd_preprocess
 
-__all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_available", "cuda_structured_bwd_ok"]
+__all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_available", "cuda_structured_bwd_ok", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_BWD_PATTERNS = (0, 1, 2)
 
-_SRC_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
-_SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
-_HEADERS = ("sm90_common.cuh",)
-_CUDA_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo"]
 _ROW_PAD = 64  # query rows per step of the kernel: lse2 / delta / dq_acc rows are padded to a multiple
+_SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
 
 
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-@functools.cache
-def _load():
-    """Build (or load from the cache folder) the extension; RuntimeError saying why when it cannot."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("cuda_structured_bwd needs a CUDA device (torch.cuda.is_available() is False)")
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME is None:
-        raise RuntimeError("cuda_structured_bwd needs nvcc: CUDA_HOME not found (set CUDA_HOME or put nvcc on PATH)")
-    digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        digest.update((_SRC_DIR / name).read_bytes())
-    digest.update(" ".join(_CUDA_FLAGS).encode())
-    tag = digest.hexdigest()[:12]
-    root = pathlib.Path(os.environ.get("SPARSE_K_CUDA_CACHE", pathlib.Path.home() / ".cache" / "sparse_k"))
-    build = root / f"structured_bwd_sm90_{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"sk_structured_bwd_sm90_{tag}",
-        sources=[str(_SRC_DIR / n) for n in _SOURCES],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=list(_CUDA_FLAGS) + [f"-I{_SRC_DIR}"],
-        build_directory=str(build),
-        verbose=False,
-    )
+def load_extension():
+    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    return load_sm90_extension("structured_bwd_sm90", _SOURCES)
 
 
 def cuda_structured_bwd_available(device=None) -> bool:
     """Whether the device is an sm_90 GPU (H100/H200) and nvcc is there to build the kernel."""
-    if not torch.cuda.is_available():
-        return False
-    from torch.utils import cpp_extension
-
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    return _is_sm90(dev) and cpp_extension.CUDA_HOME is not None
+    return sm90_available(device)
 
 
 def cuda_structured_bwd_ok(
@@ -99,7 +61,7 @@ def cuda_structured_bwd_ok(
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, do, out)):
         return False
-    if not all(t.device == q.device for t in (k, v, do, out)) or not _is_sm90(q.device):
+    if not all(t.device == q.device for t in (k, v, do, out)) or not is_sm90(q.device):
         return False
     B, Hq, S, D = q.shape
     if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
@@ -174,7 +136,7 @@ def padded_stats(do, out, lse):
 def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, variant):
     """Write ``dk`` and ``dv`` (allocated by the caller) and return the float32 ``dq_acc``
     ``(B, Hq, S_pad, 128)`` (scale applied; rows past S are zero)."""
-    mod = _load()
+    mod = load_extension()
     lse2, delta = padded_stats(do, out, lse)
     B, Hq, _, D = q.shape
     dq_acc = torch.zeros(B, Hq, lse2.shape[2], D, device=q.device, dtype=torch.float32)

@@ -374,11 +374,21 @@ def _token_fwd_rows(args, results):
             else:
                 row["error"] = "correctness check failed: row void"
             lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
+            sw_flops = 4.0 * allowed_pairs(lay_sw, S) * HQ * D
             sw_ms = bench(lambda: block_attn(q, k, v, lay_sw, scale=D ** -0.5))
+            row["sw3072_kernel"] = _forward_kernel_name(q, k, v, lay_sw)
             row["sw3072_ms"] = sw_ms
-            row["sw3072_tflops"] = 4.0 * allowed_pairs(lay_sw, S) * HQ * D / sw_ms / 1e9
+            row["sw3072_tflops"] = sw_flops / sw_ms / 1e9
+            if row["sw3072_kernel"] == "cuda_sm90":  # the Triton sliding-window kernel too (token rows are Triton)
+                from sparse_k import triton_fwd
+
+                row["sw3072_triton_ms"] = bench(
+                    lambda: triton_fwd.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda_structured=False))
+                row["sw3072_triton_tflops"] = sw_flops / row["sw3072_triton_ms"] / 1e9
             if row.get("tflops_ours"):
                 row["tflops_ratio_vs_sw3072"] = row["tflops_ours"] / row["sw3072_tflops"]
+                if row.get("sw3072_triton_tflops"):
+                    row["tflops_ratio_vs_sw3072_triton"] = row["tflops_ours"] / row["sw3072_triton_tflops"]
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -917,7 +927,8 @@ def print_table(results):
         ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"),
         ("torch_fwd_ms", "torch fwd ms"), ("triton_fwd_ms", "triton fwd ms"), ("ratio_fwd", "x fwd"),
         ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
-        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("kernels_ms", "kernels ms"), ("error", "note"),
+        ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("sw3072_triton_ms", "SW3072 triton ms"),
+        ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
     print("| " + " | ".join(h for _, h in used) + " |")

@@ -84,9 +84,9 @@ def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _SM90, reason="needs an sm_90 GPU")
-def test_autograd_path_uses_cuda_forward_and_triton_backward(monkeypatch):
-    """Through the custom op with gradients (the training path) the plain geometry reaches the dispatch:
-    the CUDA forward's LSE feeds the Triton backward; gradients match the float64 reference's."""
+def test_autograd_path_uses_cuda_forward_and_backward(monkeypatch):
+    """Through the custom op with gradients (the training path) the plain geometry reaches the dispatch
+    of both passes: the CUDA forward and the CUDA backward run; gradients match the float64 reference's."""
     from sparse_k import build_block_layout, get_pattern, reference_attention
     from sparse_k.ops import block_attn
 
@@ -99,9 +99,14 @@ def test_autograd_path_uses_cuda_forward_and_triton_backward(monkeypatch):
     taken = []
     real = cuda_dispatch.try_cuda_structured
     monkeypatch.setattr(cuda_dispatch, "try_cuda_structured", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    taken_bwd = []
+    real_bwd = cuda_dispatch.try_cuda_structured_backward
+    monkeypatch.setattr(cuda_dispatch, "try_cuda_structured_backward",
+                        lambda *a, **kw: taken_bwd.append(real_bwd(*a, **kw)) or taken_bwd[-1])
     out, _ = block_attn(*leaves, lay, scale=D ** -0.5, need_grad=True)
     assert len(taken) == 1 and taken[0] is not None  # the CUDA kernel ran the forward
     grads = torch.autograd.grad(out, leaves, do)
+    assert len(taken_bwd) == 1 and taken_bwd[0] is not None  # and the backward
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref, _ = reference_attention(*ref_leaves, p, geo, scale=D ** -0.5)
     ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
