@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import is_sm90, load_sm90_extension, sm90_available
+from .cuda_build import load_sm90_extension, sm90_available
+from .cuda_contract import (
+    STRUCTURED_CUDA_PATTERNS,
+    check_pattern_args,
+    plain_call_ok,
+    tensors_ok,
+)
 
 __all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
-CUDA_PATTERNS = (0, 1, 2)
+CUDA_PATTERNS = STRUCTURED_CUDA_PATTERNS
 
 _SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
 
@@ -47,23 +53,9 @@ def cuda_structured_ok(
     ``plain_geometry``: no padding and query ``i`` at key index ``i`` (the caller's ``RowGeometry``
     has ``q_start == k_start == 0`` and ``k_end == Skv``).
     """
-    if pattern_id not in CUDA_PATTERNS or not causal or not plain_geometry:
+    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
         return False
-    if softcap is not None or sink_logits is not None or key_mask is not None:
-        return False
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in (q, k, v)):
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if not (q.device == k.device == v.device) or not is_sm90(q.device):
-        return False
-    B, Hq, S, D = q.shape
-    if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        return False
-    if k.shape[1] < 1 or Hq % k.shape[1] != 0 or S < 1 or S >= 2**31 or B * Hq >= 2**31:
-        return False
-    # TMA: 16-byte aligned base addresses (contiguous rows of 256 bytes are then aligned too)
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+    return tensors_ok(q, k, v)
 
 
 def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
@@ -81,14 +73,7 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
             work tile instead of a persistent grid.
     Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
     """
-    if pattern_id not in CUDA_PATTERNS:
-        raise ValueError(f"pattern_id={pattern_id!r}: the CUDA kernel computes {CUDA_PATTERNS} (dense, sliding_window, streaming)")
-    if pattern_id != 0 and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r}: a positive int is required for pattern_id {pattern_id}")
-    if pattern_id == 2 and (not isinstance(sinks, int) or sinks < 0):
-        raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
-    if not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale={scale!r}: a positive float is required")
+    check_pattern_args(pattern_id, window, sinks, scale)
     if variant not in (0, 2, 4, 6, 8, 12, 16, 20):
         raise ValueError(f"variant={variant!r}: 0, 2, 4, 6, 8, 12, 16 or 20 allowed")
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):

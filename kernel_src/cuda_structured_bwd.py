@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import is_sm90, load_sm90_extension, sm90_available
+from .cuda_build import load_sm90_extension, sm90_available
+from .cuda_contract import (
+    STRUCTURED_CUDA_PATTERNS,
+    check_pattern_args,
+    plain_call_ok,
+    tensors_ok,
+)
 from .triton_bwd import bwd_preprocess
 
 __all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_available", "cuda_structured_bwd_ok", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
-CUDA_BWD_PATTERNS = (0, 1, 2)
+CUDA_BWD_PATTERNS = STRUCTURED_CUDA_PATTERNS
 
 _ROW_PAD = 64  # query rows per step of the kernel: lse2 / delta / dq_acc rows are padded to a multiple
 _SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
@@ -51,29 +57,15 @@ def cuda_structured_bwd_ok(
     ``plain_geometry``: no padding and query ``i`` at key index ``i`` (``q_start == k_start == 0``,
     ``k_end == Skv``).
     """
-    if pattern_id not in CUDA_BWD_PATTERNS or not causal or not plain_geometry:
+    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
         return False
-    if softcap is not None or sink_logits is not None or key_mask is not None:
+    if not tensors_ok(q, k, v, like_q=(do, out), tma=(do,), max_len=2**31 - 1 - _ROW_PAD):
         return False
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in (do, q, k, v, out)):
+    B, Hq, S, _ = q.shape
+    if (S + 127) // 128 > 65535:  # key tiles: grid dimension y
         return False
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.device != q.device:
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, do, out)):
-        return False
-    if not all(t.device == q.device for t in (k, v, do, out)) or not is_sm90(q.device):
-        return False
-    B, Hq, S, D = q.shape
-    if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        return False
-    if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, S):
-        return False
-    if k.shape[1] < 1 or Hq % k.shape[1] != 0 or S < 1 or S >= 2**31 - _ROW_PAD or B * Hq >= 2**31:
-        return False
-    if (S + 127) // 128 > 65535:  # grid dimension y
-        return False
-    # TMA: 16-byte aligned base addresses (contiguous rows of 256 bytes are then aligned too)
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, do))
+    return isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.device == q.device and tuple(
+        lse.shape) == (B, Hq, S)
 
 
 def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
@@ -96,14 +88,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
             producer-side warp.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v``.
     """
-    if pattern_id not in CUDA_BWD_PATTERNS:
-        raise ValueError(f"pattern_id={pattern_id!r}: the CUDA kernel computes {CUDA_BWD_PATTERNS} (dense, sliding_window, streaming)")
-    if pattern_id != 0 and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r}: a positive int is required for pattern_id {pattern_id}")
-    if pattern_id == 2 and (not isinstance(sinks, int) or sinks < 0):
-        raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
-    if not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale={scale!r}: a positive float is required")
+    check_pattern_args(pattern_id, window, sinks, scale)
     if not isinstance(variant, int) or not 0 <= variant <= 7:
         raise ValueError(f"variant={variant!r}: 0..7 allowed")
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):

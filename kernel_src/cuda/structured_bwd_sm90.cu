@@ -48,9 +48,11 @@
 #include <stdio.h>
 
 #include "sm90_common.cuh"
+#include "sm90_tma_host.h"
 
 namespace sk90b {
 using namespace sk90c;
+using namespace sk90h;
 
 constexpr int kBlockN = 128;  // keys per CTA
 constexpr int kBlockM = 64;   // query rows per step
@@ -444,61 +446,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ------------------------------------------------------------------ host side
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static EncodeTiledFn get_encode_fn(char* err, int errlen) {
-  static EncodeTiledFn fn = nullptr;
-  if (fn) return fn;
-  void* ptr = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
-  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || ptr == nullptr) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled not found in the CUDA driver (%s)", cudaGetErrorString(e));
-    return nullptr;
-  }
-  fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  return fn;
-}
-
-// 3-D map (D, S, heads) with a (64, rows, 1) box and 128-byte swizzle; rows past S read as zeros.
-static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool bf16, int S, int heads, int rows,
-                     char* err, int errlen) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(S),
-                        static_cast<cuuint64_t>(heads)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(kHeadDim) * 2, static_cast<cuuint64_t>(S) * kHeadDim * 2};
-  cuuint32_t box[3] = {64, static_cast<cuuint32_t>(rows), 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  CUresult res = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-                     const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d)", static_cast<int>(res));
-    return false;
-  }
-  return true;
-}
-
-// float32 map of dq_acc (D, S_pad, heads) with a (32, 64, 1) box and 128-byte swizzle (reduce-adds).
-static bool make_dq_map(CUtensorMap* map, EncodeTiledFn enc, float* ptr, int S_pad, int heads, char* err,
-                        int errlen) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(S_pad),
-                        static_cast<cuuint64_t>(heads)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(kHeadDim) * 4, static_cast<cuuint64_t>(S_pad) * kHeadDim * 4};
-  cuuint32_t box[3] = {32, static_cast<cuuint32_t>(kBlockM), 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  CUresult res = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, ptr, dims, strides, box, estr,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled (dq) failed (CUresult %d)", static_cast<int>(res));
-    return false;
-  }
-  return true;
-}
-
 template <bool BF16, int STAGES, bool PIPE, bool DQT>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv,
                   const CUtensorMap& tdq, const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
@@ -547,11 +494,14 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   if (!enc) return 1;
   CUtensorMap tq, tdo, tk, tv, tdq;
   const bool bf16 = is_bf16 != 0;
-  if (!make_dq_map(&tdq, enc, dq_acc, S_pad, B * Hq, err, errlen)) return 1;
-  if (!make_map(&tq, enc, q, bf16, S, B * Hq, kBlockM, err, errlen) ||
-      !make_map(&tdo, enc, dout, bf16, S, B * Hq, kBlockM, err, errlen) ||
-      !make_map(&tk, enc, k, bf16, S, B * Hkv, kBlockN, err, errlen) ||
-      !make_map(&tv, enc, v, bf16, S, B * Hkv, kBlockN, err, errlen))
+  // dq_acc: float32 (D, S_pad, heads) with (32, 64, 1) boxes (128 bytes wide) for the reduce-adds
+  if (!make_map_3d(&tdq, enc, dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kHeadDim, S_pad, B * Hq, 32, kBlockM, "dq",
+                   err, errlen))
+    return 1;
+  if (!make_map_16bit(&tq, enc, q, bf16, kHeadDim, S, B * Hq, kBlockM, "q", err, errlen) ||
+      !make_map_16bit(&tdo, enc, dout, bf16, kHeadDim, S, B * Hq, kBlockM, "do", err, errlen) ||
+      !make_map_16bit(&tk, enc, k, bf16, kHeadDim, S, B * Hkv, kBlockN, "k", err, errlen) ||
+      !make_map_16bit(&tv, enc, v, bf16, kHeadDim, S, B * Hkv, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.dk = dk;

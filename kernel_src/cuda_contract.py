@@ -1,0 +1,53 @@
+"""The calls the Hopper CUDA kernels take: checks shared by the structured forward and backward."""
+
+from __future__ import annotations
+
+import torch
+
+from .cuda_build import is_sm90
+
+__all__ = ["STRUCTURED_CUDA_PATTERNS", "check_pattern_args", "plain_call_ok", "tensors_ok"]
+
+#: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernels compute: dense, sliding_window, streaming (causal).
+STRUCTURED_CUDA_PATTERNS = (0, 1, 2)
+
+
+def plain_call_ok(pattern_id: int, causal: bool, plain_geometry: bool, softcap, sink_logits, key_mask) -> bool:
+    """A causal structured pattern over the plain geometry (no padding, query ``i`` at key index ``i``)
+    without softcap, sink logits or key mask."""
+    return (pattern_id in STRUCTURED_CUDA_PATTERNS and bool(causal) and bool(plain_geometry)
+            and softcap is None and sink_logits is None and key_mask is None)
+
+
+def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
+    """``q (B, Hq, S, 128)``, ``k, v (B, Hkv, S, 128)`` and the ``like_q`` tensors (shaped like q):
+    CUDA tensors of one sm_90 device, bf16 or fp16 alike, ``Hq % Hkv == 0``, ``1 <= S <= max_len``;
+    q, k, v and the ``tma`` tensors contiguous with 16-byte aligned data (read through TMA)."""
+    tensors = (q, k, v, *like_q)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in tensors):
+        return False
+    if any(t.device != q.device for t in tensors) or not is_sm90(q.device):
+        return False
+    B, Hq, S, D = q.shape
+    if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        return False
+    if any(t.shape != q.shape for t in like_q):
+        return False
+    if k.shape[1] < 1 or Hq % k.shape[1] != 0 or not 1 <= S <= max_len or B * Hq >= 2**31:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, *tma))
+
+
+def check_pattern_args(pattern_id, window, sinks, scale) -> None:
+    """ValueError naming the value when the pattern arguments are not ones the kernels take."""
+    if pattern_id not in STRUCTURED_CUDA_PATTERNS:
+        raise ValueError(f"pattern_id={pattern_id!r}: the CUDA kernels compute {STRUCTURED_CUDA_PATTERNS} "
+                         "(dense, sliding_window, streaming)")
+    if pattern_id != 0 and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a positive int is required for pattern_id {pattern_id}")
+    if pattern_id == 2 and (not isinstance(sinks, int) or sinks < 0):
+        raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
+    if not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r}: a positive float is required")
