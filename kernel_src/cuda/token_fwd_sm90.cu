@@ -16,9 +16,10 @@
 // ping-pong, persistent grid, the rotated consumer loop) with a second kind of key tile in front of
 // the window tiles: a gathered tile of 128 selected slots. All 128 producer threads take part in
 // every tile: for a gathered tile thread t reads slot t's key index, copies the K row (then the V
-// row) with 16 cp.async of 16 bytes into the 128-byte-swizzled layout that TMA writes (chunk c of
+// row) with cp.async of 16 bytes into the 128-byte-swizzled layout that TMA writes (chunk c of
 // row r at r * 128 + 16 * (c ^ (r & 7)) inside each 64-column half; invalid slots copy key row 0,
-// finite values whose probability is 0), and writes per slot a logit bias (log2 w / scale_log2, or
+// finite values whose probability is 0; a warp copies two whole rows per instruction, the keys passed
+// by shuffles), and writes per slot a logit bias (log2 w / scale_log2, or
 // -inf for an invalid slot) and the first tile row that may see the key (key + W - tile start,
 // clamped to [0, 128]); completion on the stage's mbarrier through cp.async.mbarrier.arrive plus an
 // ordinary arrive (release of the bias / row bytes). For a window tile thread 0 issues the TMA
@@ -144,12 +145,20 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-// One 128x128 tile row (256 bytes at src) into row r of a 128-byte-swizzled tile at dst.
-__device__ __forceinline__ void gather_row(uint32_t dst, const uint8_t* src, int r) {
+// The 128 gathered rows of a tile (256 bytes each at base + 256 * key) into a 128-byte-swizzled tile
+// at dst. Thread t holds the (safe) key of slot t; warp w copies rows 32 w .. 32 w + 31, two rows per
+// instruction (lane l: row 2 i + l / 16, 16-byte chunk l % 16), so each instruction reads 512
+// contiguous-by-row bytes (four whole 128-byte lines) instead of one sector of 32 rows.
+__device__ __forceinline__ void gather_tile(uint32_t dst, const uint8_t* base, int key, int t) {
+  const int lane = t & 31;
+  const int c = lane & 15;
+  const uint32_t col = (c >> 3) * kHalfBytes;
 #pragma unroll
-  for (int c = 0; c < 16; ++c) {
-    const uint32_t d = dst + (c >> 3) * kHalfBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-    cp_async16(d, src + 16 * c);
+  for (int i = 0; i < 16; ++i) {
+    const int src = 2 * i + (lane >> 4);
+    const int kr = __shfl_sync(0xffffffffu, key, src);
+    const int r = (t & ~31) + src;
+    cp_async16(dst + col + r * 128 + (((c & 7) ^ (r & 7)) << 4), base + static_cast<size_t>(kr) * (kHeadDim * 2) + 16 * c);
   }
 }
 
@@ -174,7 +183,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sk = sq + kTileBytes;
   const uint32_t sv = sk + STAGES * kTileBytes;
 
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wg = threadIdx.x / 128;
 
@@ -193,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {
     // ---------------- producer: 128 threads
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int t = threadIdx.x;
     const int W = p.window;
     const int sinks = p.pattern == 2 ? p.sinks : 0;
@@ -242,15 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               key = -1;
             }
           }
-          const size_t row = static_cast<size_t>(key >= 0 ? key : 0) * kHeadDim * 2;
+          const int safe = key >= 0 ? key : 0;
           if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
           sbias[s * kBlockN + t] = bias;
           sthr[s * kBlockN + t] = static_cast<uint8_t>(thr);
-          gather_row(sk + s * kTileBytes, kbase + row, t);
+          gather_tile(sk + s * kTileBytes, kbase, safe, t);
           cp_async_arrive(bar_kfull + 8 * s);
           mbar_arrive(bar_kfull + 8 * s);
           if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
-          gather_row(sv + s * kTileBytes, vbase + row, t);
+          gather_tile(sv + s * kTileBytes, vbase, safe, t);
           cp_async_arrive(bar_vfull + 8 * s);
           mbar_arrive(bar_vfull + 8 * s);
         } else {
@@ -279,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---------------- consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
   const int cw = wg - 1;
   const int wq = (threadIdx.x % 128) / 32;
   const int g = lane / 4;
