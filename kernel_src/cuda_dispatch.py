@@ -27,8 +27,15 @@ import os
 from .api import warn_once
 
 __all__ = [
-    "CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "cuda_structured_backward_applies", "plain_geometry",
-    "try_cuda_structured", "try_cuda_structured_backward", "cuda_token_applies", "try_cuda_token",
+    "CUDA_ENV",
+    "cuda_enabled",
+    "cuda_structured_applies",
+    "cuda_structured_backward_applies",
+    "cuda_token_applies",
+    "plain_geometry",
+    "try_cuda_structured",
+    "try_cuda_structured_backward",
+    "try_cuda_token",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.

@@ -10,9 +10,8 @@ the window, non-causal keys and keys past the count, which the kernel must drop.
 import time
 
 import pytest
-import torch
-
 import sparse_k
+import torch
 from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 from sparse_k import cuda_token as ct
 
