@@ -12,6 +12,10 @@ kernel takes a call when all of these hold, else the Triton kernel runs:
   index ``i``), D = 128, bf16 / fp16, contiguous q / k / v, no softcap, sink logits or key mask, and
   no caller-provided output view.
 
+``try_cuda_token`` does the same for a token-layout forward (``selection``, the learned ``sparse_k``
+prefill; ``cuda_token``) under the same conditions, with a sliding_window / streaming static part and
+``query_block`` a multiple of 128.
+
 If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
 """
@@ -23,8 +27,15 @@ import os
 from .api import warn_once
 
 __all__ = [
-    "CUDA_ENV", "cuda_enabled", "cuda_structured_applies", "cuda_structured_backward_applies", "plain_geometry",
-    "try_cuda_structured", "try_cuda_structured_backward",
+    "CUDA_ENV",
+    "cuda_enabled",
+    "cuda_structured_applies",
+    "cuda_structured_backward_applies",
+    "cuda_token_applies",
+    "plain_geometry",
+    "try_cuda_structured",
+    "try_cuda_structured_backward",
+    "try_cuda_token",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
@@ -124,3 +135,35 @@ def try_cuda_structured_backward(do, q, k, v, out, lse, geometry, *, pattern_id,
         return None
     return cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=pattern_id, window=int(params[0]),
                                        sinks=int(params[1]), scale=float(scale))
+
+
+def cuda_token_applies(q, k, v, geometry, selection, *, pattern_id, causal, softcap=None, sink_logits=None,
+                       key_mask=None, out=None) -> bool:
+    """Whether ``try_cuda_token`` would hand this token-layout call to the CUDA kernel."""
+    if "token" in _BUILD_FAILED or out is not None or selection is None or not q.is_cuda or not cuda_enabled():
+        return False
+    from . import cuda_token as ct
+
+    plain = plain_geometry(geometry, q.shape[2], k.shape[2])
+    return ct.cuda_token_available(q.device) and ct.cuda_token_ok(
+        q, k, v, selection, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+
+
+def try_cuda_token(q, k, v, geometry, selection, *, pattern_id, params, causal, scale, softcap=None,
+                   sink_logits=None, key_mask=None, out=None):
+    """``(out, lse)`` from the CUDA token-layout forward, or None when the call is not one it takes.
+
+    Args: as ``triton_fwd.attention_forward`` (``selection`` a ``TokenLayout``; ``params`` from
+    ``triton_fwd.pattern_code`` of the static part: ``P0`` the window, ``P1`` the sinks).
+    """
+    if not cuda_token_applies(q, k, v, geometry, selection, pattern_id=pattern_id, causal=causal, softcap=softcap,
+                              sink_logits=sink_logits, key_mask=key_mask, out=out):
+        return None
+    from . import cuda_token as ct
+
+    if not _built("token", ct):
+        return None
+    return ct.cuda_token_forward(q, k, v, selection, pattern_id=pattern_id, window=int(params[0]),
+                                 sinks=int(params[1]), scale=float(scale))

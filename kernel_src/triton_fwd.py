@@ -590,6 +590,8 @@ def attention_forward(
         cuda_structured: for a structured launch, let the Hopper CUDA kernel take it where
             ``cuda_dispatch`` allows (default None: yes, unless a Triton tuning argument ``num_warps``,
             ``num_stages``, ``use_tma`` or ``order`` is given); False: always the Triton kernel.
+            The same holds for a token-layout launch (``selection``, one split, no ``sel_fast``) and the
+            Hopper CUDA token kernel (``cuda_dispatch.try_cuda_token``).
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
@@ -643,6 +645,16 @@ def attention_forward(
             block_n=block_n, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
             num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
         )
+    if selection is not None and cuda_structured is not False and num_splits == 1 and sel_fast is None:
+        from .cuda_dispatch import try_cuda_token
+
+        if (num_warps, num_stages, use_tma, order) == (None, None, None, None):
+            fast = try_cuda_token(
+                q, k, v, geo, selection, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale,
+                softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
+            )
+            if fast is not None:
+                return fast
     dev = q.device
     NQ = -(-Sq // layout.block_q)  # plain ints: triton.cdiv is a JIT function, slow to call from Python
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices

@@ -371,6 +371,17 @@ def _token_fwd_rows(args, results):
             if row["err_large"] < TOL:
                 row["ours_ms"] = bench(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
                 row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
+                from sparse_k import triton_fwd
+                from sparse_k.cuda_dispatch import cuda_token_applies
+
+                pid_tok, _ = triton_fwd.pattern_code(p_tok)
+                if cuda_token_applies(q, k, v, geo, sel, pattern_id=pid_tok, causal=True):
+                    row["token_kernel"] = "cuda_sm90"  # the Triton token kernel too, for comparison
+                    row["token_triton_ms"] = bench(lambda: triton_fwd.attention_forward(
+                        q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda_structured=False))
+                    row["tflops_token_triton"] = 4.0 * pairs * D / row["token_triton_ms"] / 1e9
+                else:
+                    row["token_kernel"] = "triton"
             else:
                 row["error"] = "correctness check failed: row void"
             lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)

@@ -1,0 +1,66 @@
+// torch binding of sk90_token_fwd (token_fwd_sm90.cu). CPU-only torch headers: the CUDA stream comes
+// from Python as an integer, so this file compiles without CUDA torch.
+#include <torch/extension.h>
+
+extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
+                              int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
+                              const int* sel_idx, const int* sel_cnt, const float* sel_w, const long long* first,
+                              const long long* strides, int NB, int K, int QB, void* stream, char* err, int errlen);
+
+// q (B, Hq, S, 128), k/v (B, Hkv, S, 128) contiguous bf16/fp16; out like q; lse (B, Hq, S) float32;
+// idx (B, Hkv, NB, K) int32 and w (same shape, float32, or an empty tensor: no weights) with unit last
+// stride; cnt (B, Hkv, NB) int32; first (B,) int64 contiguous. The Python wrapper (cuda_token.py)
+// validates; these checks guard the raw pointers.
+static void token_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                      const at::Tensor& idx, const at::Tensor& cnt, const at::Tensor& w, const at::Tensor& first,
+                      int64_t query_block, int64_t pattern, int64_t window, int64_t sinks, double scale,
+                      int64_t stream) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda() && idx.is_cuda() &&
+                  cnt.is_cuda() && first.is_cuda(),
+              "CUDA tensors expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, S, D)");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous() &&
+                  lse.is_contiguous(),
+              "contiguous tensors expected");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "q must be bf16 or fp16, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && out.scalar_type() == dt, "dtypes differ");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "lse must be float32");
+  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
+  TORCH_CHECK(D == 128, "head dim 128 expected, got ", D);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == S && k.size(3) == D, "k/v shape mismatch");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out shape mismatch");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == S, "lse shape mismatch");
+  TORCH_CHECK(S < (1LL << 31) && B * Hq < (1LL << 31), "sizes too large");
+  TORCH_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 4 && idx.size(0) == B && idx.size(1) == k.size(1) &&
+                  idx.stride(3) == 1,
+              "indices must be int32 (B, Hkv, NB, K) with unit last stride");
+  TORCH_CHECK(cnt.scalar_type() == at::kInt && cnt.dim() == 3 && cnt.size(0) == B && cnt.size(1) == k.size(1) &&
+                  cnt.size(2) == idx.size(2),
+              "counts must be int32 (B, Hkv, NB)");
+  TORCH_CHECK(first.scalar_type() == at::kLong && first.dim() == 1 && first.size(0) == B && first.is_contiguous(),
+              "first_block must be int64 (B,) contiguous");
+  const bool has_w = w.numel() > 0;
+  if (has_w) {
+    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.sizes() == idx.sizes() && w.stride(3) == 1,
+                "weights must be float32 like indices with unit last stride");
+  }
+  TORCH_CHECK(idx.size(2) < (1LL << 31) && idx.size(3) < (1LL << 31), "selection too large");
+  const long long strides[9] = {idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1),
+                                cnt.stride(2), has_w ? w.stride(0) : 0, has_w ? w.stride(1) : 0,
+                                has_w ? w.stride(2) : 0};
+  char err[512] = {0};
+  const int rc = sk90_token_fwd(
+      q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(), static_cast<int>(B),
+      static_cast<int>(Hq), static_cast<int>(k.size(1)), static_cast<int>(S), dt == at::kBFloat16 ? 1 : 0,
+      static_cast<int>(pattern), static_cast<int>(window), static_cast<int>(sinks), static_cast<float>(scale),
+      idx.data_ptr<int>(), cnt.data_ptr<int>(), has_w ? w.data_ptr<float>() : nullptr,
+      reinterpret_cast<const long long*>(first.data_ptr<int64_t>()), strides, static_cast<int>(idx.size(2)),
+      static_cast<int>(idx.size(3)), static_cast<int>(query_block), reinterpret_cast<void*>(stream), err,
+      sizeof(err));
+  TORCH_CHECK(rc == 0, "sk90_token_fwd: ", err);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("token_fwd", &token_fwd, "Hopper token-layout attention forward (selection + sliding_window/streaming)");
+}

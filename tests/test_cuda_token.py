@@ -1,0 +1,103 @@
+"""The Hopper CUDA token-layout forward (``sparse_k.cuda_token``) against the exact float64 reference.
+
+GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
+Tolerance: relative Frobenius error, as ``test_cuda_structured``: bf16 operands with P rounded to 16
+bits before P V give 1e-3..1e-2, fp16 about 8x less; a wrong gathered row, mask or bias gives O(1).
+The selections are random (unsorted, distinct) key lists over all positions, so they hold keys inside
+the window, non-causal keys and keys past the count, which the kernel must drop.
+"""
+
+import time
+
+import pytest
+import sparse_k
+import torch
+from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
+from sparse_k import cuda_token as ct
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+needs_sm90 = pytest.mark.skipif(not ct.cuda_token_available(), reason="needs an sm_90 GPU and nvcc")
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _selection(B, Hkv, S, QB, K, weights, g, full=False):
+    """Random distinct keys per (row, KV head, block); counts in [0, K] (all K with ``full``); weights
+    in [0, 1) with about a tenth exactly 0 (ignored slots)."""
+    NB = -(-S // QB)
+    idx = torch.rand(B, Hkv, NB, S, device="cuda", generator=g).topk(K, -1).indices.to(torch.int32)
+    if full:
+        cnt = torch.full((B, Hkv, NB), K, dtype=torch.int32, device="cuda")
+    else:
+        cnt = torch.randint(0, K + 1, (B, Hkv, NB), device="cuda", generator=g, dtype=torch.int32)
+    w = None
+    if weights:
+        w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g)
+        w = torch.where(torch.rand(w.shape, device="cuda", generator=g) < 0.1, torch.zeros_like(w), w)
+    return sparse_k.TokenLayout(idx, cnt, QB, torch.zeros(B, dtype=torch.int64, device="cuda"), w)
+
+
+CASES = [  # B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights
+    (1, 4, 1, 1000, torch.bfloat16, 0, 256, 128, 200, False),
+    (2, 8, 2, 3001, torch.float16, 64, 512, 256, 300, True),
+    (1, 8, 2, 1500, torch.bfloat16, 4, 100, 128, 128, True),
+    (1, 2, 1, 77, torch.float16, 0, 16, 128, 40, False),
+    (1, 8, 1, 2100, torch.bfloat16, 130, 300, 384, 700, False),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-s{c[5]}-W{c[6]}-QB{c[7]}-K{c[8]}-w{int(c[9])}")
+def test_matches_reference(case):
+    """Poisoned outputs, fresh random inputs, both static parts (sinks 0: pattern streaming with no
+    sinks, as the learned pattern's static part), GQA, odd S, weights with zeros."""
+    B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights = case
+    seed = time.time_ns() % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, 128, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
+    sel = _selection(B, Hkv, S, QB, K, weights, g)
+    p = get_pattern("sparse_k", sinks=sinks, window=window, top_k=K, query_block=QB)
+    scale = 128 ** -0.5
+    geo = row_geometry(B, S, S, None, device="cuda")
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=scale, selection=sel)
+    for pid in ((1, 2) if sinks == 0 else (2,)):  # sinks 0: sliding_window and streaming are the same rule
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((B, Hq, S), float("nan"), device="cuda")
+        o, l = ct.cuda_token_forward(q, k, v, sel, pattern_id=pid, window=window, sinks=sinks, scale=scale)
+        out.copy_(o)
+        lse.copy_(l)
+        assert not out.isnan().any() and not lse.isnan().any(), seed
+        assert rel(out, ref) < TOL[dtype], (seed, pid)
+        assert float((lse.double() - ref_lse).abs().max()) < 1e-3, (seed, pid)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_dispatch_takes_token_prefill(monkeypatch):
+    """``sparse_attention`` (Triton backend, plain prefill) runs the CUDA token kernel and matches the
+    reference; a query_block of 64 and a padded batch stay on the Triton path."""
+    B, Hq, Hkv, S, D, QB, K = 1, 8, 2, 1300, 128, 128, 256
+    seed = time.time_ns() % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
+    sel = _selection(B, Hkv, S, QB, K, True, g, full=True)
+    p = get_pattern("sparse_k", sinks=4, window=200, top_k=K, query_block=QB)
+    taken = []
+    real = cuda_dispatch.try_cuda_token
+    monkeypatch.setattr(cuda_dispatch, "try_cuda_token", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+    assert taken and taken[-1] is not None, "the CUDA token kernel did not take the call"
+    geo = row_geometry(B, S, S, None, device="cuda")
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5, selection=sel)
+    assert rel(out, ref) < TOL[torch.bfloat16], seed
+    assert not ct.cuda_token_ok(q, k, v, sparse_k.TokenLayout(sel.indices, sel.counts, 64, sel.first_block),
+                                pattern_id=2)
+    assert not ct.cuda_token_ok(q, k, v, sel, pattern_id=2, plain_geometry=False)
+    assert not ct.cuda_token_ok(q, k, v, sel, pattern_id=0)
+    with pytest.raises(ValueError, match="window"):
+        ct.cuda_token_forward(q, k, v, sel, pattern_id=2, window=0, scale=0.1)
