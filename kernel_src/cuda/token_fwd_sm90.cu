@@ -35,6 +35,7 @@
 #include <stdio.h>
 
 #include "sm90_common.cuh"
+#include "sm90_tma_host.h"
 
 namespace sk90t {
 
@@ -54,6 +55,7 @@ static_assert(kThrOff + kStages * kBlockN <= kBarBytes, "barrier area too small"
 constexpr float kLn2 = 0.6931471805599453f;
 
 using namespace sk90c;
+using namespace sk90h;
 
 struct Params {
   const void* k;
@@ -534,43 +536,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ------------------------------------------------------------------ host side
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static EncodeTiledFn get_encode_fn(char* err, int errlen) {
-  static EncodeTiledFn fn = nullptr;
-  if (fn) return fn;
-  void* ptr = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
-  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || ptr == nullptr) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled not found in the CUDA driver (%s)", cudaGetErrorString(e));
-    return nullptr;
-  }
-  fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  return fn;
-}
-
-// 3-D map (D, S, heads) with a (64, 128, 1) box and 128-byte swizzle; rows past S read as zeros.
-static bool make_map(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool bf16, int S, int heads, char* err,
-                     int errlen) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(S),
-                        static_cast<cuuint64_t>(heads)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(kHeadDim) * 2, static_cast<cuuint64_t>(S) * kHeadDim * 2};
-  cuuint32_t box[3] = {64, 128, 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-                   const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d)", static_cast<int>(r));
-    return false;
-  }
-  return true;
-}
-
 template <bool BF16>
 static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, int grid,
                   cudaStream_t stream, char* err, int errlen) {
@@ -609,8 +574,9 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
   if (!enc) return 1;
   CUtensorMap tq, tk, tv;
   const bool bf16 = is_bf16 != 0;
-  if (!make_map(&tq, enc, q, bf16, S, B * Hq, err, errlen) || !make_map(&tk, enc, k, bf16, S, B * Hkv, err, errlen) ||
-      !make_map(&tv, enc, v, bf16, S, B * Hkv, err, errlen))
+  if (!make_map_16bit(&tq, enc, q, bf16, kHeadDim, S, B * Hq, kBlockM, "q", err, errlen) ||
+      !make_map_16bit(&tk, enc, k, bf16, kHeadDim, S, B * Hkv, kBlockN, "k", err, errlen) ||
+      !make_map_16bit(&tv, enc, v, bf16, kHeadDim, S, B * Hkv, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.k = k;
