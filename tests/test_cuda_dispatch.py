@@ -4,9 +4,13 @@ CPU tests of the rules; the kernel itself is tested on the GPU in ``test_cuda_st
 
 import pytest
 import torch
-
 from sparse_k import cuda_dispatch, row_geometry
-from sparse_k.cuda_dispatch import cuda_enabled, cuda_structured_applies, plain_geometry, try_cuda_structured
+from sparse_k.cuda_dispatch import (
+    cuda_enabled,
+    cuda_structured_applies,
+    plain_geometry,
+    try_cuda_structured,
+)
 
 
 def test_env_switch(monkeypatch):
@@ -58,12 +62,17 @@ _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("name, kw", [("sliding_window", dict(window=300)), ("streaming", dict(window=300, sinks=64)),
+@pytest.mark.parametrize("name, kw", [("sliding_window", {"window": 300}), ("streaming", {"window": 300, "sinks": 64}),
                                       ("dense", {})])
 def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
     """Plain causal bf16 self-attention goes to the CUDA kernel; its output matches the Triton kernel's
     (same inputs) and the float64 reference. bf16 operands: 1e-3..1e-2 relative (METHOD.md)."""
-    from sparse_k import build_block_layout, get_pattern, reference_attention, triton_fwd
+    from sparse_k import (
+        build_block_layout,
+        get_pattern,
+        reference_attention,
+        triton_fwd,
+    )
     from sparse_k.ops import block_attn
 
     S, D = 1001, 128
@@ -77,7 +86,7 @@ def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
     out, lse = block_attn(q, k, v, lay, scale=D ** -0.5)
     out_t, lse_t = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, cuda_structured=False)
     ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5)
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
     assert rel(out, ref) < 2e-2 and rel(out, out_t) < 2e-2
     torch.testing.assert_close(lse, lse_t, rtol=0, atol=2e-2)
 
@@ -110,7 +119,7 @@ def test_autograd_path_uses_cuda_forward_and_backward(monkeypatch):
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref, _ = reference_attention(*ref_leaves, p, geo, scale=D ** -0.5)
     ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
     assert rel(out, ref) < 2e-2
     for g, r in zip(grads, ref_grads):
         assert rel(g, r) < 2e-2

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from sparse_k import cuda_structured as cs
 from sparse_k import get_pattern, reference_attention, row_geometry
 
