@@ -359,7 +359,7 @@ def _token_fwd_rows(args, results):
             from sparse_k.triton_backend import selection_prefill_config
 
             rows_, pack, bn = selection_prefill_config(HQ // HKV, "cuda", D)  # the backend's own tiles
-            row["tile"] = f"{rows_ * pack}x{bn} pack {pack}"
+            row["tile"] = f"{rows_ * pack}x{bn} pack {pack}"  # the Triton token kernel's (token_kernel: which ran)
             lay = build_block_layout(p_tok, S, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
             out, _ = block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack)
             errs = []
@@ -938,6 +938,7 @@ def print_table(results):
         ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"),
         ("torch_fwd_ms", "torch fwd ms"), ("triton_fwd_ms", "triton fwd ms"), ("ratio_fwd", "x fwd"),
         ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
+        ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("sw3072_triton_ms", "SW3072 triton ms"),
         ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("error", "note"),
     ]
