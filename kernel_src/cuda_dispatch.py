@@ -1,5 +1,5 @@
-"""When the structured forward and backward run on the Hopper CUDA kernels (``cuda_structured``,
-``cuda_structured_bwd``) instead of Triton.
+"""When the structured forward and backward and the token-layout forward run on the Hopper CUDA
+kernels (``cuda_structured``, ``cuda_structured_bwd``, ``cuda_token``) instead of Triton.
 
 ``triton_fwd.attention_forward`` asks ``try_cuda_structured`` first for dense / sliding_window /
 streaming launches, ``triton_bwd.attention_backward`` asks ``try_cuda_structured_backward``. A CUDA
