@@ -97,3 +97,38 @@ def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True,
                     prm.copy_(torch.randn_like(prm))
         attach_selectors(model, sels)
     return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error ``||a - b|| / ||b||`` in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def structured_pattern(pattern_id: int, window: int, sinks: int) -> sk.Pattern:
+    """The pattern behind a structured kernel's ``pattern_id``: 0 dense, 1 sliding_window, 2 streaming."""
+    if pattern_id == 0:
+        return sk.get_pattern("dense")
+    if pattern_id == 1:
+        return sk.get_pattern("sliding_window", window=window)
+    return sk.get_pattern("streaming", window=window, sinks=sinks)
+
+
+#: Shapes of the Hopper CUDA structured kernels' GPU tests: odd lengths, GQA 1..8, every pattern, both
+#: 16-bit dtypes. Each: (B, Hq, Hkv, S, dtype, pattern id, window, sinks).
+STRUCTURED_CUDA_CASES = [
+    (1, 4, 1, 1000, torch.bfloat16, 1, 256, 0),
+    (2, 8, 2, 3001, torch.float16, 2, 1024, 64),
+    (1, 8, 2, 1000, torch.bfloat16, 2, 256, 128),
+    (2, 4, 4, 1000, torch.bfloat16, 0, 0, 0),
+    (1, 8, 1, 1000, torch.float16, 1, 1024, 0),
+    (1, 4, 2, 3001, torch.bfloat16, 1, 1024, 0),
+    (1, 4, 2, 129, torch.bfloat16, 2, 64, 128),
+    (1, 2, 1, 77, torch.float16, 1, 256, 0),
+]
+
+
+def structured_case_id(case) -> str:
+    """pytest id of a ``STRUCTURED_CUDA_CASES`` entry."""
+    B, Hq, Hkv, S, dtype, pid, window, sinks = case
+    return f"B{B}-Hq{Hq}-Hkv{Hkv}-S{S}-{str(dtype)[6:]}-p{pid}-W{window}-s{sinks}"

@@ -9,43 +9,26 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    STRUCTURED_CUDA_CASES,
+    rel_err,
+    structured_case_id,
+    structured_pattern,
+)
 from sparse_k import cuda_structured as cs
-from sparse_k import get_pattern, reference_attention, row_geometry
+from sparse_k import reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 needs_sm90 = pytest.mark.skipif(not cs.cuda_structured_available(), reason="needs an sm_90 GPU and nvcc")
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _pattern(pid, window, sinks):
-    if pid == 0:
-        return get_pattern("dense")
-    if pid == 1:
-        return get_pattern("sliding_window", window=window)
-    return get_pattern("streaming", window=window, sinks=sinks)
-
-
-CASES = [  # B, Hq, Hkv, S, dtype, pattern id, window, sinks
-    (1, 4, 1, 1000, torch.bfloat16, 1, 256, 0),
-    (2, 8, 2, 3001, torch.float16, 2, 1024, 64),
-    (1, 8, 2, 1000, torch.bfloat16, 2, 256, 128),
-    (2, 4, 4, 1000, torch.bfloat16, 0, 0, 0),
-    (1, 8, 1, 1000, torch.float16, 1, 1024, 0),
-    (1, 4, 2, 3001, torch.bfloat16, 1, 1024, 0),
-    (1, 4, 2, 129, torch.bfloat16, 2, 64, 128),
-    (1, 2, 1, 77, torch.float16, 1, 256, 0),
-]
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("variant", [0, 20])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-p{c[5]}-W{c[6]}-s{c[7]}")
+@pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
 def test_matches_reference(case, variant):
     """Poisoned outputs, fresh random inputs; the default kernel (0) and the simplest one (20: per-tile
     grid, loop not rotated, O rescaled on every tile)."""
@@ -58,9 +41,9 @@ def test_matches_reference(case, variant):
     scale = 128 ** -0.5
     cs._launch(q, k, v, out, lse, pid, window, sinks, scale, variant)
     geo = row_geometry(B, S, S, None, device="cuda")
-    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), _pattern(pid, window, sinks), geo, scale=scale)
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), structured_pattern(pid, window, sinks), geo, scale=scale)
     assert not out.isnan().any() and not lse.isnan().any(), seed
-    assert rel(out, ref) < TOL[dtype], seed
+    assert rel_err(out, ref) < TOL[dtype], seed
     assert float((lse.double() - ref_lse).abs().max()) < 1e-3, seed
 
 
@@ -73,9 +56,9 @@ def test_public_forward_and_contract():
     assert cs.cuda_structured_ok(q, k, v, pattern_id=2)
     out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=2, window=100, sinks=4, scale=0.1)
     geo = row_geometry(1, 300, 300, None, device="cuda")
-    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), _pattern(2, 100, 4), geo, scale=0.1)
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), structured_pattern(2, 100, 4), geo, scale=0.1)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert rel(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert float((lse.double() - ref_lse).abs().max()) < 1e-3
     assert not cs.cuda_structured_ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), pattern_id=1)
     assert not cs.cuda_structured_ok(q.transpose(1, 2), k, v, pattern_id=1)

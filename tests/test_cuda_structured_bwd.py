@@ -11,37 +11,20 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    STRUCTURED_CUDA_CASES,
+    rel_err,
+    structured_case_id,
+    structured_pattern,
+)
 from sparse_k import cuda_structured_bwd as cb
-from sparse_k import get_pattern, reference_attention, row_geometry
+from sparse_k import reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
 
 needs_sm90 = pytest.mark.skipif(not cb.cuda_structured_bwd_available(), reason="needs an sm_90 GPU and nvcc")
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _pattern(pid, window, sinks):
-    if pid == 0:
-        return get_pattern("dense")
-    if pid == 1:
-        return get_pattern("sliding_window", window=window)
-    return get_pattern("streaming", window=window, sinks=sinks)
-
-
-CASES = [  # B, Hq, Hkv, S, dtype, pattern id, window, sinks
-    (1, 4, 1, 1000, torch.bfloat16, 1, 256, 0),
-    (2, 8, 2, 3001, torch.float16, 2, 1024, 64),
-    (1, 8, 2, 1000, torch.bfloat16, 2, 256, 128),
-    (2, 4, 4, 1000, torch.bfloat16, 0, 0, 0),
-    (1, 8, 1, 1000, torch.float16, 1, 1024, 0),
-    (1, 4, 2, 3001, torch.bfloat16, 1, 1024, 0),
-    (1, 4, 2, 129, torch.bfloat16, 2, 64, 128),
-    (1, 2, 1, 77, torch.float16, 1, 256, 0),
-]
 
 
 def _case_inputs(B, Hq, Hkv, S, dtype, seed):
@@ -53,7 +36,7 @@ def _case_inputs(B, Hq, Hkv, S, dtype, seed):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("variant", [0, 1, 2, 4, 5])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-p{c[5]}-W{c[6]}-s{c[7]}")
+@pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
 def test_matches_reference(case, variant):
     """Fresh random inputs; dK/dV poisoned with NaN before the kernel writes them; two and three stages,
     with and without the software pipelining, dQ by reduce-adds from registers or through TMA."""
@@ -63,7 +46,7 @@ def test_matches_reference(case, variant):
     scale = 128 ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = reference_attention(*leaves, _pattern(pid, window, sinks), geo, scale=scale)
+    ref, ref_lse = reference_attention(*leaves, structured_pattern(pid, window, sinks), geo, scale=scale)
     refs = torch.autograd.grad(ref, leaves, do.double())
     out = ref.detach().to(dtype).contiguous()
     lse = ref_lse.detach().float().contiguous()
@@ -75,7 +58,7 @@ def test_matches_reference(case, variant):
         assert float(dq_acc[:, :, S:].abs().max()) == 0.0, seed
     for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
         assert not a.isnan().any(), (name, seed)
-        assert rel(a, b) < TOL[dtype], (name, rel(a, b), seed)
+        assert rel_err(a, b) < TOL[dtype], (name, rel_err(a, b), seed)
 
 
 @pytest.mark.gpu
@@ -85,7 +68,7 @@ def test_public_backward_and_contract():
     q, k, v, do = _case_inputs(B, Hq, Hkv, S, torch.bfloat16, 3)
     geo = row_geometry(B, S, S, None, device="cuda")
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = reference_attention(*leaves, _pattern(2, 100, 4), geo, scale=0.1)
+    ref, ref_lse = reference_attention(*leaves, structured_pattern(2, 100, 4), geo, scale=0.1)
     refs = torch.autograd.grad(ref, leaves, do.double())
     out, lse = ref.detach().to(q.dtype), ref_lse.detach().float()
     assert cb.cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=2)
@@ -95,7 +78,7 @@ def test_public_backward_and_contract():
     grads = cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=2, window=100, sinks=4, scale=0.1)
     for a, t, b in zip(grads, (q, k, v), refs):
         assert a.dtype == t.dtype and a.shape == t.shape and a.is_contiguous()
-        assert rel(a, b) < TOL[torch.bfloat16]
+        assert rel_err(a, b) < TOL[torch.bfloat16]
     with pytest.raises(ValueError, match="window"):
         cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=0, scale=0.1)
     with pytest.raises(ValueError, match="contract"):

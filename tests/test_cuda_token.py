@@ -12,6 +12,7 @@ import time
 import pytest
 import sparse_k
 import torch
+from helpers import rel_err
 from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 from sparse_k import cuda_token as ct
 
@@ -19,10 +20,6 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 needs_sm90 = pytest.mark.skipif(not ct.cuda_token_available(), reason="needs an sm_90 GPU and nvcc")
 
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _selection(B, Hkv, S, QB, K, weights, g, full=False):
@@ -72,7 +69,7 @@ def test_matches_reference(case):
         out.copy_(o)
         lse.copy_(l)
         assert not out.isnan().any() and not lse.isnan().any(), seed
-        assert rel(out, ref) < TOL[dtype], (seed, pid)
+        assert rel_err(out, ref) < TOL[dtype], (seed, pid)
         assert float((lse.double() - ref_lse).abs().max()) < 1e-3, (seed, pid)
 
 
@@ -94,7 +91,7 @@ def test_dispatch_takes_token_prefill(monkeypatch):
     assert taken and taken[-1] is not None, "the CUDA token kernel did not take the call"
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5, selection=sel)
-    assert rel(out, ref) < TOL[torch.bfloat16], seed
+    assert rel_err(out, ref) < TOL[torch.bfloat16], seed
     assert not ct.cuda_token_ok(q, k, v, sparse_k.TokenLayout(sel.indices, sel.counts, 64, sel.first_block),
                                 pattern_id=2)
     assert not ct.cuda_token_ok(q, k, v, sel, pattern_id=2, plain_geometry=False)
