@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 
 from .api import warn_once
+from .cuda_build import sm90_available
 
 __all__ = [
     "CUDA_ENV",
@@ -61,15 +62,21 @@ def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
     return all(x == 0 for x in q_start) and all(x == 0 for x in k_start) and all(x == kv_len for x in k_end)
 
 
+def _gate(name: str, q) -> bool:
+    """The conditions every CUDA kernel shares: switched on, its extension not failed to build, q on an
+    sm_90 GPU with nvcc present."""
+    return name not in _BUILD_FAILED and q.is_cuda and cuda_enabled() and sm90_available(q.device)
+
+
 def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
                             key_mask=None, out=None) -> bool:
     """Whether ``try_cuda_structured`` would hand this call to the CUDA kernel (module docstring)."""
-    if "forward" in _BUILD_FAILED or out is not None or not q.is_cuda or not cuda_enabled():
+    if not _gate("forward", q) or out is not None:
         return False
     from . import cuda_structured as cs
 
     plain = plain_geometry(geometry, q.shape[2], k.shape[2])
-    return cs.cuda_structured_available(q.device) and cs.cuda_structured_ok(
+    return cs.cuda_structured_ok(
         q, k, v, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
         sink_logits=sink_logits, key_mask=key_mask,
     )
@@ -108,12 +115,12 @@ def try_cuda_structured(q, k, v, geometry, *, pattern_id, params, causal, scale,
 def cuda_structured_backward_applies(do, q, k, v, out, lse, geometry, *, pattern_id, causal, softcap=None,
                                      sink_logits=None, key_mask=None) -> bool:
     """Whether ``try_cuda_structured_backward`` would hand this call to the CUDA backward."""
-    if "backward" in _BUILD_FAILED or not q.is_cuda or not cuda_enabled():
+    if not _gate("backward", q):
         return False
     from . import cuda_structured_bwd as cb
 
     plain = plain_geometry(geometry, q.shape[2], k.shape[2])
-    return cb.cuda_structured_bwd_available(q.device) and cb.cuda_structured_bwd_ok(
+    return cb.cuda_structured_bwd_ok(
         do, q, k, v, out, lse, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
         sink_logits=sink_logits, key_mask=key_mask,
     )
@@ -140,12 +147,12 @@ def try_cuda_structured_backward(do, q, k, v, out, lse, geometry, *, pattern_id,
 def cuda_token_applies(q, k, v, geometry, selection, *, pattern_id, causal, softcap=None, sink_logits=None,
                        key_mask=None, out=None) -> bool:
     """Whether ``try_cuda_token`` would hand this token-layout call to the CUDA kernel."""
-    if "token" in _BUILD_FAILED or out is not None or selection is None or not q.is_cuda or not cuda_enabled():
+    if not _gate("token", q) or out is not None or selection is None:
         return False
     from . import cuda_token as ct
 
     plain = plain_geometry(geometry, q.shape[2], k.shape[2])
-    return ct.cuda_token_available(q.device) and ct.cuda_token_ok(
+    return ct.cuda_token_ok(
         q, k, v, selection, pattern_id=pattern_id, causal=bool(causal), plain_geometry=plain, softcap=softcap,
         sink_logits=sink_logits, key_mask=key_mask,
     )

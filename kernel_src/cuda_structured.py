@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension, sm90_available
+from .cuda_build import load_sm90_extension
 from .cuda_contract import (
     STRUCTURED_CUDA_PATTERNS,
     check_pattern_args,
@@ -26,7 +26,7 @@ from .cuda_contract import (
     tensors_ok,
 )
 
-__all__ = ["CUDA_PATTERNS", "cuda_structured_available", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
+__all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_PATTERNS = STRUCTURED_CUDA_PATTERNS
@@ -38,10 +38,6 @@ def load_extension():
     """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
     return load_sm90_extension("structured_sm90", _SOURCES)
 
-
-def cuda_structured_available(device=None) -> bool:
-    """Whether the device is an sm_90 GPU (H100/H200) and nvcc is there to build the kernel."""
-    return sm90_available(device)
 
 
 def cuda_structured_ok(

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension, sm90_available
+from .cuda_build import load_sm90_extension
 from .cuda_structured import cuda_structured_ok
 
-__all__ = ["cuda_token_available", "cuda_token_forward", "cuda_token_ok", "load_extension"]
+__all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
 
 _SOURCES = ("token_fwd_sm90.cpp", "token_fwd_sm90.cu")
 #: Static-part pattern ids (``triton_fwd.PATTERN_IDS``) the kernel fuses: sliding_window, streaming.
@@ -38,10 +38,6 @@ def load_extension():
     """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
     return load_sm90_extension("token_sm90", _SOURCES)
 
-
-def cuda_token_available(device=None) -> bool:
-    """Whether the device is an sm_90 GPU (H100/H200) and nvcc is there to build the kernel."""
-    return sm90_available(device)
 
 
 def cuda_token_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True,

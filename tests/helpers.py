@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import sparse_k as sk
 import torch
+from sparse_k.cuda_build import sm90_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,3 +134,7 @@ def structured_case_id(case) -> str:
     """pytest id of a ``STRUCTURED_CUDA_CASES`` entry."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     return f"B{B}-Hq{Hq}-Hkv{Hkv}-S{S}-{str(dtype)[6:]}-p{pid}-W{window}-s{sinks}"
+
+
+#: Marks the tests of the Hopper CUDA kernels: they build the extensions, so they need an sm_90 GPU and nvcc.
+needs_sm90 = pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU and nvcc")

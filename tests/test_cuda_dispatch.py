@@ -4,7 +4,7 @@ CPU tests of the rules; the kernel itself is tested on the GPU in ``test_cuda_st
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import needs_sm90, rel_err
 from sparse_k import cuda_dispatch, row_geometry
 from sparse_k.cuda_dispatch import (
     cuda_enabled,
@@ -58,11 +58,8 @@ def test_cpu_calls_stay_on_triton():
     assert try_cuda_structured(q, k, v, geo, pattern_id=1, params=(16, 0, 0, 0), causal=True, scale=0.1) is None
 
 
-_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _SM90, reason="needs an sm_90 GPU")
+@needs_sm90
 @pytest.mark.parametrize("name, kw", [("sliding_window", {"window": 300}), ("streaming", {"window": 300, "sinks": 64}),
                                       ("dense", {})])
 def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
@@ -92,7 +89,7 @@ def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _SM90, reason="needs an sm_90 GPU")
+@needs_sm90
 def test_autograd_path_uses_cuda_forward_and_backward(monkeypatch):
     """Through the custom op with gradients (the training path) the plain geometry reaches the dispatch
     of both passes: the CUDA forward and the CUDA backward run; gradients match the float64 reference's."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import (
     STRUCTURED_CUDA_CASES,
+    needs_sm90,
     rel_err,
     structured_case_id,
     structured_pattern,
@@ -20,7 +21,6 @@ from sparse_k import reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
-needs_sm90 = pytest.mark.skipif(not cs.cuda_structured_available(), reason="needs an sm_90 GPU and nvcc")
 
 
 

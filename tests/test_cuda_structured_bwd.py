@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     STRUCTURED_CUDA_CASES,
+    needs_sm90,
     rel_err,
     structured_case_id,
     structured_pattern,
@@ -22,7 +23,6 @@ from sparse_k import reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
 
-needs_sm90 = pytest.mark.skipif(not cb.cuda_structured_bwd_available(), reason="needs an sm_90 GPU and nvcc")
 
 
 

@@ -12,13 +12,12 @@ import time
 import pytest
 import sparse_k
 import torch
-from helpers import rel_err
+from helpers import needs_sm90, rel_err
 from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 from sparse_k import cuda_token as ct
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
-needs_sm90 = pytest.mark.skipif(not ct.cuda_token_available(), reason="needs an sm_90 GPU and nvcc")
 
 
 
