@@ -32,16 +32,16 @@ from .api import warn_once
 
 __all__ = [
     "CUDA_ENV",
+    "cuda_decode_applies",
     "cuda_enabled",
     "cuda_structured_applies",
     "cuda_structured_backward_applies",
-    "cuda_decode_applies",
     "cuda_token_applies",
     "decode_geometry",
     "plain_geometry",
+    "try_cuda_decode",
     "try_cuda_structured",
     "try_cuda_structured_backward",
-    "try_cuda_decode",
     "try_cuda_token",
 ]
 

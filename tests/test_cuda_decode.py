@@ -13,8 +13,8 @@ import time
 import pytest
 import sparse_k
 import torch
-from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 from sparse_k import cuda_decode as cd
+from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
