@@ -18,7 +18,11 @@ prefill; ``cuda_token``) under the same conditions, with a sliding_window / stre
 
 ``try_cuda_decode`` takes a token-layout decode (``Sq == 1``, the query at key ``Skv - 1``, every
 key valid: ``decode_geometry``; ``cuda_decode``) under the same conditions otherwise, for k / v with
-unit last stride and 16-byte aligned rows (a Transformers cache) and ``Hq / Hkv`` in 1, 2, 4, 8.
+unit last stride and 16-byte aligned rows (a Transformers cache) and ``Hq / Hkv`` in 1, 2, 4, 8,
+only while ``SPARSE_K_CUDA_DECODE=1`` (default ``0``: the Triton split-KV kernel). The switch stays
+off until the current kernel is measured on the H100: its first version was exact (the GPU tests,
+2026-11-22 16:53 UTC) but slower than Triton on the official row (B=8, 128K, top-2048: 50.1 us per
+call in a 10-call graph against 35); the version with the parallel merge has not run on a GPU yet.
 
 If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
@@ -31,8 +35,10 @@ import os
 from .api import warn_once
 
 __all__ = [
+    "CUDA_DECODE_ENV",
     "CUDA_ENV",
     "cuda_decode_applies",
+    "cuda_decode_enabled",
     "cuda_enabled",
     "cuda_structured_applies",
     "cuda_structured_backward_applies",
@@ -47,6 +53,8 @@ __all__ = [
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
 CUDA_ENV = "SPARSE_K_CUDA"
+#: Opt-in switch for the CUDA token-layout decode: "1" lets it take decode calls, "0" (default) never.
+CUDA_DECODE_ENV = "SPARSE_K_CUDA_DECODE"
 _BUILD_FAILED: set[str] = set()  # names of the extensions that failed to build in this process
 
 
@@ -66,6 +74,15 @@ def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
         return False
     q_start, k_start, k_end = host
     return all(x == 0 for x in q_start) and all(x == 0 for x in k_start) and all(x == kv_len for x in k_end)
+
+
+def cuda_decode_enabled() -> bool:
+    """``SPARSE_K_CUDA_DECODE``: "1" -> True, unset or "0" -> False; any other value is a ValueError."""
+    value = os.environ.get(CUDA_DECODE_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_DECODE_ENV}={value!r}: allowed are '0' (default: the Triton decode kernel) and "
+                         "'1' (the Hopper CUDA token-layout decode where it applies)")
+    return value == "1"
 
 
 def decode_geometry(geometry, q_len: int, kv_len: int) -> bool:
@@ -192,6 +209,8 @@ def cuda_decode_applies(q, k, v, geometry, selection, *, pattern_id, causal, sof
                         key_mask=None, out=None) -> bool:
     """Whether ``try_cuda_decode`` would hand this token-layout decode call to the CUDA kernel."""
     if "decode" in _BUILD_FAILED or out is not None or selection is None or not q.is_cuda or not cuda_enabled():
+        return False
+    if not cuda_decode_enabled():
         return False
     from . import cuda_decode as cd
 

@@ -90,7 +90,8 @@ def test_matches_reference(case, fused):
 @pytest.mark.gpu
 @needs_sm90
 def test_dispatch_takes_decode(monkeypatch):
-    """``sparse_attention`` (Triton backend) on a decode step runs the CUDA decode kernel, with a
+    """With ``SPARSE_K_CUDA_DECODE=1``, ``sparse_attention`` (Triton backend) on a decode step runs
+    the CUDA decode kernel, with a
     selection expanded over rows and heads (stride 0, as the benchmark's) and matches the reference;
     a mid-sequence query and a non-128 head dim stay off the kernel."""
     B, Hq, Hkv, S, D, QB, K = 4, 32, 8, 5003, 128, 128, 1024
@@ -102,6 +103,7 @@ def test_dispatch_takes_decode(monkeypatch):
     sel = sparse_k.TokenLayout(one.indices.expand(B, Hkv, 1, K), one.counts.expand(B, Hkv, 1), QB,
                                one.first_block.expand(B).contiguous())
     p = get_pattern("sparse_k", sinks=0, window=1, top_k=K, query_block=QB)
+    monkeypatch.setenv(cuda_dispatch.CUDA_DECODE_ENV, "1")
     taken = []
     real = cuda_dispatch.try_cuda_decode
     monkeypatch.setattr(cuda_dispatch, "try_cuda_decode", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
@@ -117,6 +119,29 @@ def test_dispatch_takes_decode(monkeypatch):
     assert not cd.cuda_decode_ok(q[..., :64], k[..., :64], v[..., :64], sel, pattern_id=1)
     with pytest.raises(ValueError, match="window"):
         cd.cuda_decode_forward(q, k, v, sel, pattern_id=2, window=0, scale=0.1)
+
+
+def test_decode_plan_and_switches(monkeypatch):
+    """The split plan counts static keys once and covers every virtual key with <= 64 per CTA; the
+    decode geometry check and the opt-in switch (CPU only)."""
+    for S, W, sinks, pid, K in [(1, 1, 0, 1, 1), (131072, 1, 0, 1, 2048), (100, 50, 70, 2, 10), (100, 500, 4, 2, 7),
+                                (5000, 4096, 128, 2, 2048), (5000, 4096, 128, 1, 2048)]:
+        total, nsplit, chunk = cd.decode_plan(S, W, sinks, pid, K)
+        static = set(range(max(0, S - W), S)) | (set(range(min(sinks, S))) if pid == 2 else set())
+        assert total == len(static) + K
+        assert chunk <= 64 and (nsplit - 1) * chunk < total <= nsplit * chunk
+    geo = row_geometry(2, 1, 77, None)
+    assert cuda_dispatch.decode_geometry(geo, 1, 77)
+    assert not cuda_dispatch.decode_geometry(geo, 2, 77)
+    assert not cuda_dispatch.decode_geometry(row_geometry(2, 1, 77, None, q_start=70), 1, 77)
+    assert not cuda_dispatch.decode_geometry(row_geometry(2, 1, 77, torch.ones(2, 77, dtype=torch.bool)), 1, 77)
+    monkeypatch.delenv(cuda_dispatch.CUDA_DECODE_ENV, raising=False)
+    assert not cuda_dispatch.cuda_decode_enabled()
+    monkeypatch.setenv(cuda_dispatch.CUDA_DECODE_ENV, "1")
+    assert cuda_dispatch.cuda_decode_enabled()
+    monkeypatch.setenv(cuda_dispatch.CUDA_DECODE_ENV, "yes")
+    with pytest.raises(ValueError, match="SPARSE_K_CUDA_DECODE"):
+        cuda_dispatch.cuda_decode_enabled()
 
 
 @pytest.mark.gpu
