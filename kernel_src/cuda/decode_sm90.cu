@@ -29,6 +29,7 @@ namespace sk90d {
 constexpr int kD = 128;
 constexpr int kChunk = 64;
 constexpr int kThreads = 128;
+static_assert(kThreads == kD, "q is loaded one dimension a thread");
 
 struct Params {
   const void* q;
@@ -114,13 +115,22 @@ __device__ void merge_splits(const Params& p, int bh, int t, float* sW, float* s
     __syncthreads();
     const int n = min(kThreads, p.nsplit - s0);
     const float* o0 = op + static_cast<long long>(s0) * G * kD + t;
-#pragma unroll 8
-    for (int i = 0; i < n; ++i) {
+    constexpr int kBatch = G >= 8 ? 4 : 32 / G;  // partial outputs loaded before any is used
+    for (int i0 = 0; i0 < n; i0 += kBatch) {
+      float ov[kBatch][G];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float wgt = sW[i * G + g];
-        sum[g] += wgt;
-        acc[g] += wgt * __ldcg(o0 + (i * G + g) * kD);
+      for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) ov[u][g] = i0 + u < n ? __ldcg(o0 + ((i0 + u) * G + g) * kD) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float wgt = i0 + u < n ? sW[(i0 + u) * G + g] : 0.f;
+          sum[g] += wgt;
+          acc[g] += wgt * ov[u][g];
+        }
       }
     }
   }
@@ -150,6 +160,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   const int b = bh / p.Hkv, h = bh % p.Hkv;
   const int qpos = p.S - 1;
 
+  // q (G values a thread) is loaded first, into registers: its round trip overlaps the index loads'.
+  float qv[G];
+  {
+    const T* qrow = static_cast<const T*>(p.q) + b * p.qb + static_cast<long long>(h) * G * p.qh;
+#pragma unroll
+    for (int u = 0; u < G; ++u) qv[u] = to_f<T>(qrow[u * p.qh + t]);
+  }
   if (t < kChunk) {
     const int vi = split * p.chunk + t;
     long long j = -1;
@@ -179,10 +196,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     sJ[t] = j;
     sBias[t] = bias;
   }
-  {
-    const T* qrow = static_cast<const T*>(p.q) + b * p.qb + static_cast<long long>(h) * G * p.qh;
-    for (int i = t; i < G * kD; i += kThreads) sQ[i / kD][i % kD] = to_f<T>(qrow[(i / kD) * p.qh + i % kD]);
-  }
+#pragma unroll
+  for (int u = 0; u < G; ++u) sQ[u][t] = qv[u];
   __syncthreads();
 
   const T* kbase = static_cast<const T*>(p.k) + b * p.kb + h * p.kh;
