@@ -16,6 +16,14 @@ kernel takes a call when all of these hold, else the Triton kernel runs:
 prefill; ``cuda_token``) under the same conditions, with a sliding_window / streaming static part and
 ``query_block`` a multiple of 128.
 
+``try_cuda_decode`` takes a token-layout decode (``Sq == 1``, the query at key ``Skv - 1``, every
+key valid: ``decode_geometry``; ``cuda_decode``) under the same conditions otherwise, for k / v with
+unit last stride and 16-byte aligned rows (a Transformers cache) and ``Hq / Hkv`` in 1, 2, 4, 8,
+only while ``SPARSE_K_CUDA_DECODE=1`` (default ``0``: the Triton split-KV kernel). The switch stays
+off until the current kernel is measured on the H100: its first version was exact (the GPU tests,
+2026-11-22 16:53 UTC) but slower than Triton on the official row (B=8, 128K, top-2048: 50.1 us per
+call in a 10-call graph against 35); the version with the parallel merge has not run on a GPU yet.
+
 If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
 """
@@ -28,12 +36,17 @@ from .api import warn_once
 from .cuda_build import sm90_available
 
 __all__ = [
+    "CUDA_DECODE_ENV",
     "CUDA_ENV",
+    "cuda_decode_applies",
+    "cuda_decode_enabled",
     "cuda_enabled",
     "cuda_structured_applies",
     "cuda_structured_backward_applies",
     "cuda_token_applies",
+    "decode_geometry",
     "plain_geometry",
+    "try_cuda_decode",
     "try_cuda_structured",
     "try_cuda_structured_backward",
     "try_cuda_token",
@@ -41,6 +54,8 @@ __all__ = [
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
 CUDA_ENV = "SPARSE_K_CUDA"
+#: Opt-in switch for the CUDA token-layout decode: "1" lets it take decode calls, "0" (default) never.
+CUDA_DECODE_ENV = "SPARSE_K_CUDA_DECODE"
 _BUILD_FAILED: set[str] = set()  # names of the extensions that failed to build in this process
 
 
@@ -66,6 +81,27 @@ def _gate(name: str, q) -> bool:
     """The conditions every CUDA kernel shares: switched on, its extension not failed to build, q on an
     sm_90 GPU with nvcc present."""
     return name not in _BUILD_FAILED and q.is_cuda and cuda_enabled() and sm90_available(q.device)
+
+
+def cuda_decode_enabled() -> bool:
+    """``SPARSE_K_CUDA_DECODE``: "1" -> True, unset or "0" -> False; any other value is a ValueError."""
+    value = os.environ.get(CUDA_DECODE_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_DECODE_ENV}={value!r}: allowed are '0' (default: the Triton decode kernel) and "
+                         "'1' (the Hopper CUDA token-layout decode where it applies)")
+    return value == "1"
+
+
+def decode_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is a plain decode step: ``q_len == 1``, ``q_start == kv_len - 1``,
+    ``k_start == 0`` and ``k_end == kv_len``, judged from the geometry's host offsets (None: not
+    known -> False, no sync)."""
+    host = getattr(geometry, "host", None)
+    if q_len != 1 or kv_len < 1 or host is None:
+        return False
+    q_start, k_start, k_end = host
+    return (all(x == kv_len - 1 for x in q_start) and all(x == 0 for x in k_start)
+            and all(x == kv_len for x in k_end))
 
 
 def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
@@ -174,3 +210,37 @@ def try_cuda_token(q, k, v, geometry, selection, *, pattern_id, params, causal, 
         return None
     return ct.cuda_token_forward(q, k, v, selection, pattern_id=pattern_id, window=int(params[0]),
                                  sinks=int(params[1]), scale=float(scale))
+
+
+def cuda_decode_applies(q, k, v, geometry, selection, *, pattern_id, causal, softcap=None, sink_logits=None,
+                        key_mask=None, out=None) -> bool:
+    """Whether ``try_cuda_decode`` would hand this token-layout decode call to the CUDA kernel."""
+    if not _gate("decode", q) or not cuda_decode_enabled() or out is not None or selection is None:
+        return False
+    from . import cuda_decode as cd
+
+    dec = decode_geometry(geometry, q.shape[2], k.shape[2])
+    return cd.cuda_decode_ok(
+        q, k, v, selection, pattern_id=pattern_id, causal=bool(causal), decode_geometry=dec, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+
+
+def try_cuda_decode(q, k, v, geometry, selection, *, pattern_id, params, causal, scale, softcap=None,
+                    sink_logits=None, key_mask=None, out=None):
+    """``(out, lse)`` from the CUDA token-layout decode, or None when the call is not one it takes.
+
+    Args: as ``try_cuda_token`` (``q (B, Hq, 1, D)``); the splits are merged through
+    ``triton_fwd.split_counters`` (a second merge kernel when none can be had, e.g. in a capture).
+    """
+    if not cuda_decode_applies(q, k, v, geometry, selection, pattern_id=pattern_id, causal=causal, softcap=softcap,
+                               sink_logits=sink_logits, key_mask=key_mask, out=out):
+        return None
+    from . import cuda_decode as cd
+    from .triton_fwd import split_counters
+
+    if not _built("decode", cd):
+        return None
+    counters = split_counters(q.device, q.shape[0] * k.shape[1])
+    return cd.cuda_decode_forward(q, k, v, selection, pattern_id=pattern_id, window=int(params[0]),
+                                  sinks=int(params[1]), scale=float(scale), counters=counters)
