@@ -1,25 +1,27 @@
 """Hopper CUDA decode for a token layout fused with its static part (``cuda/decode_sm90.cu``).
 
-One query token per row (``Sq == 1``) at the last key (plain geometry, bottom-right: ``q_start =
-Skv - 1``, every key valid). Its keys form one virtual list: the streaming sinks not inside the
-window, the window ``[Skv - W, Skv - 1]``, then the ``K`` slots of the query's selection block
-``(Skv - 1) // query_block - first_block[b]``. A selected slot counts as in
-``triton_fwd._selection_loop``: ``c < min(count, K)``, its key ``j`` in ``[0, Skv)``, its weight (if
-any) positive, and the static rule not already allowing it (``Skv - 1 - j >= W`` and ``j >= sinks``);
-``log w`` joins the logit. The list is cut into ``nsplit = ceil(total / 64)`` CTAs per (row, KV
-head); each gathers its rows with ``cp.async`` into shared memory, scores all ``G = Hq / Hkv`` query
-heads, and writes a partial (o, log-sum-exp); the last CTA to arrive merges them (arrival counters
-from ``triton_fwd.split_counters``; a second small kernel merges when there are none, e.g. inside a
-CUDA-graph capture on a new stream). ``triton_fwd.attention_forward`` hands it the calls it computes
-(``cuda_dispatch.try_cuda_decode``, only with ``SPARSE_K_CUDA_DECODE=1``); the caller's
-``num_splits`` / ``pack`` do not apply.
+One query token per row (``Sq == 1``) at the last key (bottom-right, no padding: ``q_start = Skv -
+1``, every key valid). Its keys form one virtual list: the streaming sinks not inside the window, the
+window ``[Skv - W, Skv - 1]``, then the ``K`` slots of the query's selection block ``(Skv - 1) //
+query_block - first_block[b]``. A selected slot counts as in ``triton_fwd._selection_loop``: ``c <
+min(count, K)``, its key ``j`` in ``[0, Skv)``, its weight (if any) positive, and the static rule not
+already allowing it (``Skv - 1 - j >= W`` and ``j >= sinks``); ``log w`` joins the logit.
 
-H100, B=8, Hq=32, Hkv=8, D=128, bf16, Skv=128K, top-2048, window 1 (``scripts/benchmark_kernels.py
---section decode --decode-lens 131072``, token_top2048 row, 2026-11-22 16:54 UTC), first version
-(merge looping over the splits one dependent load at a time): exact (rel. err 5.3e-5 against the
-torch path), 58.8 us one-call graph, 50.1 us per call in a 10-call graph; the Triton split-KV kernel
-44 / 35 us. The merge now loads all splits' values before using them and q's load overlaps the index
-loads: not yet run on a GPU.
+The list is cut into ``nsplit`` CTAs per (row, KV head), one CTA an SM in one wave (``decode_plan``).
+A CTA resolves its keys with one round of loads, then its eight warps each stream their share of
+16-key tiles through a private three-stage ``cp.async`` ring and run tensor-core products on them
+(S = Q K^T with the query heads as rows, an online softmax in registers, O += P V). The warps merge
+in shared memory; two to eight splits merge in a thread-block cluster through distributed shared
+memory, more through a workspace (the last CTA to arrive, ``triton_fwd.split_counters``, or a second
+small kernel when there are no counters). ``triton_fwd.attention_forward`` hands it every decode
+call it computes (``cuda_dispatch.try_cuda_decode``); the caller's ``num_splits`` / ``pack`` do not
+apply.
+
+H100, B=8, Hq=32, Hkv=8, D=128, bf16, Skv=128K, top-2048, window 1, per call in a 10-call CUDA graph
+(2026-11-22, session 6 probes beside the Triton split-KV kernel in the same process): 33.4 us against
+34.6; top-1024 15.4 against 18.5; B=1 11.1 against 17.9. Earlier versions: one CTA per 64 keys on
+CUDA cores 50 / 39 us, one CTA an SM on CUDA cores 38.9, tensor cores with a global-memory merge
+34.9 (35.5 before the selection block's loads stopped waiting for ``first_block``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ _SOURCES = ("decode_sm90.cpp", "decode_sm90.cu")
 DECODE_STATIC_PATTERNS = (1, 2)
 #: Query heads per KV head the kernel is compiled for.
 DECODE_GROUPS = (1, 2, 4, 8)
-_CHUNK = 64  # virtual keys per CTA at most (kChunk in decode_sm90.cu)
+_STAGE = 64  # keys per pipeline stage (kStage in decode_sm90.cu)
+#: Virtual keys one CTA takes at most (kMaxKeys in decode_sm90.cu: their rows live in shared memory).
+MAX_KEYS = 2048
+_SMS: dict = {}
 
 
 def load_extension():
@@ -43,15 +48,31 @@ def load_extension():
     return load_sm90_extension("decode_sm90", _SOURCES)
 
 
-def decode_plan(kv_len: int, window: int, sinks: int, pattern_id: int, top_k: int) -> tuple[int, int, int]:
+def decode_plan(kv_len: int, window: int, sinks: int, pattern_id: int, top_k: int, rows_heads: int = 1,
+                sms: int = 1) -> tuple[int, int, int]:
     """``(total, nsplit, chunk)``: virtual keys of the query (static keys counted once, plus ``top_k``
-    slots), CTAs per (row, KV head) and keys per CTA (``<= 64``)."""
+    slots), CTAs per (row, KV head) and keys per CTA.
+
+    One wave of one CTA an SM: ``nsplit = sms // rows_heads`` (``rows_heads = B * Hkv``), at least 1,
+    at most one per 64 keys, at least ``total / MAX_KEYS``; every split gets keys (none empty)."""
     qpos = kv_len - 1
     w_lo = max(0, qpos - window + 1)
     n_sink = min(sinks, w_lo) if pattern_id == 2 else 0
     total = n_sink + (qpos - w_lo + 1) + top_k
-    nsplit = -(-total // _CHUNK)
+    nsplit = max(1, min(sms // max(1, rows_heads), -(-total // _STAGE)), -(-total // MAX_KEYS))
+    chunk = -(-total // nsplit)
+    nsplit = -(-total // chunk)
     return total, nsplit, -(-total // nsplit)
+
+
+def _sm_count(device) -> int:
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    count = _SMS.get(index)
+    if count is None:
+        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
@@ -107,7 +128,7 @@ def cuda_decode_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, 
 
 
 def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sinks: int = 0, scale: float,
-                        counters: torch.Tensor | None = None):
+                        counters: torch.Tensor | None = None, cluster: bool = True):
     """Token-layout attention of one query token per row on an sm_90 GPU.
 
     Args:
@@ -120,6 +141,8 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
         scale: softmax scale (> 0).
         counters: int32 arrival counters (``>= B * Hkv`` entries, zero; left zero) for the fused merge,
             or None: a second kernel merges the splits.
+        cluster: with 2 to 8 splits, the splits of one (row, KV head) form a thread-block cluster and
+            merge through distributed shared memory (``counters`` unused); False: through global memory.
     Returns: ``out (B, Hq, 1, 128)`` in q's dtype and ``lse (B, Hq, 1)`` float32 (natural log).
     """
     if pattern_id not in DECODE_STATIC_PATTERNS:
@@ -142,7 +165,7 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     idx = selection.indices
-    _, nsplit, chunk = decode_plan(S, window, sinks, pattern_id, idx.shape[3])
+    _, nsplit, chunk = decode_plan(S, window, sinks, pattern_id, idx.shape[3], B * Hkv, _sm_count(q.device))
     w = selection.weights
     if w is None:
         w = torch.empty(0, device=q.device, dtype=torch.float32)
@@ -164,5 +187,5 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.decode_fwd(q, k, v, out, lse, o_part, l_part, counters, idx, selection.counts, w, first,
                        int(selection.query_block), int(pattern_id), int(window), int(sinks), float(scale),
-                       int(nsplit), int(chunk), int(stream))
+                       int(nsplit), int(chunk), bool(cluster), int(stream))
     return out, lse

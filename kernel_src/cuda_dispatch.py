@@ -18,11 +18,8 @@ prefill; ``cuda_token``) under the same conditions, with a sliding_window / stre
 
 ``try_cuda_decode`` takes a token-layout decode (``Sq == 1``, the query at key ``Skv - 1``, every
 key valid: ``decode_geometry``; ``cuda_decode``) under the same conditions otherwise, for k / v with
-unit last stride and 16-byte aligned rows (a Transformers cache) and ``Hq / Hkv`` in 1, 2, 4, 8,
-only while ``SPARSE_K_CUDA_DECODE=1`` (default ``0``: the Triton split-KV kernel). The switch stays
-off until the current kernel is measured on the H100: its first version was exact (the GPU tests,
-2026-11-22 16:53 UTC) but slower than Triton on the official row (B=8, 128K, top-2048: 50.1 us per
-call in a 10-call graph against 35); the version with the parallel merge has not run on a GPU yet.
+unit last stride and 16-byte aligned rows (a Transformers cache, read in place) and ``Hq / Hkv`` in
+1, 2, 4, 8, whatever ``num_splits`` / ``pack`` the caller chose for the Triton kernel.
 
 If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
@@ -36,10 +33,9 @@ from .api import warn_once
 from .cuda_build import sm90_available
 
 __all__ = [
-    "CUDA_DECODE_ENV",
     "CUDA_ENV",
+    "bottom_right_geometry",
     "cuda_decode_applies",
-    "cuda_decode_enabled",
     "cuda_enabled",
     "cuda_structured_applies",
     "cuda_structured_backward_applies",
@@ -54,8 +50,6 @@ __all__ = [
 
 #: Environment switch: "1" (default) lets the CUDA kernel take the calls it computes, "0" never.
 CUDA_ENV = "SPARSE_K_CUDA"
-#: Opt-in switch for the CUDA token-layout decode: "1" lets it take decode calls, "0" (default) never.
-CUDA_DECODE_ENV = "SPARSE_K_CUDA_DECODE"
 _BUILD_FAILED: set[str] = set()  # names of the extensions that failed to build in this process
 
 
@@ -67,14 +61,22 @@ def cuda_enabled() -> bool:
     return value == "1"
 
 
-def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
-    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
-    ``k_end == kv_len``, judged from the geometry's host offsets (None: not known -> False, no sync)."""
-    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries none
-    if q_len != kv_len or host is None:
+def bottom_right_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is bottom-right aligned with no padding: ``q_start == kv_len - q_len``,
+    ``k_start == 0`` and ``k_end == kv_len``, judged from the geometry's host offsets (None: not known
+    -> False, no sync). The custom op carries this as its ``plain_geo`` flag."""
+    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries one only with the flag
+    if host is None or not 1 <= q_len <= kv_len:
         return False
     q_start, k_start, k_end = host
-    return all(x == 0 for x in q_start) and all(x == 0 for x in k_start) and all(x == kv_len for x in k_end)
+    return (all(x == kv_len - q_len for x in q_start) and all(x == 0 for x in k_start)
+            and all(x == kv_len for x in k_end))
+
+
+def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
+    ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == kv_len and bottom_right_geometry(geometry, q_len, kv_len)
 
 
 def _gate(name: str, q) -> bool:
@@ -83,25 +85,10 @@ def _gate(name: str, q) -> bool:
     return name not in _BUILD_FAILED and q.is_cuda and cuda_enabled() and sm90_available(q.device)
 
 
-def cuda_decode_enabled() -> bool:
-    """``SPARSE_K_CUDA_DECODE``: "1" -> True, unset or "0" -> False; any other value is a ValueError."""
-    value = os.environ.get(CUDA_DECODE_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{CUDA_DECODE_ENV}={value!r}: allowed are '0' (default: the Triton decode kernel) and "
-                         "'1' (the Hopper CUDA token-layout decode where it applies)")
-    return value == "1"
-
-
 def decode_geometry(geometry, q_len: int, kv_len: int) -> bool:
     """Whether every row is a plain decode step: ``q_len == 1``, ``q_start == kv_len - 1``,
-    ``k_start == 0`` and ``k_end == kv_len``, judged from the geometry's host offsets (None: not
-    known -> False, no sync)."""
-    host = getattr(geometry, "host", None)
-    if q_len != 1 or kv_len < 1 or host is None:
-        return False
-    q_start, k_start, k_end = host
-    return (all(x == kv_len - 1 for x in q_start) and all(x == 0 for x in k_start)
-            and all(x == kv_len for x in k_end))
+    ``k_start == 0`` and ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == 1 and bottom_right_geometry(geometry, q_len, kv_len)
 
 
 def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
@@ -215,7 +202,7 @@ def try_cuda_token(q, k, v, geometry, selection, *, pattern_id, params, causal, 
 def cuda_decode_applies(q, k, v, geometry, selection, *, pattern_id, causal, softcap=None, sink_logits=None,
                         key_mask=None, out=None) -> bool:
     """Whether ``try_cuda_decode`` would hand this token-layout decode call to the CUDA kernel."""
-    if not _gate("decode", q) or not cuda_decode_enabled() or out is not None or selection is None:
+    if not _gate("decode", q) or out is not None or selection is None:
         return False
     from . import cuda_decode as cd
 
@@ -230,8 +217,9 @@ def try_cuda_decode(q, k, v, geometry, selection, *, pattern_id, params, causal,
                     sink_logits=None, key_mask=None, out=None):
     """``(out, lse)`` from the CUDA token-layout decode, or None when the call is not one it takes.
 
-    Args: as ``try_cuda_token`` (``q (B, Hq, 1, D)``); the splits are merged through
-    ``triton_fwd.split_counters`` (a second merge kernel when none can be had, e.g. in a capture).
+    Args: as ``try_cuda_token`` (``q (B, Hq, 1, D)``). Two to eight splits merge in a thread-block
+    cluster; more merge through ``triton_fwd.split_counters`` (a second merge kernel when none can be
+    had, e.g. in a capture on a new stream).
     """
     if not cuda_decode_applies(q, k, v, geometry, selection, pattern_id=pattern_id, causal=causal, softcap=softcap,
                                sink_logits=sink_logits, key_mask=key_mask, out=out):

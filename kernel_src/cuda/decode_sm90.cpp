@@ -6,11 +6,12 @@ extern "C" int sk90_decode_fwd(const void* q, const void* k, const void* v, void
                                float* l_part, int* counters, int B, int Hq, int Hkv, int S, int is_bf16, int pattern,
                                int window, int sinks, float scale, const int* sel_idx, const int* sel_cnt,
                                const float* sel_w, const long long* first, const long long* strides, int NB, int K,
-                               int QB, int nsplit, int chunk, void* stream, char* err, int errlen);
+                               int QB, int nsplit, int chunk, int cluster, void* stream, char* err, int errlen);
 
 // q (B, Hq, 1, 128) and k/v (B, Hkv, S, 128) with unit last stride and 16-byte aligned rows; out
 // (B, Hq, 1, 128) and lse (B, Hq, 1) float32 contiguous; o_part (B*Hkv*nsplit*G*128) and l_part
-// (B*Hkv*nsplit*G) float32 workspaces; counters int32 (>= B*Hkv, zero) or an empty tensor (second
+// (B*Hkv*nsplit*G) float32 workspaces (unused when cluster: 2..8 splits merge in a thread-block
+// cluster); counters int32 (>= B*Hkv, zero) or an empty tensor (second
 // merge kernel); idx (B, Hkv, NB, K) int32 and w (same shape, float32, or empty: no weights) with unit
 // last stride; cnt (B, Hkv, NB) int32; first (B,) int64 contiguous. The Python wrapper
 // (cuda_decode.py) validates; these checks guard the raw pointers.
@@ -18,7 +19,7 @@ static void decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        at::Tensor& o_part, at::Tensor& l_part, at::Tensor& counters, const at::Tensor& idx,
                        const at::Tensor& cnt, const at::Tensor& w, const at::Tensor& first, int64_t query_block,
                        int64_t pattern, int64_t window, int64_t sinks, double scale, int64_t nsplit, int64_t chunk,
-                       int64_t stream) {
+                       bool cluster, int64_t stream) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda() && o_part.is_cuda() &&
                   l_part.is_cuda() && idx.is_cuda() && cnt.is_cuda() && first.is_cuda(),
               "CUDA tensors expected");
@@ -76,7 +77,7 @@ static void decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       cnt.data_ptr<int>(), has_w ? w.data_ptr<float>() : nullptr,
       reinterpret_cast<const long long*>(first.data_ptr<int64_t>()), strides, static_cast<int>(idx.size(2)),
       static_cast<int>(idx.size(3)), static_cast<int>(query_block), static_cast<int>(nsplit), static_cast<int>(chunk),
-      reinterpret_cast<void*>(stream), err, sizeof(err));
+      cluster ? 1 : 0, reinterpret_cast<void*>(stream), err, sizeof(err));
   TORCH_CHECK(rc == 0, "sk90_decode_fwd: ", err);
 }
 
