@@ -16,6 +16,11 @@ kernel takes a call when all of these hold, else the Triton kernel runs:
 prefill; ``cuda_token``) under the same conditions, with a sliding_window / streaming static part and
 ``query_block`` a multiple of 128.
 
+``try_cuda_decode`` takes a token-layout decode (``Sq == 1``, the query at key ``Skv - 1``, every
+key valid: ``decode_geometry``; ``cuda_decode``) under the same conditions otherwise, for k / v with
+unit last stride and 16-byte aligned rows (a Transformers cache, read in place) and ``Hq / Hkv`` in
+1, 2, 4, 8, whatever ``num_splits`` / ``pack`` the caller chose for the Triton kernel.
+
 If an extension cannot be built, a one-time warning says why and every later call takes the Triton
 kernel; never a different answer (both compute the same function, tested against the reference).
 """
@@ -29,11 +34,15 @@ from .cuda_build import sm90_available
 
 __all__ = [
     "CUDA_ENV",
+    "bottom_right_geometry",
+    "cuda_decode_applies",
     "cuda_enabled",
     "cuda_structured_applies",
     "cuda_structured_backward_applies",
     "cuda_token_applies",
+    "decode_geometry",
     "plain_geometry",
+    "try_cuda_decode",
     "try_cuda_structured",
     "try_cuda_structured_backward",
     "try_cuda_token",
@@ -52,20 +61,34 @@ def cuda_enabled() -> bool:
     return value == "1"
 
 
-def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
-    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
-    ``k_end == kv_len``, judged from the geometry's host offsets (None: not known -> False, no sync)."""
-    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries none
-    if q_len != kv_len or host is None:
+def bottom_right_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is bottom-right aligned with no padding: ``q_start == kv_len - q_len``,
+    ``k_start == 0`` and ``k_end == kv_len``, judged from the geometry's host offsets (None: not known
+    -> False, no sync). The custom op carries this as its ``plain_geo`` flag."""
+    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries one only with the flag
+    if host is None or not 1 <= q_len <= kv_len:
         return False
     q_start, k_start, k_end = host
-    return all(x == 0 for x in q_start) and all(x == 0 for x in k_start) and all(x == kv_len for x in k_end)
+    return (all(x == kv_len - q_len for x in q_start) and all(x == 0 for x in k_start)
+            and all(x == kv_len for x in k_end))
+
+
+def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
+    ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == kv_len and bottom_right_geometry(geometry, q_len, kv_len)
 
 
 def _gate(name: str, q) -> bool:
     """The conditions every CUDA kernel shares: switched on, its extension not failed to build, q on an
     sm_90 GPU with nvcc present."""
     return name not in _BUILD_FAILED and q.is_cuda and cuda_enabled() and sm90_available(q.device)
+
+
+def decode_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is a plain decode step: ``q_len == 1``, ``q_start == kv_len - 1``,
+    ``k_start == 0`` and ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == 1 and bottom_right_geometry(geometry, q_len, kv_len)
 
 
 def cuda_structured_applies(q, k, v, geometry, *, pattern_id, causal, softcap=None, sink_logits=None,
@@ -174,3 +197,38 @@ def try_cuda_token(q, k, v, geometry, selection, *, pattern_id, params, causal, 
         return None
     return ct.cuda_token_forward(q, k, v, selection, pattern_id=pattern_id, window=int(params[0]),
                                  sinks=int(params[1]), scale=float(scale))
+
+
+def cuda_decode_applies(q, k, v, geometry, selection, *, pattern_id, causal, softcap=None, sink_logits=None,
+                        key_mask=None, out=None) -> bool:
+    """Whether ``try_cuda_decode`` would hand this token-layout decode call to the CUDA kernel."""
+    if not _gate("decode", q) or out is not None or selection is None:
+        return False
+    from . import cuda_decode as cd
+
+    dec = decode_geometry(geometry, q.shape[2], k.shape[2])
+    return cd.cuda_decode_ok(
+        q, k, v, selection, pattern_id=pattern_id, causal=bool(causal), decode_geometry=dec, softcap=softcap,
+        sink_logits=sink_logits, key_mask=key_mask,
+    )
+
+
+def try_cuda_decode(q, k, v, geometry, selection, *, pattern_id, params, causal, scale, softcap=None,
+                    sink_logits=None, key_mask=None, out=None):
+    """``(out, lse)`` from the CUDA token-layout decode, or None when the call is not one it takes.
+
+    Args: as ``try_cuda_token`` (``q (B, Hq, 1, D)``). Two to eight splits merge in a thread-block
+    cluster; more merge through ``triton_fwd.split_counters`` (a second merge kernel when none can be
+    had, e.g. in a capture on a new stream).
+    """
+    if not cuda_decode_applies(q, k, v, geometry, selection, pattern_id=pattern_id, causal=causal, softcap=softcap,
+                               sink_logits=sink_logits, key_mask=key_mask, out=out):
+        return None
+    from . import cuda_decode as cd
+    from .triton_fwd import split_counters
+
+    if not _built("decode", cd):
+        return None
+    counters = split_counters(q.device, q.shape[0] * k.shape[1])
+    return cd.cuda_decode_forward(q, k, v, selection, pattern_id=pattern_id, window=int(params[0]),
+                                  sinks=int(params[1]), scale=float(scale), counters=counters)

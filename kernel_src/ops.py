@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .cuda_dispatch import plain_geometry
+from .cuda_dispatch import bottom_right_geometry
 
 __all__ = ["block_attn", "layout_args"]
 
@@ -40,9 +40,10 @@ class _PatternCode:
 
 
 def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False):
-    # ``plain``: the caller's geometry had host offsets q_start == k_start == 0, k_end == kv_len
-    # (``cuda_dispatch.plain_geometry``); the device tensors alone cannot say so without a sync.
-    host = ([0], [0], [kv_len]) if plain else None
+    # ``plain``: the caller's geometry had host offsets q_start == kv_len - q_len, k_start == 0,
+    # k_end == kv_len (``cuda_dispatch.bottom_right_geometry``: plain self-attention or a decode step);
+    # the device tensors alone cannot say so without a sync.
+    host = ([kv_len - q_len], [0], [kv_len]) if plain else None
     geo = SimpleNamespace(q_start=qs, k_start=ks, k_end=ke, rows=qs.shape[0], host=host)
     return SimpleNamespace(
         full_kv_num_blocks=fnum, full_kv_indices=fidx, kv_num_blocks=pnum, kv_indices=pidx,
@@ -225,5 +226,5 @@ def block_attn(
         sink_logits, key_mask, pid, bool(layout.pattern.causal), list(params), layout.block_q, layout.block_k,
         pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
         fwd.full_tiles_contiguous(layout), *(sel or (None, None, None, None, 1)),
-        plain_geometry(geo, q.shape[2], k.shape[2]),
+        bottom_right_geometry(geo, q.shape[2], k.shape[2]),
     )

@@ -591,7 +591,8 @@ def attention_forward(
             ``cuda_dispatch`` allows (default None: yes, unless a Triton tuning argument ``num_warps``,
             ``num_stages``, ``use_tma`` or ``order`` is given); False: always the Triton kernel.
             The same holds for a token-layout launch (``selection``, one split, no ``sel_fast``) and the
-            Hopper CUDA token kernel (``cuda_dispatch.try_cuda_token``).
+            Hopper CUDA token kernel (``cuda_dispatch.try_cuda_token``), and for a token-layout decode
+            (``Sq == 1``, any ``num_splits`` / ``pack``) to the CUDA decode kernel (``try_cuda_decode``).
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
@@ -645,6 +646,16 @@ def attention_forward(
             block_n=block_n, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
             num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
         )
+    if selection is not None and cuda_structured is not False and Sq == 1 and sel_fast is None:
+        from .cuda_dispatch import try_cuda_decode
+
+        if (num_warps, num_stages, use_tma, order) == (None, None, None, None):
+            fast = try_cuda_decode(
+                q, k, v, geo, selection, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale,
+                softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
+            )
+            if fast is not None:
+                return fast
     if selection is not None and cuda_structured is not False and num_splits == 1 and sel_fast is None:
         from .cuda_dispatch import try_cuda_token
 

@@ -19,7 +19,9 @@ Sections (each fits in a few minutes on an H100):
   graph, i.e. GPU time without host launch overhead; ``graph10 us``: a graph of 10 back-to-back
   calls per replay, per call, which also spreads the graph's own launch latency; ``api us``:
   ``sparse_attention`` end to end). The baselines are timed the same ways (``slice ...``,
-  ``gather+sdpa ...``); compare like with like. Tuning sweeps behind the decode defaults: ``scripts/tune_decode.py``.
+  ``gather+sdpa ...``); compare like with like. The top-2048 row names its ``kernel`` (the Hopper CUDA
+  decode where it applies) and times the Triton split-KV kernel beside it (``triton graph us``,
+  ``triton graph10 us``). Tuning sweeps behind the decode defaults: ``scripts/tune_decode.py``.
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
@@ -522,6 +524,8 @@ def _decode_token_row(q, k, v, S, D, B, row):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
     ref = sparse_k.sparse_attention(q, k, v, p, backend="torch", selection=sel)
     row["err"] = rel_err(out, ref)
+    from sparse_k import triton_fwd
+    from sparse_k.cuda_dispatch import cuda_decode_applies
     from sparse_k.triton_backend import _num_splits, decode_config
 
     rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
@@ -534,6 +538,12 @@ def _decode_token_row(q, k, v, S, D, B, row):
     def fn():
         return block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel)
 
+    def triton_fn():
+        return triton_fwd.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
+                                            selection=sel, cuda_structured=False)
+
+    cuda = cuda_decode_applies(q, k, v, klay.geometry, sel, pattern_id=triton_fwd.pattern_code(p)[0], causal=True)
+    row["kernel"] = "cuda_sm90" if cuda else "triton"
     row["err_kernel"] = rel_err(fn()[0], ref)
     nbytes = 2 * B * HKV * 2049 * D * k.element_size()
     if max(row["err"], row["err_kernel"]) < TOL:
@@ -541,6 +551,11 @@ def _decode_token_row(q, k, v, S, D, B, row):
         row["graph_us"] = 1e3 * graph_bench(fn)
         row["graph10_us"] = 1e3 * graph_bench(fn, calls=10)
         row["gbps_ours"] = nbytes / (row["graph10_us"] * 1e-6) / 1e9
+        if cuda:  # the Triton split-KV kernel beside it, same inputs
+            row["err_triton"] = rel_err(triton_fn()[0], ref)
+            if row["err_triton"] < TOL:
+                row["triton_graph_us"] = 1e3 * graph_bench(triton_fn)
+                row["triton_graph10_us"] = 1e3 * graph_bench(triton_fn, calls=10)
     else:
         row["error"] = "correctness check failed: row void"
     blk = sel.indices[:, :, -1].long()  # (B, Hkv, 2048): the decode query's block
@@ -935,7 +950,8 @@ def print_table(results):
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
         ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),
         ("graph10_us", "graph10 us"), ("sdpa_window_slice_graph10_us", "slice graph10 us"),
-        ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"),
+        ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"), ("triton_graph_us", "triton graph us"),
+        ("triton_graph10_us", "triton graph10 us"),
         ("torch_fwd_ms", "torch fwd ms"), ("triton_fwd_ms", "triton fwd ms"), ("ratio_fwd", "x fwd"),
         ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
         ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
