@@ -21,7 +21,8 @@ Sections (each fits in a few minutes on an H100):
   ``sparse_attention`` end to end). The baselines are timed the same ways (``slice ...``,
   ``gather+sdpa ...``); compare like with like. The top-2048 row names its ``kernel`` (the Hopper CUDA
   decode where it applies) and times the Triton split-KV kernel beside it (``triton graph us``,
-  ``triton graph10 us``). Tuning sweeps behind the decode defaults: ``scripts/tune_decode.py``.
+  ``triton graph10 us``), and both kernels' own GPU time from the profiler (``kernel us``, eager calls
+  back to back). Tuning sweeps behind the decode defaults: ``scripts/tune_decode.py``.
 * ``--section tune`` / ``tune_bwd``: the tile / warps / stages (/ TMA) sweeps behind the defaults
   (sliding window at the first ``--seqlens``).
 * ``--section tune_structured``: the structured forward (``triton_structured``: arithmetic tile ranges)
@@ -551,11 +552,13 @@ def _decode_token_row(q, k, v, S, D, B, row):
         row["graph_us"] = 1e3 * graph_bench(fn)
         row["graph10_us"] = 1e3 * graph_bench(fn, calls=10)
         row["gbps_ours"] = nbytes / (row["graph10_us"] * 1e-6) / 1e9
+        row["kernel_us"] = 1e3 * sum(kernel_times(fn, iters=20).values())  # GPU time of the kernels alone (profiler)
         if cuda:  # the Triton split-KV kernel beside it, same inputs
             row["err_triton"] = rel_err(triton_fn()[0], ref)
             if row["err_triton"] < TOL:
                 row["triton_graph_us"] = 1e3 * graph_bench(triton_fn)
                 row["triton_graph10_us"] = 1e3 * graph_bench(triton_fn, calls=10)
+                row["triton_kernel_us"] = 1e3 * sum(kernel_times(triton_fn, iters=20).values())
     else:
         row["error"] = "correctness check failed: row void"
     blk = sel.indices[:, :, -1].long()  # (B, Hkv, 2048): the decode query's block
@@ -951,7 +954,7 @@ def print_table(results):
         ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),
         ("graph10_us", "graph10 us"), ("sdpa_window_slice_graph10_us", "slice graph10 us"),
         ("gather_sdpa_graph10_us", "gather+sdpa graph10 us"), ("triton_graph_us", "triton graph us"),
-        ("triton_graph10_us", "triton graph10 us"),
+        ("triton_graph10_us", "triton graph10 us"), ("kernel_us", "kernel us"), ("triton_kernel_us", "triton kernel us"),
         ("torch_fwd_ms", "torch fwd ms"), ("triton_fwd_ms", "triton fwd ms"), ("ratio_fwd", "x fwd"),
         ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
         ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
