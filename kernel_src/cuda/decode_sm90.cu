@@ -11,18 +11,21 @@
 // nsplit = SMs // (B * Hkv) (at least 1, at most one split per 64 keys, at least total / kMaxKeys) so
 // that the grid is one wave. CTA `split` takes virtual keys [split * chunk, + chunk). It resolves all
 // of them (row index, log-weight bias; -1 for a dropped slot) into shared memory with one round of
-// loads; then each warp streams its own contiguous share through a private 3-stage cp.async ring of
-// 16-key tiles (16-byte copies, dropped rows zero-filled, 16-byte chunk c of row r at c ^ (r & 7) so
-// that ldmatrix reads hit distinct banks), with no CTA barrier in the loop. Per tile, tensor-core
-// m16n8k16 products: S = Q K^T with the G query heads as rows (q held in registers as A fragments),
-// an online softmax on the accumulator fragments (a row's four lanes reduce by shuffles), then
-// O += P V with P reused from the S fragments (rounded to 16 bits, as FlashAttention does) and V read
-// transposed by ldmatrix. The warps' results merge in shared memory; one split writes the output,
-// several write partials (normalised o, log2-sum-exp) that the last CTA of (b, h) to arrive merges
-// (atomic counter, reset by it), or a second kernel when no counter buffer is given.
-// Earlier versions on the H100 (B=8, Hkv=8, G=4, top-2048, per call in a 10-call graph; the Triton
-// split-KV kernel 34.5-35 us): one CTA per 64 keys on CUDA cores (2112 CTAs) 39-50 us; one CTA an SM
-// on CUDA cores with a CTA-wide 64-key ring 38.9 us (bound by the per-stage compute and barriers).
+// loads (with a one-block selection, beside the load of first[b]); then its 16-key tiles are dealt to
+// the warps in turn, each warp streaming its tiles through a private 3-stage cp.async ring (16-byte
+// copies, dropped rows zero-filled, 16-byte chunk c of row r at c ^ (r & 7) so that ldmatrix reads
+// hit distinct banks), with no CTA barrier in the loop. Per tile, tensor-core m16n8k16 products:
+// S = Q K^T with the G query heads as rows (q held in registers as A fragments), an online softmax on
+// the accumulator fragments (a row's four lanes reduce by shuffles), then O += P V with P reused from
+// the S fragments (rounded to 16 bits, as FlashAttention does) and V read transposed by ldmatrix. The
+// warps' results merge in shared memory. One split writes the output; 2..8 splits of a (b, h) form a
+// thread-block cluster and CTA 0 merges the others' partials through distributed shared memory;
+// otherwise the partials (normalised o, log2-sum-exp) go to a workspace that the last CTA of (b, h)
+// to arrive merges (atomic counter, reset by it), or a second kernel when no counter buffer is given.
+// H100, B=8, Hkv=8, G=4, top-2048, per call in a 10-call graph (the Triton split-KV kernel 34.6-35):
+// this kernel 33.3-33.4 us; earlier versions: one CTA per 64 keys on CUDA cores (2112 CTAs) 39-50 us,
+// one CTA an SM on CUDA cores with a CTA-wide 64-key ring 38.9 (per-stage compute and barriers), one
+// 256-byte bulk copy (TMA) a row instead of cp.async 37.6, the merge through global memory 34.9.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
