@@ -38,8 +38,6 @@ DECODE_STATIC_PATTERNS = (1, 2)
 #: Query heads per KV head the kernel is compiled for.
 DECODE_GROUPS = (1, 2, 4, 8)
 _STAGE = 64  # keys per pipeline stage (kStage in decode_sm90.cu)
-#: Virtual keys one CTA takes at most (kMaxKeys in decode_sm90.cu: their rows live in shared memory).
-MAX_KEYS = 2048
 _SMS: dict = {}
 
 
@@ -54,12 +52,12 @@ def decode_plan(kv_len: int, window: int, sinks: int, pattern_id: int, top_k: in
     slots), CTAs per (row, KV head) and keys per CTA.
 
     One wave of one CTA an SM: ``nsplit = sms // rows_heads`` (``rows_heads = B * Hkv``), at least 1,
-    at most one per 64 keys, at least ``total / MAX_KEYS``; every split gets keys (none empty)."""
+    at most one per 64 keys; every split gets keys (none empty)."""
     qpos = kv_len - 1
     w_lo = max(0, qpos - window + 1)
     n_sink = min(sinks, w_lo) if pattern_id == 2 else 0
     total = n_sink + (qpos - w_lo + 1) + top_k
-    nsplit = max(1, min(sms // max(1, rows_heads), -(-total // _STAGE)), -(-total // MAX_KEYS))
+    nsplit = max(1, min(sms // max(1, rows_heads), -(-total // _STAGE)))
     chunk = -(-total // nsplit)
     nsplit = -(-total // chunk)
     return total, nsplit, -(-total // nsplit)

@@ -49,6 +49,7 @@ CASES = [  # B, Hq, Hkv, S, dtype, sinks, window, QB, K, NB, weights
     (17, 16, 4, 3001, torch.bfloat16, 0, 1, 128, 1500, 1, False),  # 68 (row, head) pairs: one split, 12 tiles a warp
     (8, 32, 8, 5000, torch.float16, 0, 1, 128, 2048, 1, True),  # the benchmark's shape class: 2 splits of 1025 keys
     (5, 16, 4, 4000, torch.bfloat16, 4, 64, 128, 1000, 2, True),  # 20 (row, head) pairs on an H100: 6 splits
+    (17, 8, 4, 9001, torch.float16, 0, 700, 128, 3000, 1, True),  # one split of 3700 keys: two batches a CTA
 ]
 
 
@@ -128,17 +129,18 @@ def test_dispatch_takes_decode(monkeypatch, grad):
 
 
 def test_decode_plan_and_geometry():
-    """The split plan counts static keys once, covers every virtual key with no empty split and at
-    most MAX_KEYS keys per CTA, and fills one wave of one CTA an SM; the geometry checks (CPU only)."""
+    """The split plan counts static keys once, covers every virtual key with no empty split, and fills
+    at most one wave of one CTA an SM; the geometry checks (CPU only)."""
     for S, W, sinks, pid, K in [(1, 1, 0, 1, 1), (131072, 1, 0, 1, 2048), (100, 50, 70, 2, 10), (100, 500, 4, 2, 7),
                                 (5000, 4096, 128, 2, 2048), (5000, 4096, 128, 1, 2048), (9000, 1, 3, 2, 6000)]:
         static = set(range(max(0, S - W), S)) | (set(range(min(sinks, S))) if pid == 2 else set())
         for rows_heads, sms in [(1, 1), (64, 132), (8, 132), (1, 132), (40, 132), (200, 132), (3, 7)]:
             total, nsplit, chunk = cd.decode_plan(S, W, sinks, pid, K, rows_heads, sms)
             assert total == len(static) + K
-            assert chunk <= cd.MAX_KEYS and chunk == -(-total // nsplit) and (nsplit - 1) * chunk < total <= nsplit * chunk
-            assert nsplit * rows_heads <= max(sms, rows_heads) or chunk == cd.MAX_KEYS or nsplit == -(-total // cd.MAX_KEYS)
+            assert chunk == -(-total // nsplit) and (nsplit - 1) * chunk < total <= nsplit * chunk
+            assert nsplit * rows_heads <= max(sms, rows_heads)  # one wave
     assert cd.decode_plan(131072, 1, 0, 1, 2048, 64, 132)[1:] == (2, 1025)  # B=8, Hkv=8 on an H100: 128 CTAs
+    assert cd.decode_plan(131072, 1, 0, 1, 4096, 64, 132)[1:] == (2, 2049)  # two batches of keys a CTA, one wave
     geo = row_geometry(2, 1, 77, None)
     assert cuda_dispatch.decode_geometry(geo, 1, 77)
     assert not cuda_dispatch.decode_geometry(geo, 2, 77)

@@ -8,10 +8,10 @@
 // semantics of triton_fwd._selection_loop. log2(w) joins the logit.
 //
 // Grid (nsplit, B * Hkv), 8 warps, one CTA an SM (about 214 KB of shared memory): the host picks
-// nsplit = SMs // (B * Hkv) (at least 1, at most one split per 64 keys, at least total / kMaxKeys) so
-// that the grid is one wave. CTA `split` takes virtual keys [split * chunk, + chunk). It resolves all
-// of them (row index, log-weight bias; -1 for a dropped slot) into shared memory with one round of
-// loads (with a one-block selection, beside the load of first[b]); then its 16-key tiles are dealt to
+// nsplit = SMs // (B * Hkv) (at least 1, at most one split per 64 keys) so that the grid is one wave.
+// CTA `split` takes virtual keys [split * chunk, + chunk), in batches of kMaxKeys. It resolves a
+// batch (row index, log-weight bias; -1 for a dropped slot) into shared memory with one round of
+// loads (with a one-block selection, beside the load of first[b]); then the batch's 16-key tiles are dealt to
 // the warps in turn, each warp streaming its tiles through a private 3-stage cp.async ring (16-byte
 // copies, dropped rows zero-filled, 16-byte chunk c of row r at c ^ (r & 7) so that ldmatrix reads
 // hit distinct banks), with no CTA barrier in the loop. Per tile, tensor-core m16n8k16 products:
@@ -40,7 +40,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 16;        // keys per warp tile (the k extent of P V's m16n8k16)
 constexpr int kStages = 3;       // per-warp cp.async ring depth (two tiles in flight while one is used)
-constexpr int kMaxKeys = 2048;   // virtual keys per CTA at most (their rows and biases live in shared memory)
+constexpr int kMaxKeys = 2048;   // virtual keys per batch of a CTA (their rows and biases live in shared memory)
 constexpr int kMaxG = 8;         // query heads per KV head at most (rows of the m16 tiles)
 constexpr int kMaxCluster = 8;   // splits merged through a thread-block cluster at most (the portable size)
 constexpr int kTileBytes = kTile * kD * 2;
@@ -135,7 +135,7 @@ __device__ __forceinline__ void mma16816<__half>(float (&d)[4], uint32_t a0, uin
 // Shared memory of the decode kernel (dynamic, 128-byte aligned).
 struct Smem {
   uint8_t ring[kWarps][kStages][2][kTileBytes];  // per warp: [stage][K, V][16 rows x 256 bytes, swizzled]
-  int key[kMaxKeys];                             // row index of each virtual key of the CTA, -1: dropped
+  int key[kMaxKeys];                             // row index of each virtual key of the batch, -1: dropped
   float bias[kMaxKeys];                          // log2 of its weight (0 without weights)
   float wm[kWarps][kMaxG], wl[kWarps][kMaxG];    // each warp's running max / sum per head (log2 domain)
   int last;
@@ -311,108 +311,116 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   const long long sb64 = static_cast<long long>((p.S - 1) / p.QB) - p.first[b];
   const int sb = p.NB == 1 ? 0 : ((sb64 >= 0 && sb64 < p.NB) ? static_cast<int>(sb64) : -1);
   const int count_raw = sb >= 0 ? p.cnt[b * p.scb + h * p.sch + static_cast<long long>(sb) * p.scn] : 0;
-  {  // every key of the CTA resolved with one round of loads (all issued before any is used)
-    constexpr int kPer = kMaxKeys / kThreads;
-    int slot[kPer], jj[kPer];
-    float wv[kPer];
-#pragma unroll
-    for (int u = 0; u < kPer; ++u)
-      slot[u] = t + u * kThreads < n ? load_slot(p, b, h, v0 + t + u * kThreads, sb, &jj[u], &wv[u]) : -1;
-    const int count = (sb >= 0 && sb64 == sb) ? min(count_raw, p.K) : 0;
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int i = t + u * kThreads;
-      if (i < n) {
-        float bias;
-        sm.key[i] = resolve_key(p, v0 + i, slot[u], count, jj[u], wv[u], &bias);
-        sm.bias[i] = bias;
-      }
-    }
-  }
-  __syncthreads();
-
-  // The CTA's 16-key tiles dealt to the warps in turn (tile i to warp i % kWarps): the warps' tile
-  // counts differ by at most one, so all of them keep copies in flight until the end.
-  const int n_tiles = max(0, ((n + kTile - 1) / kTile - warp + kWarps - 1) / kWarps);
   const T* kbase = static_cast<const T*>(p.k) + b * p.kb + h * p.kh;
   const T* vbase = static_cast<const T*>(p.v) + b * p.vb + h * p.vh;
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue_tile<T>(sm, warp, lane, kbase, vbase, p, st, n);
-
   float m_run = -INFINITY, l_run = 0.f;  // this lane's row: running max / sum (log2 domain)
   float o[kD / 8][4];                    // O fragments: n-tile d covers dims 8d..8d+7 (rows 8-15 unused)
 #pragma unroll
   for (int d = 0; d < kD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 
-  for (int st = 0; st < n_tiles; ++st) {
-    cp_async_wait<kStages - 2>();
-    __syncwarp();  // tile st landed for every lane; the slot of tile st - 1 is free again
-    issue_tile<T>(sm, warp, lane, kbase, vbase, p, st + kStages - 1, n);
-    const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ring[warp][st % kStages][0]));
-    const uint32_t sv = sk + kTileBytes;
-
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S: keys 0-7 and 8-15 of the tile
-    {
-      const int key = (lane & 7) + ((lane >> 4) << 3), half = (lane >> 3) & 1;
+  // The CTA's keys in batches of kMaxKeys (one batch unless a CTA takes more keys than the shared
+  // index arrays hold); the ring is filled afresh for each batch.
+  for (int kb0 = 0; kb0 < n; kb0 += kMaxKeys) {
+    const int nb = min(kMaxKeys, n - kb0);
+    if (kb0 > 0) __syncthreads();  // every warp is done with the previous batch's keys
+    {  // every key of the batch resolved with one round of loads (all issued before any is used)
+      constexpr int kPer = kMaxKeys / kThreads;
+      int slot[kPer], jj[kPer];
+      float wv[kPer];
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t kb[4];
-        const int c = kk * 2 + half;
-        ldsm_x4(sk + key * 256 + ((c ^ (key & 7)) << 4), kb);
-        mma16816<T>(s[0], qa[kk][0], qa[kk][1], kb[0], kb[1]);
-        mma16816<T>(s[1], qa[kk][0], qa[kk][1], kb[2], kb[3]);
+      for (int u = 0; u < kPer; ++u) {
+        const int vi = v0 + kb0 + t + u * kThreads;
+        slot[u] = t + u * kThreads < nb ? load_slot(p, b, h, vi, sb, &jj[u], &wv[u]) : -1;
       }
-    }
-    const int kt0 = (warp + kWarps * st) * kTile;
-    float x[2][2];
-    float mx = -INFINITY;
+      const int count = (sb >= 0 && sb64 == sb) ? min(count_raw, p.K) : 0;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int ki = kt0 + j * 8 + quad * 2 + e;
-        const bool ok = ki < n && sm.key[ki] >= 0;
-        x[j][e] = ok ? s[j][e] * p.scale_log2 + sm.bias[ki] : -INFINITY;
-        mx = fmaxf(mx, x[j][e]);
-      }
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);
-    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(m_run - m_safe);  // 0 while nothing was seen (m_run = -inf)
-    float pr[2][2], ls = 0.f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        pr[j][e] = exp2f(x[j][e] - m_safe);
-        ls += pr[j][e];
-      }
-    }
-    ls += __shfl_xor_sync(0xffffffffu, ls, 1);
-    ls += __shfl_xor_sync(0xffffffffu, ls, 2);
-    l_run = l_run * alpha + ls;
-    m_run = m_new;
-    const uint32_t pa0 = pack2<T>(pr[0][0], pr[0][1]), pa2 = pack2<T>(pr[1][0], pr[1][1]);
-    {
-      const int key = (lane & 7) + (((lane >> 3) & 1) << 3), half = lane >> 4;
-#pragma unroll
-      for (int dt = 0; dt < kD / 16; ++dt) {
-        uint32_t vb[4];
-        const int c = dt * 2 + half;
-        ldsm_x4_trans(sv + key * 256 + ((c ^ (key & 7)) << 4), vb);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          o[2 * dt + u][0] *= alpha;
-          o[2 * dt + u][1] *= alpha;
+      for (int u = 0; u < kPer; ++u) {
+        const int i = t + u * kThreads;
+        if (i < nb) {
+          float bias;
+          sm.key[i] = resolve_key(p, v0 + kb0 + i, slot[u], count, jj[u], wv[u], &bias);
+          sm.bias[i] = bias;
         }
-        mma16816<T>(o[2 * dt], pa0, pa2, vb[0], vb[1]);
-        mma16816<T>(o[2 * dt + 1], pa0, pa2, vb[2], vb[3]);
       }
     }
+    __syncthreads();
+
+    // The batch's 16-key tiles dealt to the warps in turn (tile i to warp i % kWarps): the warps'
+    // tile counts differ by at most one, so all of them keep copies in flight until the end.
+    const int n_tiles = max(0, ((nb + kTile - 1) / kTile - warp + kWarps - 1) / kWarps);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) issue_tile<T>(sm, warp, lane, kbase, vbase, p, st, nb);
+
+    for (int st = 0; st < n_tiles; ++st) {
+      cp_async_wait<kStages - 2>();
+      __syncwarp();  // tile st landed for every lane; the slot of tile st - 1 is free again
+      issue_tile<T>(sm, warp, lane, kbase, vbase, p, st + kStages - 1, nb);
+      const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ring[warp][st % kStages][0]));
+      const uint32_t sv = sk + kTileBytes;
+
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S: keys 0-7 and 8-15 of the tile
+      {
+        const int key = (lane & 7) + ((lane >> 4) << 3), half = (lane >> 3) & 1;
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          uint32_t kb[4];
+          const int c = kk * 2 + half;
+          ldsm_x4(sk + key * 256 + ((c ^ (key & 7)) << 4), kb);
+          mma16816<T>(s[0], qa[kk][0], qa[kk][1], kb[0], kb[1]);
+          mma16816<T>(s[1], qa[kk][0], qa[kk][1], kb[2], kb[3]);
+        }
+      }
+      const int kt0 = (warp + kWarps * st) * kTile;
+      float x[2][2];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int ki = kt0 + j * 8 + quad * 2 + e;
+          const bool ok = ki < nb && sm.key[ki] >= 0;
+          x[j][e] = ok ? s[j][e] * p.scale_log2 + sm.bias[ki] : -INFINITY;
+          mx = fmaxf(mx, x[j][e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float m_safe = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run - m_safe);  // 0 while nothing was seen (m_run = -inf)
+      float pr[2][2], ls = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[j][e] = exp2f(x[j][e] - m_safe);
+          ls += pr[j][e];
+        }
+      }
+      ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+      ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+      l_run = l_run * alpha + ls;
+      m_run = m_new;
+      const uint32_t pa0 = pack2<T>(pr[0][0], pr[0][1]), pa2 = pack2<T>(pr[1][0], pr[1][1]);
+      {
+        const int key = (lane & 7) + (((lane >> 3) & 1) << 3), half = lane >> 4;
+#pragma unroll
+        for (int dt = 0; dt < kD / 16; ++dt) {
+          uint32_t vb[4];
+          const int c = dt * 2 + half;
+          ldsm_x4_trans(sv + key * 256 + ((c ^ (key & 7)) << 4), vb);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            o[2 * dt + u][0] *= alpha;
+            o[2 * dt + u][1] *= alpha;
+          }
+          mma16816<T>(o[2 * dt], pa0, pa2, vb[0], vb[1]);
+          mma16816<T>(o[2 * dt + 1], pa0, pa2, vb[2], vb[3]);
+        }
+      }
+    }
+    cp_async_wait<0>();  // only empty groups are left: the ring starts clean for the next batch
   }
-  cp_async_wait<0>();
 
   // Merge the warps: each writes its (max, sum) per head and its unnormalised O rows.
   __syncthreads();  // every warp is past its ring: it becomes the merge scratch
@@ -607,10 +615,10 @@ extern "C" int sk90_decode_fwd(const void* q, const void* k, const void* v, void
   p.n_static = p.n_sink + static_cast<int>(qpos - w_lo + 1);
   const long long total = static_cast<long long>(p.n_static) + K;
   const long long want_chunk = nsplit >= 1 ? (total + nsplit - 1) / nsplit : 0;
-  if (total >= (1LL << 31) || nsplit < 1 || nsplit > 65535 || chunk != want_chunk || chunk > kMaxKeys ||
+  if (total >= (1LL << 31) || nsplit < 1 || nsplit > 65535 || chunk != want_chunk ||
       (nsplit - 1LL) * chunk >= total || static_cast<long long>(B) * Hkv > 65535) {
-    snprintf(err, errlen, "bad split plan: total=%lld nsplit=%d chunk=%d (want %lld, at most %d, no empty split)",
-             total, nsplit, chunk, want_chunk, kMaxKeys);
+    snprintf(err, errlen, "bad split plan: total=%lld nsplit=%d chunk=%d (want %lld, no empty split)", total, nsplit,
+             chunk, want_chunk);
     return 1;
   }
   p.total = static_cast<int>(total);
