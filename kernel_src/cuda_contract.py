@@ -1,4 +1,5 @@
-"""The calls the Hopper CUDA kernels take: checks shared by the structured forward and backward."""
+"""The calls the Hopper CUDA kernels take: checks shared by the structured forward and backward and
+by the token-layout kernels (prefill and decode)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 from .cuda_build import is_sm90
 
-__all__ = ["STRUCTURED_CUDA_PATTERNS", "check_pattern_args", "plain_call_ok", "tensors_ok"]
+__all__ = ["STRUCTURED_CUDA_PATTERNS", "check_pattern_args", "plain_call_ok", "selection_ok", "tensors_ok"]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernels compute: dense, sliding_window, streaming (causal).
 STRUCTURED_CUDA_PATTERNS = (0, 1, 2)
@@ -38,6 +39,31 @@ def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
     if k.shape[1] < 1 or Hq % k.shape[1] != 0 or not 1 <= S <= max_len or B * Hq >= 2**31:
         return False
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, *tma))
+
+
+def selection_ok(selection, q, num_kv_heads: int, max_slots: int = 2**31) -> bool:
+    """A ``TokenLayout``'s tensors (or a namespace with its fields) as the token-layout kernels read
+    them, on q's device: int32 indices ``(B, Hkv, NB, K)`` with ``NB >= 1`` and ``1 <= K < max_slots``,
+    int32 counts ``(B, Hkv, NB)``, an integer first_block ``(B,)`` or ``(1,)``, and weights shaped like
+    the indices in float32 / fp16 / bf16 or None (``B = q.shape[0]``)."""
+    idx, cnt, w, first = selection.indices, selection.counts, selection.weights, selection.first_block
+    B = q.shape[0]
+    if not all(isinstance(t, torch.Tensor) and t.device == q.device for t in (idx, cnt, first)):
+        return False
+    if idx.dtype != torch.int32 or idx.dim() != 4 or tuple(idx.shape[:2]) != (B, num_kv_heads) or idx.shape[2] < 1:
+        return False
+    if not 1 <= idx.shape[3] < max_slots or idx.shape[2] >= 2**31:
+        return False
+    if cnt.dtype != torch.int32 or tuple(cnt.shape) != tuple(idx.shape[:3]):
+        return False
+    if first.dim() != 1 or first.shape[0] not in (1, B) or first.dtype.is_floating_point or first.dtype == torch.bool:
+        return False
+    if w is not None:
+        if not isinstance(w, torch.Tensor) or w.device != q.device or tuple(w.shape) != tuple(idx.shape):
+            return False
+        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False
+    return True
 
 
 def check_pattern_args(pattern_id, window, sinks, scale) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .cuda_build import is_sm90, load_sm90_extension
+from .cuda_contract import selection_ok
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 
@@ -103,26 +104,10 @@ def cuda_decode_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, 
         return False
     if q.stride(-1) != 1 or not _aligned_rows(k) or not _aligned_rows(v):
         return False
-    idx, cnt, w, first = selection.indices, selection.counts, selection.weights, selection.first_block
     qb = selection.query_block
     if isinstance(qb, bool) or not isinstance(qb, int) or qb < 1:
         return False
-    if not all(isinstance(t, torch.Tensor) and t.device == q.device for t in (idx, cnt, first)):
-        return False
-    if idx.dtype != torch.int32 or idx.dim() != 4 or tuple(idx.shape[:2]) != (B, Hkv) or idx.shape[2] < 1:
-        return False
-    if not 1 <= idx.shape[3] < 2**30 or idx.shape[2] >= 2**31:
-        return False
-    if cnt.dtype != torch.int32 or tuple(cnt.shape) != tuple(idx.shape[:3]):
-        return False
-    if first.dim() != 1 or first.shape[0] not in (1, B) or first.dtype.is_floating_point or first.dtype == torch.bool:
-        return False
-    if w is not None:
-        if not isinstance(w, torch.Tensor) or w.device != q.device or tuple(w.shape) != tuple(idx.shape):
-            return False
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return False
-    return True
+    return selection_ok(selection, q, Hkv, max_slots=2**30)
 
 
 def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sinks: int = 0, scale: float,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .cuda_build import load_sm90_extension
+from .cuda_contract import selection_ok
 from .cuda_structured import cuda_structured_ok
 
 __all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
@@ -51,27 +52,10 @@ def cuda_token_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, p
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id, causal=causal, plain_geometry=plain_geometry,
                               softcap=softcap, sink_logits=sink_logits, key_mask=key_mask):
         return False
-    idx, cnt, w, first = selection.indices, selection.counts, selection.weights, selection.first_block
     qb = selection.query_block
     if not isinstance(qb, int) or qb < 128 or qb % 128:
         return False
-    B, Hkv = q.shape[0], k.shape[1]
-    if not all(isinstance(t, torch.Tensor) and t.device == q.device for t in (idx, cnt, first)):
-        return False
-    if idx.dtype != torch.int32 or idx.dim() != 4 or tuple(idx.shape[:2]) != (B, Hkv) or idx.shape[2] < 1:
-        return False
-    if idx.shape[3] < 1 or idx.shape[2] >= 2**31 or idx.shape[3] >= 2**31:
-        return False
-    if cnt.dtype != torch.int32 or tuple(cnt.shape) != tuple(idx.shape[:3]):
-        return False
-    if first.dim() != 1 or first.shape[0] not in (1, B) or first.dtype.is_floating_point:
-        return False
-    if w is not None:
-        if not isinstance(w, torch.Tensor) or w.device != q.device or tuple(w.shape) != tuple(idx.shape):
-            return False
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return False
-    return True
+    return selection_ok(selection, q, k.shape[1])
 
 
 def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sinks: int = 0, scale: float):

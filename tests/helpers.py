@@ -101,6 +101,22 @@ def sparse_tiny_llama(name: str, params: dict, *, random_selectors: bool = True,
     return model
 
 
+def random_slots(B: int, Hkv: int, NB: int, S: int, K: int, weights: bool, g: torch.Generator, full: bool = False):
+    """``(indices, counts, weights)`` of a random token layout on the GPU: distinct keys of ``[0, S)``
+    per (row, KV head, block), unsorted; counts in [0, K] (all K with ``full``); with ``weights``,
+    weights in [0, 1) with about a tenth exactly 0 (ignored slots), else None."""
+    idx = torch.rand(B, Hkv, NB, S, device="cuda", generator=g).topk(K, -1).indices.to(torch.int32)
+    if full:
+        cnt = torch.full((B, Hkv, NB), K, dtype=torch.int32, device="cuda")
+    else:
+        cnt = torch.randint(0, K + 1, (B, Hkv, NB), device="cuda", generator=g, dtype=torch.int32)
+    w = None
+    if weights:
+        w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g)
+        w = torch.where(torch.rand(w.shape, device="cuda", generator=g) < 0.1, torch.zeros_like(w), w)
+    return idx, cnt, w
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ``||a - b|| / ||b||`` in float64."""
     a, b = a.detach().double(), b.detach().double()

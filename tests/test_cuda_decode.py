@@ -13,7 +13,7 @@ import time
 import pytest
 import sparse_k
 import torch
-from helpers import needs_sm90, rel_err
+from helpers import needs_sm90, random_slots, rel_err
 from sparse_k import cuda_decode as cd
 from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 
@@ -25,15 +25,7 @@ def _selection(B, Hkv, S, QB, K, NB, weights, g, full=False):
     """Random distinct keys per (row, KV head, block); ``NB`` blocks ending at the decode query's
     block (``first_block`` per row); counts in [0, K] (all K with ``full``); weights in [0, 1) with
     about a tenth exactly 0 (ignored slots)."""
-    idx = torch.rand(B, Hkv, NB, S, device="cuda", generator=g).topk(K, -1).indices.to(torch.int32)
-    if full:
-        cnt = torch.full((B, Hkv, NB), K, dtype=torch.int32, device="cuda")
-    else:
-        cnt = torch.randint(0, K + 1, (B, Hkv, NB), device="cuda", generator=g, dtype=torch.int32)
-    w = None
-    if weights:
-        w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g)
-        w = torch.where(torch.rand(w.shape, device="cuda", generator=g) < 0.1, torch.zeros_like(w), w)
+    idx, cnt, w = random_slots(B, Hkv, NB, S, K, weights, g, full)
     qblock = (S - 1) // QB
     first = qblock - torch.randint(0, min(NB, qblock + 1), (B,), device="cuda", generator=g)
     return sparse_k.TokenLayout(idx, cnt, QB, first.to(torch.int64), w)
@@ -193,7 +185,7 @@ def test_transformers_decode_steps_run_the_cuda_kernel(monkeypatch):
     cfg = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-    params = dict(sinks=4, window=64, top_k=64, query_block=64)
+    params = {"sinks": 4, "window": 64, "top_k": 64, "query_block": 64}
     hf_sparse_attention.configure(model, "sparse_k", backend="triton", **params)
     model.set_attn_implementation("sparse_k")
     torch_bf16 = copy.deepcopy(model)

@@ -12,7 +12,7 @@ import time
 import pytest
 import sparse_k
 import torch
-from helpers import needs_sm90, rel_err
+from helpers import needs_sm90, random_slots, rel_err
 from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
 from sparse_k import cuda_token as ct
 
@@ -25,15 +25,7 @@ def _selection(B, Hkv, S, QB, K, weights, g, full=False):
     """Random distinct keys per (row, KV head, block); counts in [0, K] (all K with ``full``); weights
     in [0, 1) with about a tenth exactly 0 (ignored slots)."""
     NB = -(-S // QB)
-    idx = torch.rand(B, Hkv, NB, S, device="cuda", generator=g).topk(K, -1).indices.to(torch.int32)
-    if full:
-        cnt = torch.full((B, Hkv, NB), K, dtype=torch.int32, device="cuda")
-    else:
-        cnt = torch.randint(0, K + 1, (B, Hkv, NB), device="cuda", generator=g, dtype=torch.int32)
-    w = None
-    if weights:
-        w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g)
-        w = torch.where(torch.rand(w.shape, device="cuda", generator=g) < 0.1, torch.zeros_like(w), w)
+    idx, cnt, w = random_slots(B, Hkv, NB, S, K, weights, g, full)
     return sparse_k.TokenLayout(idx, cnt, QB, torch.zeros(B, dtype=torch.int64, device="cuda"), w)
 
 

@@ -2,6 +2,8 @@
 // from Python as an integer, so this file compiles without CUDA torch.
 #include <torch/extension.h>
 
+#include "sm90_selection_host.h"
+
 extern "C" int sk90_decode_fwd(const void* q, const void* k, const void* v, void* out, float* lse, float* o_part,
                                float* l_part, int* counters, int B, int Hq, int Hkv, int S, int is_bf16, int pattern,
                                int window, int sinks, float scale, const int* sel_idx, const int* sel_cnt,
@@ -50,24 +52,9 @@ static void decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 "counters must be int32 with at least B * Hkv entries");
   }
   TORCH_CHECK(S < (1LL << 31) && B * Hq < (1LL << 31), "sizes too large");
-  TORCH_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 4 && idx.size(0) == B && idx.size(1) == Hkv &&
-                  idx.stride(3) == 1,
-              "indices must be int32 (B, Hkv, NB, K) with unit last stride");
-  TORCH_CHECK(cnt.scalar_type() == at::kInt && cnt.dim() == 3 && cnt.size(0) == B && cnt.size(1) == Hkv &&
-                  cnt.size(2) == idx.size(2),
-              "counts must be int32 (B, Hkv, NB)");
-  TORCH_CHECK(first.scalar_type() == at::kLong && first.dim() == 1 && first.size(0) == B && first.is_contiguous(),
-              "first_block must be int64 (B,) contiguous");
-  const bool has_w = w.numel() > 0;
-  if (has_w) {
-    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.sizes() == idx.sizes() && w.stride(3) == 1,
-                "weights must be float32 like indices with unit last stride");
-  }
-  TORCH_CHECK(idx.size(2) < (1LL << 31) && idx.size(3) < (1LL << 31), "selection too large");
-  const long long strides[17] = {q.stride(0),   q.stride(1),   k.stride(0),   k.stride(1),   k.stride(2),
-                                 v.stride(0),   v.stride(1),   v.stride(2),   idx.stride(0), idx.stride(1),
-                                 idx.stride(2), cnt.stride(0), cnt.stride(1), cnt.stride(2),
-                                 has_w ? w.stride(0) : 0, has_w ? w.stride(1) : 0, has_w ? w.stride(2) : 0};
+  long long strides[17] = {q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2)};
+  const bool has_w = sk90h::check_selection(idx, cnt, w, first, B, Hkv, strides + 8);
   char err[512] = {0};
   const int rc = sk90_decode_fwd(
       q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(), o_part.data_ptr<float>(),

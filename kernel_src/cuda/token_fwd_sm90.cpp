@@ -2,6 +2,8 @@
 // from Python as an integer, so this file compiles without CUDA torch.
 #include <torch/extension.h>
 
+#include "sm90_selection_host.h"
+
 extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
                               int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
                               const int* sel_idx, const int* sel_cnt, const float* sel_w, const long long* first,
@@ -32,23 +34,8 @@ static void token_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(out.sizes() == q.sizes(), "out shape mismatch");
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == S, "lse shape mismatch");
   TORCH_CHECK(S < (1LL << 31) && B * Hq < (1LL << 31), "sizes too large");
-  TORCH_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 4 && idx.size(0) == B && idx.size(1) == k.size(1) &&
-                  idx.stride(3) == 1,
-              "indices must be int32 (B, Hkv, NB, K) with unit last stride");
-  TORCH_CHECK(cnt.scalar_type() == at::kInt && cnt.dim() == 3 && cnt.size(0) == B && cnt.size(1) == k.size(1) &&
-                  cnt.size(2) == idx.size(2),
-              "counts must be int32 (B, Hkv, NB)");
-  TORCH_CHECK(first.scalar_type() == at::kLong && first.dim() == 1 && first.size(0) == B && first.is_contiguous(),
-              "first_block must be int64 (B,) contiguous");
-  const bool has_w = w.numel() > 0;
-  if (has_w) {
-    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.sizes() == idx.sizes() && w.stride(3) == 1,
-                "weights must be float32 like indices with unit last stride");
-  }
-  TORCH_CHECK(idx.size(2) < (1LL << 31) && idx.size(3) < (1LL << 31), "selection too large");
-  const long long strides[9] = {idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1),
-                                cnt.stride(2), has_w ? w.stride(0) : 0, has_w ? w.stride(1) : 0,
-                                has_w ? w.stride(2) : 0};
+  long long strides[9];
+  const bool has_w = sk90h::check_selection(idx, cnt, w, first, B, k.size(1), strides);
   char err[512] = {0};
   const int rc = sk90_token_fwd(
       q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(), static_cast<int>(B),
