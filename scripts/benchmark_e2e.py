@@ -1,0 +1,491 @@
+"""End to end through Transformers: prefill time, decode ms/token, peak memory and the kernels that ran,
+for dense attention (sdpa, flex_attention) and every sparse variant, in one process on one model.
+
+The model is a Llama built from a config (random weights; Llama-3.1-8B's shape by default, the layer
+count a flag), loaded once; each variant switches its attention implementation
+(``model.set_attn_implementation`` + ``hf_sparse_attention.configure``) on the same weights. Per
+variant and length:
+
+* **check** (gates the row): last-token logits of a short prompt (``--check-len`` tokens, longer than
+  every window and budget, so the sparse rule is active) against the PyTorch path of the same variant
+  (``backend="torch"``; eager attention for sdpa / flex_attention). The bound is twice the gap between
+  two exact implementations of dense attention in the model's dtype (sdpa vs eager, measured on the
+  same prompt) plus 1e-3, raised to 5e-2 for learned selection (a bf16 difference can swap a key at
+  the selection boundary; the reason is printed with the row). A failed check voids the row's times.
+* **prefill**: ``model(ids, logits_to_keep=1)`` on ``L`` random tokens (median of ``--repeats`` after
+  one warm-up run), peak memory (``torch.cuda.max_memory_allocated``), and the top kernels of one
+  prefill (profiler) with the attention kernel named.
+* **decode**: the context is prefilled (the variant itself; sparse variants use
+  ``hf_sparse_attention.SparseCache``, the bounded / selection-keeping cache a user passes to
+  ``generate``), then greedy decode steps. Warm-up steps repeat until a whole warm-up round compiles
+  nothing (Triton JIT hook and torch.compile counters), then ``--decode-steps`` are timed; the row
+  says how many compilations happened inside the timed steps (must be 0). ``gpu ms`` is the pure GPU
+  time of one step (sum of the kernels' device time in the profiler); ``ms/token`` over ``gpu ms`` is
+  how host-bound the step is (1.0 = GPU-bound). ``--decode-mode compiled`` runs the steps through
+  ``torch.compile(mode="reduce-overhead")`` on a ``StaticCache`` (CUDA graphs) instead of eagerly.
+
+Variants (``--variants``, comma list): ``sdpa``, ``flex_attention``, ``sliding_window`` (window
+``--window`` 4096), ``streaming`` (``--sinks`` 4 + 4096), ``sparse_k`` (trained-shaped random
+``SparseKScorer``: sinks 4, ``--learned-window`` 1024, ``--top-k`` 2048, ``--query-block`` 128), ``dsa``
+(random ``LightningIndexer``, same budget), ``default`` (the ``sparse_k`` defaults with the
+training-free selection).
+
+Example (H100, 8 layers)::
+
+    python scripts/benchmark_e2e.py --layers 8 --prefill-lens 32768,131072 --decode-lens 32768,131072 \\
+        --json results/e2e.json
+
+Ratios to ``sdpa`` (prefill) and to ``flex_attention`` (decode) are printed per row; everything also
+goes to ``--json``. On a CPU (tests) use a tiny model: ``--hidden 64 --heads 4 --kv-heads 2 ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default")
+
+
+def variant_spec(name: str, args) -> dict:
+    """``{"impl", "sparse" (config.sparse_attention), "selector" (attach random selectors)}`` of a variant."""
+    learned = {"sinks": args.sinks, "window": args.learned_window, "top_k": args.top_k, "query_block": args.query_block}
+    return {
+        "sdpa": {"impl": "sdpa"},
+        "flex_attention": {"impl": "flex_attention"},
+        "sliding_window": {"impl": "sparse_k", "sparse": {"pattern": "sliding_window", "window": args.window}},
+        "streaming": {"impl": "sparse_k", "sparse": {"pattern": "streaming", "sinks": args.sinks, "window": args.window}},
+        "sparse_k": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "sparse_k", **learned}},
+        "dsa": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "dsa", **learned}},
+        "default": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k"}},
+    }[name]
+
+
+#: Substrings of kernel names that identify which attention kernel ran (first match names the row's kernel).
+ATTENTION_KERNELS = (
+    ("structured_fwd_kernel", "CUDA sm90 structured"), ("token_fwd_kernel", "CUDA sm90 token"),
+    ("decode_kernel", "CUDA sm90 decode"), ("_st_fwd", "Triton structured"), ("_attn_fwd", "Triton layout / split-KV"),
+    ("triton_tem", "FlexAttention (Inductor template)"), ("flex", "FlexAttention"), ("cudnn", "cuDNN (SDPA)"),
+    ("flash", "FlashAttention (SDPA)"), ("fmha", "SDPA mem-efficient"),
+)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}")
+    return values
+
+
+def _variant_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown or text!r}; allowed: {', '.join(VARIANTS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", type=_variant_list, default=list(VARIANTS), help="comma list: " + ", ".join(VARIANTS))
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--window", type=int, default=4096, help="window of sliding_window / streaming")
+    p.add_argument("--sinks", type=int, default=4, help="sink tokens of streaming and the learned variants")
+    p.add_argument("--learned-window", type=int, default=1024, help="window of sparse_k / dsa")
+    p.add_argument("--top-k", type=int, default=2048, help="selected keys per query block (sparse_k / dsa)")
+    p.add_argument("--query-block", type=int, default=128, help="query block of the learned selection")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prefill-lens", type=_positive_ints, default=[32768, 131072])
+    p.add_argument("--decode-lens", type=_positive_ints, default=[32768, 131072])
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per length")
+    p.add_argument("--warmup-steps", type=int, default=8, help="decode steps per warm-up round")
+    p.add_argument("--max-warmup-rounds", type=int, default=6)
+    p.add_argument("--decode-mode", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills per length (median)")
+    p.add_argument("--check-len", type=int, default=5120, help="prompt length of the correctness check")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler (kernel names, GPU time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write every row and the environment here")
+    return p
+
+
+def _validate(args) -> None:
+    for name in ("window", "learned_window", "top_k", "query_block", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "decode_steps",
+                 "warmup_steps", "max_warmup_rounds", "repeats", "check_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"benchmark_e2e: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.heads % args.kv_heads:
+        raise SystemExit(f"benchmark_e2e: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.sinks < 0:
+        raise SystemExit(f"benchmark_e2e: --sinks must be >= 0, got {args.sinks}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("benchmark_e2e: --device cuda but no CUDA device is visible; pass --device cpu")
+
+
+def build_model(args):
+    """A random-weight Llama of the requested shape on ``args.device`` (``eval()``, no grad)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    longest = max([*args.prefill_lens, *args.decode_lens, args.check_len]) + args.decode_steps * 4 + 1024
+    config = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        vocab_size=args.vocab, max_position_embeddings=longest, rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def apply_variant(model, name: str, args) -> None:
+    """Switch ``model`` to variant ``name`` (attention implementation, sparse config, selectors)."""
+    import hf_sparse_attention as hfsa
+    from hf_sparse_attention.selectors import attach_selectors, create_selectors, detach_selectors
+
+    spec = variant_spec(name, args)
+    detach_selectors(model)
+    if spec["impl"] == "sparse_k":
+        params = dict(spec["sparse"])
+        hfsa.configure(model, params.pop("pattern"), **params)
+    model.set_attn_implementation(spec["impl"])
+    if spec.get("selector"):
+        gen = torch.random.fork_rng(devices=[])
+        with gen:
+            torch.manual_seed(1234)
+            attach_selectors(model, create_selectors(model))
+
+
+@contextmanager
+def _backend(model, backend: str):
+    """Temporarily run the sparse config with ``backend``."""
+    cfg = getattr(model.config, "sparse_attention", None)
+    if cfg is None:
+        yield
+        return
+    model.config.sparse_attention = {**cfg, "backend": backend}
+    try:
+        yield
+    finally:
+        model.config.sparse_attention = cfg
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def _last_logits(model, ids) -> torch.Tensor:
+    return model(ids, logits_to_keep=1).logits[:, -1].float()
+
+
+@torch.no_grad()
+def dense_noise(model, ids) -> float:
+    """Relative gap of the last-token logits between sdpa and eager attention (two exact dense
+    implementations in the model's dtype): the low-precision noise the checks are scaled by."""
+    saved = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    a = _last_logits(model, ids)
+    model.set_attn_implementation("eager")
+    b = _last_logits(model, ids)
+    model.set_attn_implementation(saved)
+    return _rel_err(a, b)
+
+
+@torch.no_grad()
+def check_variant(model, name: str, ids, noise: float, args) -> dict:
+    """The row gate: the variant's logits against its PyTorch path (module docstring)."""
+    spec = variant_spec(name, args)
+    got = _last_logits(model, ids)
+    if spec["impl"] == "sparse_k":
+        with _backend(model, "torch"):
+            want = _last_logits(model, ids)
+    else:
+        model.set_attn_implementation("eager")
+        want = _last_logits(model, ids)
+        model.set_attn_implementation(spec["impl"])
+    err = _rel_err(got, want)
+    learned = spec.get("sparse", {}).get("pattern") in ("sparse_k", "dsa")
+    bound = max(2 * noise + 1e-3, 5e-2 if learned else 0.0)
+    return {"check_rel_err": err, "check_bound": bound, "check_ok": bool(err <= bound),
+            "check_reason": "learned selection: a bf16 difference may swap a key at the selection boundary" if learned else
+            "2 x (sdpa vs eager gap) + 1e-3"}
+
+
+class CompileCounter:
+    """Counts Triton JIT compilations and torch.compile graph compilations while active."""
+
+    def __init__(self):
+        self.triton = 0
+        self._hook_set = False
+
+    def __enter__(self):
+        try:
+            import triton.knobs as knobs
+
+            self._prev = knobs.runtime.jit_post_compile_hook
+            prev = self._prev
+
+            def hook(*args, **kwargs):
+                self.triton += 1
+                return prev(*args, **kwargs) if prev is not None else None
+
+            knobs.runtime.jit_post_compile_hook = hook
+            self._hook_set = True
+        except (ImportError, AttributeError):
+            self._hook_set = False
+        return self
+
+    def __exit__(self, *exc):
+        if self._hook_set:
+            import triton.knobs as knobs
+
+            knobs.runtime.jit_post_compile_hook = self._prev
+
+    @staticmethod
+    def dynamo_graphs() -> int:
+        try:
+            from torch._dynamo.utils import counters
+
+            return int(counters["stats"]["unique_graphs"])
+        except Exception:  # noqa: BLE001 - counters are private; missing means "not counted"
+            return 0
+
+
+def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, str | None]:
+    """(GPU ms per call, top kernels [(name, ms per call)], attention kernel) of ``fn`` (profiler)."""
+    if torch.device(device).type != "cuda":
+        return None, [], None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        _sync(device)
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or memcpy/memset) on the GPU
+            t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
+            kernels[e.name] = kernels.get(e.name, 0.0) + t / steps / 1000
+    total = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
+    attention = None
+    for key, label in ATTENTION_KERNELS:
+        hits = [k for k in kernels if key.lower() in k.lower()]
+        if hits:
+            attention = f"{label} ({hits[0][:60]})"
+            break
+    return total, [(k[:80], round(v, 4)) for k, v in top], attention
+
+
+@torch.no_grad()
+def measure_prefill(model, name: str, length: int, args) -> dict:
+    device = args.device
+    gen = torch.Generator().manual_seed(args.seed + length)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(device)
+
+    def step():
+        return model(ids, logits_to_keep=1, use_cache=False)
+
+    step()  # warm-up: compiles, layout caches, allocator growth
+    _sync(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
+    row = {"prefill_ms": 1e3 * statistics.median(times), "prefill_peak_gb": peak / 1e9 if peak is not None else None}
+    if not args.no_profile:
+        gpu_ms, top, attention = _profile_kernels(step, device)
+        row.update(prefill_gpu_ms=gpu_ms, prefill_top_kernels=top, prefill_attention_kernel=attention)
+    return row
+
+
+def _new_cache(model, name: str, args, length: int):
+    spec = variant_spec(name, args)
+    if args.decode_mode == "compiled":
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=length + args.decode_steps * (args.max_warmup_rounds + 2) + 16)
+    if spec["impl"] == "sparse_k":
+        from hf_sparse_attention import SparseCache
+
+        return SparseCache(model)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def measure_decode(model, name: str, length: int, args) -> dict:
+    device = args.device
+    gen = torch.Generator().manual_seed(args.seed + 7 * length)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache = _new_cache(model, name, args, length)
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    del ids
+    nxt = out.logits[:, -1:].argmax(-1)
+    pos = length
+    forward = model.forward
+    if args.decode_mode == "compiled":
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+
+    def step():
+        nonlocal nxt, pos
+        cache_position = torch.tensor([pos], device=device)
+        o = forward(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=cache_position)
+        nxt = o.logits[:, -1:].argmax(-1)
+        pos += 1
+
+    rounds, compiled_in_warmup = 0, 0
+    with CompileCounter() as cc:
+        while rounds < args.max_warmup_rounds:
+            before = cc.triton + cc.dynamo_graphs()
+            for _ in range(args.warmup_steps):
+                step()
+            _sync(device)
+            rounds += 1
+            new = cc.triton + cc.dynamo_graphs() - before
+            compiled_in_warmup += new
+            if new == 0:
+                break
+        before = cc.triton + cc.dynamo_graphs()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            step()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        compiled_in_timed = cc.triton + cc.dynamo_graphs() - before
+    ms = 1e3 * elapsed / args.decode_steps
+    peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
+    row = {"decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms, "decode_peak_gb": peak / 1e9 if peak is not None else None,
+           "warmup_rounds": rounds, "compiles_in_warmup": compiled_in_warmup, "compiles_in_timed_steps": compiled_in_timed,
+           "decode_mode": args.decode_mode}
+    if not args.no_profile:
+        gpu_ms, top, attention = _profile_kernels(step, device, steps=4)
+        row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=attention,
+                   decode_host_bound_ratio=ms / gpu_ms if gpu_ms else None)
+    del cache
+    return row
+
+
+def environment() -> dict:
+    import transformers
+
+    import sparse_k
+
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "sparse_k": sparse_k.__version__,
+           "argv": sys.argv}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def _fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    base_prefill = {r["length"]: r.get("prefill_ms") for r in rows if r["variant"] == "sdpa" and r["phase"] == "prefill"}
+    base_decode = {r["length"]: r.get("decode_ms_per_token") for r in rows if r["variant"] == "flex_attention" and r["phase"] == "decode"}
+    print("\n| variant | phase | length | ms | vs baseline | GPU ms | peak GB | check | attention kernel |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["phase"] == "prefill":
+            ms, base, gpu, peak, kern = r.get("prefill_ms"), base_prefill.get(r["length"]), r.get("prefill_gpu_ms"), r.get("prefill_peak_gb"), r.get("prefill_attention_kernel")
+        else:
+            ms, base, gpu, peak, kern = r.get("decode_ms_per_token"), base_decode.get(r["length"]), r.get("decode_gpu_ms"), r.get("decode_peak_gb"), r.get("decode_attention_kernel")
+        ratio = f"{ms / base:.2f}x" if ms is not None and base else "-"
+        check = "ok" if r.get("check_ok") else f"FAILED ({r.get('check_rel_err', float('nan')):.2e})" if "check_ok" in r else r.get("error", "-")[:40]
+        extra = ""
+        if r["phase"] == "decode" and "compiles_in_timed_steps" in r:
+            extra = f" [compiles in timed steps: {r['compiles_in_timed_steps']}]"
+        print(f"| {r['variant']} | {r['phase']} | {r['length']} | {_fmt(ms, '.2f')} | {ratio} | {_fmt(gpu, '.2f')} | {_fmt(peak, '.2f')} | {check}{extra} | {kern or '-'} |")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    import hf_sparse_attention  # noqa: F401 - registers attn_implementation="sparse_k"
+
+    model = build_model(args)
+    gen = torch.Generator().manual_seed(args.seed)
+    check_ids = torch.randint(0, args.vocab, (1, args.check_len), generator=gen).to(args.device)
+    noise = dense_noise(model, check_ids)
+    print(f"[e2e] dense sdpa vs eager logits gap: {noise:.2e}", flush=True)
+    rows = []
+    for name in args.variants:
+        try:
+            apply_variant(model, name, args)
+            check = check_variant(model, name, check_ids, noise, args)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+            rows.append({"variant": name, "phase": "check", "length": args.check_len, "error": f"{type(e).__name__}: {e}"})
+            print(f"[e2e] {name}: check raised {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"[e2e] {name}: check rel err {check['check_rel_err']:.2e} (bound {check['check_bound']:.2e})", flush=True)
+        for phase, lengths, fn in (("prefill", args.prefill_lens, measure_prefill), ("decode", args.decode_lens, measure_decode)):
+            for length in lengths:
+                row = {"variant": name, "phase": phase, "length": length, **check}
+                if check["check_ok"]:
+                    try:
+                        row.update(fn(model, name, length, args))
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory for one baseline: report it
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    if torch.device(args.device).type == "cuda":
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                print(f"[e2e] {json.dumps(row, default=str)}", flush=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1, default=str)
+    return 0 if all(r.get("check_ok", False) and "error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""scripts/benchmark_e2e.py on a tiny random Llama on the CPU: every row is gated by its check,
+rows carry the fields the README table is made of, bad flags fail before any model is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_e2e.py"
+TINY = ["--device", "cpu", "--dtype", "float32", "--layers", "2", "--hidden", "64", "--intermediate", "128",
+        "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "256", "--window", "48", "--sinks", "2",
+        "--learned-window", "16", "--top-k", "16", "--query-block", "16", "--repeats", "1", "--decode-steps", "3",
+        "--warmup-steps", "2", "--check-len", "160"]
+
+
+def _run(args, tmp_path, timeout=600):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, check=False)
+
+
+@pytest.mark.slow
+def test_tiny_model_rows_are_checked_and_complete(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = _run([*TINY, "--variants", "sdpa,streaming,sparse_k,dsa", "--prefill-lens", "130",
+                 "--decode-lens", "130", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["variant"], r["phase"]) for r in rows} == {
+        (v, p) for v in ("sdpa", "streaming", "sparse_k", "dsa") for p in ("prefill", "decode")}
+    for r in rows:
+        assert r["check_ok"] and r["check_rel_err"] <= r["check_bound"], r
+        assert r["length"] == 130
+        if r["phase"] == "prefill":
+            assert r["prefill_ms"] > 0
+        else:
+            assert r["decode_ms_per_token"] > 0 and r["compiles_in_timed_steps"] == 0
+    assert data["environment"]["torch"] and "| variant | phase |" in proc.stdout
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--variants", "sdpa,dense2"], "unknown variant"),
+    (["--prefill-lens", "0"], "positive ints"),
+    (["--heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
+    (["--top-k", "0"], "--top-k must be >= 1"),
+])
+def test_bad_flags_fail_with_one_line(tmp_path, bad, message):
+    proc = _run([*TINY, *bad], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
