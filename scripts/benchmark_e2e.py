@@ -122,13 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per length (median)")
     p.add_argument("--check-len", type=int, default=5120, help="prompt length of the correctness check")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler (kernel names, GPU time)")
+    p.add_argument("--flat-memory-len", type=int, default=0,
+                   help="also feed the streaming variant this many tokens in chunks through SparseCache (e.g. 1048576), "
+                        "then decode: peak memory at each power of two shows whether it stays flat")
+    p.add_argument("--chunk", type=int, default=32768, help="chunk length of --flat-memory-len")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row and the environment here")
     return p
 
 
 def _validate(args) -> None:
-    for name in ("window", "learned_window", "top_k", "query_block", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "decode_steps",
+    for name in ("chunk", "window", "learned_window", "top_k", "query_block", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "decode_steps",
                  "warmup_steps", "max_warmup_rounds", "repeats", "check_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"benchmark_e2e: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -407,6 +411,46 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     return row
 
 
+@torch.no_grad()
+def measure_flat_memory(model, args) -> dict:
+    """Streaming over ``--flat-memory-len`` tokens: chunked prefill through ``SparseCache`` then decode
+    steps; peak memory (``max_memory_allocated`` since the start, model weights included) each time the
+    context passes a power of two, and the cache's kept length at the end."""
+    from hf_sparse_attention import SparseCache
+
+    apply_variant(model, "streaming", args)
+    device, total = args.device, args.flat_memory_len
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache = SparseCache(model)
+    gen = torch.Generator().manual_seed(args.seed + 11)
+    seen, marks, next_mark = 0, [], 1 << max(0, (min(args.chunk, total) - 1).bit_length())
+    t0 = time.perf_counter()
+    out = None
+    while seen < total:
+        n = min(args.chunk, total - seen)
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
+        pos = torch.arange(seen, seen + n, device=device)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1, cache_position=pos)
+        seen += n
+        while seen >= next_mark:
+            _sync(device)
+            marks.append({"context": next_mark, "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if on_cuda else None})
+            next_mark *= 2
+    nxt = out.logits[:, -1:].argmax(-1)
+    for _ in range(args.decode_steps):
+        o = model(nxt, past_key_values=cache, use_cache=True, cache_position=torch.tensor([seen], device=device))
+        nxt = o.logits[:, -1:].argmax(-1)
+        seen += 1
+    _sync(device)
+    kept = cache.layers[0].keys.shape[-2] if getattr(cache.layers[0], "keys", None) is not None else None
+    return {"variant": "streaming", "phase": "flat_memory", "length": total, "seconds": time.perf_counter() - t0,
+            "peak_gb_by_context": marks, "final_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if on_cuda else None,
+            "kept_keys_layer0": kept, "decode_steps_after": args.decode_steps}
+
+
 def environment() -> dict:
     import transformers
 
@@ -480,11 +524,18 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
                 rows.append(row)
                 print(f"[e2e] {json.dumps(row, default=str)}", flush=True)
-    print_table(rows)
+    if args.flat_memory_len:
+        try:
+            row = measure_flat_memory(model, args)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            row = {"variant": "streaming", "phase": "flat_memory", "length": args.flat_memory_len, "error": f"{type(e).__name__}: {e}"}
+        print(f"[e2e] {json.dumps(row, default=str)}", flush=True)
+        rows.append(row)
+    print_table([r for r in rows if r["phase"] in ("prefill", "decode")])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(), "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1, default=str)
-    return 0 if all(r.get("check_ok", False) and "error" not in r for r in rows) else 1
+    return 0 if all((r.get("check_ok", False) or r["phase"] == "flat_memory") and "error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":

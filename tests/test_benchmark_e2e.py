@@ -26,10 +26,13 @@ def _run(args, tmp_path, timeout=600):
 def test_tiny_model_rows_are_checked_and_complete(tmp_path):
     out = tmp_path / "e2e.json"
     proc = _run([*TINY, "--variants", "sdpa,streaming,sparse_k,dsa", "--prefill-lens", "130",
-                 "--decode-lens", "130", "--json", str(out)], tmp_path)
+                 "--decode-lens", "130", "--flat-memory-len", "400", "--chunk", "128", "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    rows = data["rows"]
+    rows = [r for r in data["rows"] if r["phase"] != "flat_memory"]
+    (flat,) = [r for r in data["rows"] if r["phase"] == "flat_memory"]
+    assert flat["kept_keys_layer0"] == 2 + 48 - 1  # sinks + window - 1: the bounded cache stays bounded
+    assert [m["context"] for m in flat["peak_gb_by_context"]] == [128, 256]
     assert {(r["variant"], r["phase"]) for r in rows} == {
         (v, p) for v in ("sdpa", "streaming", "sparse_k", "dsa") for p in ("prefill", "decode")}
     for r in rows:
