@@ -350,18 +350,20 @@ def test_bigbird_misaligned_falls_back():
 
 @_SUBPROCESS_ONLY
 def test_custom_op_registration():
-    """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema/fake tests."""
+    """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema, fake-tensor
+    and autograd-registration tests (the last needs inputs that require grad)."""
     from sparse_k import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(9)
-    q, k, v = rand(1, 2, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g)
+    q, k, v = (rand(1, h, 20, 16, gen=g).requires_grad_() for h in (2, 1, 1))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 1)
     pid, params = triton_fwd.pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
-    torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.block_attn_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _random_selection(B, Hkv, Sq, Skv, query_block, top_k, geo, gen, weights=True):
