@@ -43,7 +43,10 @@ Sections (each fits in a few minutes on an H100):
   on transposed views of ``(B, S, H, D)`` storage (what a Transformers layer passes), and that call
   followed by the adapter's ``out.transpose(1, 2).contiguous()``; each row names the forward kernel that
   ran (``cuda_sm90``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
-  call; the calls are timed in turn, ``--rounds`` times (``ms``: the median over rounds).
+  call; then forward + backward (gradients of q, k, v) from contiguous leaves and from ``(B, S, H, D)``
+  leaves passed transposed (a layer in training; with ``--layouts-bwd``), the kernels named
+  ``forward / backward``. The calls of a group are timed in turn, ``--rounds`` times (``ms``: the
+  median over rounds).
 * ``--section sparsek``: the SparseK operator, Triton kernel vs the PyTorch path (forward, forward +
   backward), after checking they agree; decides ``sparse_k.sparsek.AUTO_TRITON_ON_CUDA``.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
@@ -947,29 +950,58 @@ def section_l2(args, results):
             print(json.dumps(row), flush=True)
 
 
-def _which_forward(fn):
-    """Run ``fn()`` once; return its result and the forward kernel that ran: "cuda_sm90" when the Hopper
-    CUDA kernel took every structured call (``cuda_dispatch.try_cuda_structured``), else "triton"."""
+def _which_kernels(fn):
+    """Run ``fn()`` once; return its result and the kernels that ran, forward and (when ``fn`` runs one)
+    backward: "cuda_sm90" when the Hopper CUDA kernel took every such call
+    (``cuda_dispatch.try_cuda_structured`` / ``try_cuda_structured_backward``), else "triton"."""
     from sparse_k import cuda_dispatch
 
-    real, seen = cuda_dispatch.try_cuda_structured, []
+    seen = {"try_cuda_structured": [], "try_cuda_structured_backward": []}
+    real = {name: getattr(cuda_dispatch, name) for name in seen}
 
-    def spy(*a, **kw):
-        r = real(*a, **kw)
-        seen.append(r is not None)
-        return r
+    def spy(name):
+        def call(*a, **kw):
+            r = real[name](*a, **kw)
+            seen[name].append(r is not None)
+            return r
+        return call
 
-    cuda_dispatch.try_cuda_structured = spy
+    for name in seen:
+        setattr(cuda_dispatch, name, spy(name))
     try:
         out = fn()
         torch.cuda.synchronize()
     finally:
-        cuda_dispatch.try_cuda_structured = real
-    return out, ("cuda_sm90" if seen and all(seen) else "triton")
+        for name in seen:
+            setattr(cuda_dispatch, name, real[name])
+    names = ["cuda_sm90" if all(v) else "triton" for v in seen.values() if v]
+    return out, " / ".join(names) or "triton"
+
+
+def _median(xs):
+    r = sorted(xs)
+    return r[len(r) // 2] if len(r) % 2 else 0.5 * (r[len(r) // 2 - 1] + r[len(r) // 2])
+
+
+def _layout_rows(rows, calls, rounds, results):
+    """Time the checked rows' calls in turn, ``rounds`` times; median and ratio to the first row."""
+    timed = [n for n, r in rows.items() if "error" not in r]
+    for _ in range(rounds):
+        for name in timed:
+            rows[name].setdefault("ms_rounds", []).append(round(bench(calls[name]), 3))
+    base = rows[next(iter(calls))]
+    for row in rows.values():
+        if row.get("ms_rounds"):
+            row["ours_ms"] = _median(row["ms_rounds"])
+        if row.get("ours_ms") and base.get("ours_ms"):
+            row["ratio_vs_contiguous"] = row["ours_ms"] / base["ours_ms"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def section_layouts(args, results):
-    """Sliding window forward through the model-facing entry points (module docstring)."""
+    """Sliding window forward (and forward + backward) through the model-facing entry points (module
+    docstring)."""
     from sparse_k.flash_api import flash_attn_func
 
     dev, dtype, D = "cuda", torch.bfloat16, 128
@@ -993,7 +1025,7 @@ def section_layouts(args, results):
         for name, (fn, bshd_out) in calls.items():
             row = dict(section="layouts", pattern="sliding_window", S=S, D=D, call=name)
             try:
-                out, row["kernel"] = _which_forward(fn)
+                out, row["kernel"] = _which_kernels(fn)
                 out_bhsd = out.transpose(1, 2) if bshd_out else out
                 row["out_order"] = "(B,S,H,D)" if out_bhsd.transpose(1, 2).is_contiguous() else (
                     "(B,H,S,D)" if out_bhsd.is_contiguous() else "strided")
@@ -1005,21 +1037,45 @@ def section_layouts(args, results):
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows[name] = row
-        timed = [n for n, r in rows.items() if "error" not in r]
-        for _ in range(args.rounds):
-            for name in timed:
-                rows[name].setdefault("ms_rounds", []).append(round(bench(calls[name][0]), 3))
-        base = rows[next(iter(calls))]
-        for row in rows.values():
-            if row.get("ms_rounds"):
-                r = sorted(row["ms_rounds"])
-                row["ours_ms"] = r[len(r) // 2] if len(r) % 2 else 0.5 * (r[len(r) // 2 - 1] + r[len(r) // 2])
-            if row.get("ours_ms") and base.get("ours_ms"):
-                row["ratio_vs_contiguous"] = row["ours_ms"] / base["ours_ms"]
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        _layout_rows(rows, {n: c[0] for n, c in calls.items()}, args.rounds, results)
+        if args.layouts_bwd:
+            _layout_bwd_rows(p, (q, k, v), (qc, kc, vc), S, args.rounds, results)
         del q, k, v, qt, kt, vt, qc, kc, vc
         torch.cuda.empty_cache()
+
+
+def _layout_bwd_rows(p, bshd, contiguous, S, rounds, results):
+    """Forward + backward (gradients of q, k, v): contiguous leaves vs (B, S, H, D) leaves passed as
+    transposed views (a Transformers layer in training); the gradients of the second checked against
+    the first's."""
+    g = torch.Generator(device="cuda").manual_seed(S + 1)
+    do = torch.randn(bshd[0].shape, device="cuda", dtype=bshd[0].dtype, generator=g)  # (B, S, Hq, D)
+    leaves_c = [t.detach().requires_grad_() for t in contiguous]
+    leaves_t = [t.detach().requires_grad_() for t in bshd]
+    calls = {
+        "fwd+bwd, contiguous (B,H,S,D)": lambda: torch.autograd.grad(
+            sparse_k.sparse_attention(*leaves_c, p), leaves_c, do.transpose(1, 2)),
+        "fwd+bwd, transposed (B,S,H,D) views": lambda: torch.autograd.grad(
+            sparse_k.sparse_attention(*(t.transpose(1, 2) for t in leaves_t), p).transpose(1, 2), leaves_t, do),
+    }
+    rows, ref = {}, None
+    for name, fn in calls.items():
+        row = dict(section="layouts", pattern="sliding_window", S=S, D=bshd[0].shape[-1], call=name)
+        try:
+            grads, row["kernel"] = _which_kernels(fn)
+            if ref is None:
+                ref = grads
+            else:
+                row["err_vs_contiguous"] = max(rel_err(a.transpose(1, 2), b) for a, b in zip(grads, ref))
+                if row["err_vs_contiguous"] >= 1e-2:  # one kernel on the same values: equal up to dQ's add order
+                    row["error"] = "gradients differ from the contiguous call's: row void"
+            del grads
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows[name] = row
+    del ref
+    _layout_rows(rows, calls, rounds, results)
 
 
 def _fmt(x, nd=2):
@@ -1031,6 +1087,7 @@ def print_table(results):
         ("section", "section"), ("pattern", "pattern"), ("call", "call"), ("S", "S"), ("D", "D"), ("tile", "tile"), ("warps", "warps"),
         ("stages", "stages"), ("tma", "tma"), ("kernel", "kernel"), ("ours_ms", "ours ms"),
         ("out_order", "out order"), ("ms_rounds", "ms per round"), ("ratio_vs_contiguous", "x contiguous"),
+        ("err_vs_contiguous", "grad err vs contiguous"),
         ("tflops_ours", "TF/s"), ("triton_ms", "triton ms"), ("tflops_triton", "triton TF/s"), ("flex_ms", "flex ms"), ("ratio_triton_vs_flex", "triton x flex"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
@@ -1106,7 +1163,9 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true",
                     help="tune_structured / tune_structured_bwd: launch each variant once, no checks, no timing "
                          "(fills Triton's and Inductor's caches; run shards in parallel before a timed run)")
-    ap.add_argument("--rounds", type=int, default=3, help="layouts: times each call is timed, in turn with the others")
+    ap.add_argument("--rounds", type=int, default=5, help="layouts: times each call is timed, in turn with the others")
+    ap.add_argument("--layouts-bwd", action="store_true",
+                    help="layouts: also forward + backward, contiguous vs transposed views")
     ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
     ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)

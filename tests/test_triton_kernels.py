@@ -378,23 +378,37 @@ def test_bigbird_misaligned_falls_back():
 
 
 @_SUBPROCESS_ONLY
-@pytest.mark.parametrize("transposed", [False, True])
-def test_custom_op_registration(transposed):
-    """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema/fake tests
-    (the fake's output strides match the kernel's, also for transposed (B, S, H, D) inputs, whose
-    output is (B, S, H, D)-ordered)."""
+def test_custom_op_registration():
+    """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema/fake tests."""
     from sparse_k import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(9)
     q, k, v = rand(1, 2, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g), rand(1, 1, 20, 16, gen=g)
-    if transposed:
-        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 1)
     pid, params = triton_fwd.pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
+    torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@_SUBPROCESS_ONLY
+def test_custom_op_fake_follows_query_order():
+    """The fake of ``sparse_k::block_attn_fwd`` allocates its output by the kernels' rule
+    (``memory_order.new_output``): for transposed (B, S, H, D) inputs a (B, S, H, D)-ordered output,
+    which opcheck's fake-tensor test compares with the kernel's strides."""
+    from sparse_k import ops
+
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (rand(1, 20, h, 16, gen=g).transpose(1, 2) for h in (4, 2, 2))
+    geo = row_geometry(1, 20, 20, None, device=DEV)
+    lay = _layout(p, 20, 20, geo, 2)
+    pid, params = triton_fwd.pattern_code(p)
+    args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
+            pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
+    assert ops.block_attn_fwd(*args)[0].transpose(1, 2).is_contiguous()
     torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
