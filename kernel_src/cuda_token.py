@@ -89,7 +89,8 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
             "cuda_token_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
             "stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, int32 indices (B, Hkv, NB, K) "
             "and counts, query_block a multiple of 128): "
-            f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}, indices {tuple(selection.indices.shape)} "
+            f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}, "
+            f"indices {tuple(selection.indices.shape)} "
             f"{selection.indices.dtype}, query_block {selection.query_block!r}"
         )
     B, Hq, S, _ = q.shape
