@@ -7,7 +7,9 @@ import torch
 
 from .cuda_build import is_sm90
 
-__all__ = ["STRUCTURED_CUDA_PATTERNS", "check_pattern_args", "plain_call_ok", "selection_ok", "tensors_ok"]
+__all__ = [
+    "STRUCTURED_CUDA_PATTERNS", "check_pattern_args", "plain_call_ok", "selection_ok", "tensors_ok", "tma_view_ok",
+]
 
 #: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernels compute: dense, sliding_window, streaming (causal).
 STRUCTURED_CUDA_PATTERNS = (0, 1, 2)
@@ -20,10 +22,25 @@ def plain_call_ok(pattern_id: int, causal: bool, plain_geometry: bool, softcap, 
             and softcap is None and sink_logits is None and key_mask is None)
 
 
+def tma_view_ok(t: torch.Tensor) -> bool:
+    """Whether the 4-D tensor ``t (B, H, S, D)`` is a view the kernels read through a 4-D TMA map
+    (``cuda/sm90_tma_host.h``) and write by strides: unit last stride, 16-byte aligned data, and
+    every other stride a positive multiple of 16 bytes below 2**40 bytes, except that a dimension of
+    size 1 may have any stride. Contiguous tensors qualify, and so do the transposed ``(B, S, H, D)``
+    projections Transformers passes (strides ``(S*H*D, D, H*D, 1)``) and slices of a fused QKV
+    projection; expanded (stride 0) or odd-strided views do not. Reads strides and the data pointer
+    only, so it answers for CPU tensors too."""
+    if t.dim() != 4 or t.stride(3) != 1 or t.data_ptr() % 16:
+        return False
+    size = t.element_size()
+    return all(n == 1 or (s > 0 and (s * size) % 16 == 0 and s * size < 2**40)
+               for n, s in zip(t.shape[:3], t.stride()[:3]))
+
+
 def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
     """``q (B, Hq, S, 128)``, ``k, v (B, Hkv, S, 128)`` and the ``like_q`` tensors (shaped like q):
     CUDA tensors of one sm_90 device, bf16 or fp16 alike, ``Hq % Hkv == 0``, ``1 <= S <= max_len``;
-    q, k, v and the ``tma`` tensors contiguous with 16-byte aligned data (read through TMA)."""
+    q, k, v and the ``tma`` tensors views that ``tma_view_ok`` accepts (read through TMA maps)."""
     tensors = (q, k, v, *like_q)
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
         return False
@@ -38,7 +55,7 @@ def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
         return False
     if k.shape[1] < 1 or Hq % k.shape[1] != 0 or not 1 <= S <= max_len or B * Hq >= 2**31:
         return False
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, *tma))
+    return all(tma_view_ok(t) for t in (q, k, v, *tma))
 
 
 def selection_ok(selection, q, num_kv_heads: int, max_slots: int = 2**31) -> bool:

@@ -9,8 +9,13 @@ kernel takes a call when all of these hold, else the Triton kernel runs:
 * an sm_90 GPU (H100 / H200) and nvcc are present (the extension is built on first use: about a
   minute once, then loaded from ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``);
 * causal self-attention over the plain geometry (no padding, ``Sq == Skv``, query ``i`` at key
-  index ``i``), D = 128, bf16 / fp16, contiguous q / k / v, no softcap, sink logits or key mask, and
-  no caller-provided output view.
+  index ``i``), D = 128, bf16 / fp16, no softcap, sink logits or key mask, and no caller-provided
+  output view;
+* q / k / v (and dO for the backward) contiguous or strided views with unit last stride and strides
+  of 16-byte multiples (``cuda_contract.tma_view_ok``): the transposed ``(B, S, H, D)`` projections
+  a Transformers layer passes and ``flash_api``'s ``(B, S, H, D)`` tensors are read in place. The
+  output follows q's memory order (``memory_order.new_output``), so ``out.transpose(1, 2)`` of a
+  transposed call is contiguous; gradients are laid out like their inputs where those are dense.
 
 ``try_cuda_token`` does the same for a token-layout forward (``selection``, the learned ``sparse_k``
 prefill; ``cuda_token``) under the same conditions, with a sliding_window / streaming static part and

@@ -1,7 +1,9 @@
 """Hopper CUDA forward for the structured causal patterns (``cuda/structured_fwd_sm90.cu``).
 
 An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x128 tiles) for
-dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16. The contract is that
+dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16, q/k/v contiguous or
+strided views (4-D TMA maps: the transposed ``(B, S, H, D)`` projections of a Transformers layer are
+read in place, and the output is written in q's memory order). The contract is that
 of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
 sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
@@ -25,6 +27,7 @@ from .cuda_contract import (
     plain_call_ok,
     tensors_ok,
 )
+from .memory_order import new_output
 
 __all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
@@ -59,7 +62,9 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
     """Causal structured attention forward on an sm_90 GPU.
 
     Args:
-        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; contiguous, bf16 or fp16, ``Hq % Hkv == 0``.
+        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
+            or strided views (``cuda_contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
+            in place.
         pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_PATTERNS``).
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
@@ -67,19 +72,21 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         variant: tuning only: 0 the default; 2 no ping-pong; 8 without the loop rotation that lets the softmax overlap
             the same warpgroup's P V; 16 that and O rescaled on every tile; + 4 one CTA per 128-row
             work tile instead of a persistent grid.
-    Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
+    Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``: a view
+    of ``(B, S, Hq, 128)`` storage when q is one) and ``lse (B, Hq, S)`` float32 (natural log).
     """
     check_pattern_args(pattern_id, window, sinks, scale)
     if variant not in (0, 2, 4, 6, 8, 12, 16, 20):
         raise ValueError(f"variant={variant!r}: 0, 2, 4, 6, 8, 12, 16 or 20 allowed")
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):
         raise ValueError(
-            "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, "
-            f"D=128, Sq == Skv, Hq % Hkv == 0): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
-            f"v {tuple(v.shape)} {v.dtype}"
+            "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
+            "last stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0): "
+            f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} {k.dtype} strides {k.stride()}, "
+            f"v {tuple(v.shape)} {v.dtype} strides {v.stride()}"
         )
     B, Hq, S, _ = q.shape
-    out = torch.empty_like(q)
+    out = new_output(q)
     lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
     _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant)
     return out, lse

@@ -69,8 +69,10 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
     """Gradients of causal structured attention on an sm_90 GPU.
 
     Args:
-        do, q, out: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; contiguous, bf16 or fp16,
-            ``Hq % Hkv == 0``; lse ``(B, Hq, S)`` float32, the forward's natural-log LSE.
+        do, q, out: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``;
+            q, k, v, do contiguous or strided views (``cuda_contract.tma_view_ok``: e.g. transposed
+            ``(B, S, H, D)`` tensors), read in place; out any strides; lse ``(B, Hq, S)`` float32, the
+            forward's natural-log LSE.
         pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_BWD_PATTERNS``).
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
@@ -82,23 +84,24 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
             not computed during this tile's dQ reduce-adds); bit 2: dQ by ``red.global.add`` from the
             consumers' registers instead of through shared memory and TMA reduce-adds issued by a
             producer-side warp.
-    Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v``.
+    Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v`` and laid out like them where
+    they are dense (``torch.empty_like``), else contiguous.
     """
     check_pattern_args(pattern_id, window, sinks, scale)
     if not isinstance(variant, int) or not 0 <= variant <= 7:
         raise ValueError(f"variant={variant!r}: 0..7 allowed")
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):
         raise ValueError(
-            "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, "
-            f"D=128, Sq == Skv, Hq % Hkv == 0, lse (B, Hq, S) float32): q {tuple(q.shape)} {q.dtype}, "
-            f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}, do {tuple(do.shape)} {do.dtype}, "
-            f"lse {tuple(getattr(lse, 'shape', ()))} {getattr(lse, 'dtype', None)}"
+            "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
+            "last stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, lse (B, Hq, S) float32): "
+            f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} {k.dtype} strides {k.stride()}, "
+            f"v {tuple(v.shape)} {v.dtype} strides {v.stride()}, do {tuple(do.shape)} {do.dtype} strides "
+            f"{do.stride()}, lse {tuple(getattr(lse, 'shape', ()))} {getattr(lse, 'dtype', None)}"
         )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq_acc = _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, variant)
-    S = q.shape[2]
-    dq = dq_acc[:, :, :S].to(q.dtype).contiguous()
+    dq = torch.empty_like(q).copy_(dq_acc[:, :, : q.shape[2]])  # cast and layout in one pass
     return dq, dk, dv
 
 

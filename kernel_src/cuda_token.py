@@ -27,6 +27,7 @@ import torch
 from .cuda_build import load_sm90_extension
 from .cuda_contract import selection_ok
 from .cuda_structured import cuda_structured_ok
+from .memory_order import new_output
 
 __all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
 
@@ -62,14 +63,17 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
     """Causal token-layout attention forward on an sm_90 GPU.
 
     Args:
-        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; contiguous, bf16 or fp16, ``Hq % Hkv == 0``.
+        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
+            or strided views (``cuda_contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
+            in place.
         selection: ``TokenLayout``: indices ``(B, Hkv, NB, K)`` int32, counts ``(B, Hkv, NB)`` int32,
             ``query_block`` a multiple of 128, first_block ``(B,)`` (or ``(1,)``) int, optional weights
             ``(B, Hkv, NB, K)`` float.
         pattern_id: the static part, 1 sliding_window or 2 streaming (``TOKEN_STATIC_PATTERNS``).
         window: the static window ``W >= 1``; sinks: streaming's leading keys (``>= 0``).
         scale: softmax scale (> 0).
-    Returns: ``out (B, Hq, S, 128)`` in q's dtype and ``lse (B, Hq, S)`` float32 (natural log).
+    Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``) and
+    ``lse (B, Hq, S)`` float32 (natural log).
     """
     if pattern_id not in TOKEN_STATIC_PATTERNS:
         raise ValueError(f"pattern_id={pattern_id!r}: the CUDA token kernel fuses {TOKEN_STATIC_PATTERNS} "
@@ -82,12 +86,24 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
         raise ValueError(f"scale={scale!r}: a positive float is required")
     if not cuda_token_ok(q, k, v, selection, pattern_id=pattern_id):
         raise ValueError(
-            "cuda_token_forward: inputs outside the kernel's contract (CUDA sm_90, contiguous bf16/fp16, D=128, "
-            "Sq == Skv, Hq % Hkv == 0, int32 indices (B, Hkv, NB, K) and counts, query_block a multiple of 128): "
-            f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, indices {tuple(selection.indices.shape)} "
+            "cuda_token_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
+            "stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, int32 indices (B, Hkv, NB, K) "
+            "and counts, query_block a multiple of 128): "
+            f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}, "
+            f"indices {tuple(selection.indices.shape)} "
             f"{selection.indices.dtype}, query_block {selection.query_block!r}"
         )
     B, Hq, S, _ = q.shape
+    out = new_output(q)
+    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
+    _launch(q, k, v, out, lse, selection, pattern_id, window, sinks, scale)
+    return out, lse
+
+
+def _launch(q, k, v, out, lse, selection, pattern_id, window, sinks, scale):
+    """Write ``out`` (shaped like q, non-overlapping and dense, any 16-byte multiple strides) and ``lse``
+    (``(B, Hq, S)`` float32 contiguous), both allocated by the caller."""
+    B = q.shape[0]
     idx = selection.indices if selection.indices.stride(-1) == 1 else selection.indices.contiguous()
     w = selection.weights
     if w is None:
@@ -97,11 +113,8 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
         if w.stride(-1) != 1:
             w = w.contiguous()
     first = selection.first_block.to(device=q.device, dtype=torch.int64).expand(B).contiguous()
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
     mod = load_extension()
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.token_fwd(q, k, v, out, lse, idx, selection.counts, w, first, int(selection.query_block), int(pattern_id),
                       int(window), int(sinks), float(scale), int(stream))
-    return out, lse

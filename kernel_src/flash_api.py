@@ -67,7 +67,11 @@ def flash_attn_func(
     layer_idx=0, backend="auto",
 ):
     """``q (B, Sq, Hq, D)``, ``k``/``v`` ``(B, Skv, Hkv, D)`` -> ``out (B, Sq, Hq, D)`` (and ``lse (B, Hq, Sq)``
-    when ``return_attn_probs``)."""
+    when ``return_attn_probs``).
+
+    The inputs reach the kernels as transposed views, without copies (the Hopper CUDA kernels read them
+    through 4-D TMA maps: ``cuda_dispatch``), and the kernels write the output in ``(B, Sq, Hq, D)``
+    memory order (``memory_order.new_output``), so ``out`` is contiguous whenever ``q`` is."""
     _check_unsupported(dropout_p, alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:

@@ -3,7 +3,8 @@
 The ops take only tensors and plain scalars, so ``torch.compile`` traces through them:
 
 * ``sparse_k::block_attn_fwd(q, k, v, <forward layout>, <transposed layout>, <geometry>, sink?, key_mask?,
-  ..., <token layout>?)`` -> ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``
+  ..., <token layout>?)`` -> ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``, out in q's memory order
+  (``memory_order.new_output``)
 * ``sparse_k::block_attn_bwd(do, q, k, v, out, lse, ...)`` -> ``(dq, dk, dv, dsink, dweights)``
 
 A layout travels as its four tensors ``(full_num, full_idx, part_num, part_idx)``; the transposed
@@ -22,6 +23,7 @@ import torch
 
 from ._ops import add_op_namespace_prefix
 from .cuda_dispatch import bottom_right_geometry
+from .memory_order import new_output
 
 __all__ = ["block_attn", "layout_args"]
 
@@ -83,7 +85,7 @@ def _(q, k, v, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, 
       pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap, full_contig,
       sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1, plain_geo=False):
     B, Hq, Sq, D = q.shape
-    return q.new_empty(B, Hq, Sq, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
+    return new_output(q, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("block_attn_bwd"), mutates_args=())
@@ -157,8 +159,9 @@ def _backward(ctx, d_out, d_lse):
     (q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke, sink, kmask) = ctx.saved_tensors
     pid, causal, params, bq, bk, scale, softcap = ctx.meta
     sel_idx, sel_cnt, sel_w, sel_first, sel_qb = ctx.sel
+    do = d_out if d_out.stride(-1) == 1 else d_out.contiguous()  # the kernels read any strides with a unit last one
     dq, dk, dv, dsink, dw = block_attn_bwd(
-        d_out.contiguous(), q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke,
+        do, q, k, v, out, lse, fnum, fidx, pnum, pidx, tfn, tfi, tpn, tpi, qs, ks, ke,
         sink if ctx.has_sink else None, kmask if ctx.has_kmask else None, pid, causal, params, bq, bk, scale, softcap,
         sel_idx, sel_cnt, sel_w, sel_first, sel_qb, ctx.plain_geo,
     )

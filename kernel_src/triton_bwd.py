@@ -434,8 +434,8 @@ def attention_backward(
     NQ, NK = layout.num_q_blocks, layout.num_k_blocks
     kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
     dq = torch.empty_like(q)
-    dk = torch.empty(k.shape, device=dev, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=dev, dtype=v.dtype)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     if num_warps is None:
         num_warps = 4 if bm * bn <= 64 * 64 or D > 128 else 8
     if num_stages is None:

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .memory_order import new_output
+
 __all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits", "split_counters"]
 
 LOG2E = 1.4426950408889634
@@ -611,7 +613,8 @@ def attention_forward(
         sel_lean: gathered K and V tiles loaded row-major through one index vector, without a mask
             (slots past the count or outside the row's keys read key row 0, whose scores are masked
             and whose probabilities are 0, as for the out-of-window keys of a partial block tile).
-    Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
+    Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and
+    ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     if sel_fast not in (None, False, True, 0, 1, 2):
         raise ValueError(f"sel_fast={sel_fast!r}: allowed are None (default), 0 / False, 1 / True and 2")
@@ -674,7 +677,7 @@ def attention_forward(
         fnum = fnum.contiguous()
     lay_b, lay_h = _layout_axis_flags(pnum)
     if out is None:
-        out = torch.empty(B, Hq, Sq, D, device=dev, dtype=q.dtype)
+        out = new_output(q)
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
     kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)

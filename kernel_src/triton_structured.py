@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .memory_order import new_output
 from .triton_fwd import LOG2E, _pattern_rule, _softcap
 
 __all__ = ["STRUCTURED_PATTERNS", "structured_ok", "structured_forward"]
@@ -292,7 +293,8 @@ def structured_forward(
         order: program order (module docstring); default 1 (longest first) for dense causal, else 3 (the
             query heads of a KV group adjacent: on the H100 at S=128K, 1% faster than 0 for sliding_window
             and streaming).
-    Returns: ``out (B, Hq, Sq, D)`` in q's dtype and ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
+    Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and
+    ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
     from .triton_fwd import _kv_descriptor, _tma_ok
 
@@ -301,7 +303,7 @@ def structured_forward(
     dev = q.device
     NQ = triton.cdiv(Sq, block_m)
     if out is None:
-        out = torch.empty(B, Hq, Sq, D, device=dev, dtype=q.dtype)
+        out = new_output(q)
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
     kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)

@@ -434,8 +434,8 @@ def structured_backward(
     delta, lse2 = prep if prep is not None else bwd_preprocess(do, out, lse)
     geo = geometry
     kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
-    dk = torch.empty(k.shape, device=dev, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=dev, dtype=v.dtype)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     bn1, bm1, w1, s1, bm2, bn2, w2, s2 = config if config is not None else bwd_config(D, dev.type)
     if use_tma is None:
         use_tma = _tma_ok(q, do) and _tma_ok(k, v)
@@ -469,7 +469,7 @@ def structured_backward(
         num_stages=s1, **flags,
     )
     if atomic_dq:
-        dq = dq_acc.to(q.dtype)
+        dq = torch.empty_like(q).copy_(dq_acc)
     else:
         dq = torch.empty_like(q)
         kd, vd = (_kv_descriptor(k, bn2), _kv_descriptor(v, bn2)) if dq_tma else (k, v)

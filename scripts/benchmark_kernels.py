@@ -37,6 +37,16 @@ Sections (each fits in a few minutes on an H100):
 * ``--compile-only --shard i/n`` (the two tune_structured sections): launch every n-th variant once, no
   checks, no timing — run n shards in parallel before a timed run to fill Triton's and Inductor's
   caches (compiling is then not paid on the GPU clock one variant after another).
+* ``--section layouts``: issue 15 item 1 — the sliding_window forward (``--window``) at each ``--seqlens``
+  through the entry points a model uses, same inputs, same process: ``sparse_attention`` on contiguous
+  ``(B, H, S, D)`` tensors, ``flash_api.flash_attn_func`` on ``(B, S, H, D)`` tensors, ``sparse_attention``
+  on transposed views of ``(B, S, H, D)`` storage (what a Transformers layer passes), and that call
+  followed by the adapter's ``out.transpose(1, 2).contiguous()``; each row names the forward kernel that
+  ran (``cuda_sm90``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
+  call; then forward + backward (gradients of q, k, v) from contiguous leaves and from ``(B, S, H, D)``
+  leaves passed transposed (a layer in training; with ``--layouts-bwd``), the kernels named
+  ``forward / backward``. The calls of a group are timed in turn, ``--rounds`` times (``ms``: the
+  median over rounds).
 * ``--section sparsek``: the SparseK operator, Triton kernel vs the PyTorch path (forward, forward +
   backward), after checking they agree; decides ``sparse_k.sparsek.AUTO_TRITON_ON_CUDA``.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
@@ -940,14 +950,144 @@ def section_l2(args, results):
             print(json.dumps(row), flush=True)
 
 
+def _which_kernels(fn):
+    """Run ``fn()`` once; return its result and the kernels that ran, forward and (when ``fn`` runs one)
+    backward: "cuda_sm90" when the Hopper CUDA kernel took every such call
+    (``cuda_dispatch.try_cuda_structured`` / ``try_cuda_structured_backward``), else "triton"."""
+    from sparse_k import cuda_dispatch
+
+    seen = {"try_cuda_structured": [], "try_cuda_structured_backward": []}
+    real = {name: getattr(cuda_dispatch, name) for name in seen}
+
+    def spy(name):
+        def call(*a, **kw):
+            r = real[name](*a, **kw)
+            seen[name].append(r is not None)
+            return r
+        return call
+
+    for name in seen:
+        setattr(cuda_dispatch, name, spy(name))
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+    finally:
+        for name in seen:
+            setattr(cuda_dispatch, name, real[name])
+    names = ["cuda_sm90" if all(v) else "triton" for v in seen.values() if v]
+    return out, " / ".join(names) or "triton"
+
+
+def _median(xs):
+    r = sorted(xs)
+    return r[len(r) // 2] if len(r) % 2 else 0.5 * (r[len(r) // 2 - 1] + r[len(r) // 2])
+
+
+def _layout_rows(rows, calls, rounds, results):
+    """Time the checked rows' calls in turn, ``rounds`` times; median and ratio to the first row."""
+    timed = [n for n, r in rows.items() if "error" not in r]
+    for _ in range(rounds):
+        for name in timed:
+            rows[name].setdefault("ms_rounds", []).append(round(bench(calls[name]), 3))
+    base = rows[next(iter(calls))]
+    for row in rows.values():
+        if row.get("ms_rounds"):
+            row["ours_ms"] = _median(row["ms_rounds"])
+        if row.get("ours_ms") and base.get("ours_ms"):
+            row["ratio_vs_contiguous"] = row["ours_ms"] / base["ours_ms"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def section_layouts(args, results):
+    """Sliding window forward (and forward + backward) through the model-facing entry points (module
+    docstring)."""
+    from sparse_k.flash_api import flash_attn_func
+
+    dev, dtype, D = "cuda", torch.bfloat16, 128
+    p = get_pattern("sliding_window", window=args.window)
+    for S in args.seqlens:
+        g = torch.Generator(device=dev).manual_seed(S)
+        q, k, v = (torch.randn(B_PREFILL, S, h, D, device=dev, dtype=dtype, generator=g) for h in (HQ, HKV, HKV))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views of (B, S, H, D) storage
+        qc, kc, vc = (t.contiguous() for t in (qt, kt, vt))
+        layout = build_block_layout(p, S, S, row_geometry(1, S, S, None, device=dev), block_q=128, block_k=128,
+                                    num_kv_heads=HKV)
+        calls = {
+            "sparse_attention, contiguous (B,H,S,D)": (lambda: sparse_k.sparse_attention(qc, kc, vc, p), False),
+            "flash_attn_func, (B,S,H,D)": (
+                lambda: flash_attn_func(q, k, v, causal=True, window_size=(args.window - 1, 0)), True),
+            "sparse_attention, transposed (B,S,H,D) views": (lambda: sparse_k.sparse_attention(qt, kt, vt, p), False),
+            "  + adapter's transpose(1,2).contiguous()": (
+                lambda: sparse_k.sparse_attention(qt, kt, vt, p).transpose(1, 2).contiguous(), True),
+        }
+        rows = {}
+        for name, (fn, bshd_out) in calls.items():
+            row = dict(section="layouts", pattern="sliding_window", S=S, D=D, call=name)
+            try:
+                out, row["kernel"] = _which_kernels(fn)
+                out_bhsd = out.transpose(1, 2) if bshd_out else out
+                row["out_order"] = "(B,S,H,D)" if out_bhsd.transpose(1, 2).is_contiguous() else (
+                    "(B,H,S,D)" if out_bhsd.is_contiguous() else "strided")
+                row["err_large"] = large_check(qc, kc, vc, layout, out_bhsd)
+                if row["err_large"] >= TOL:
+                    row["error"] = "correctness check failed: row void"
+                del out, out_bhsd
+            except Exception as e:  # noqa: BLE001 — one failing row must not end the section
+                traceback.print_exc()
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows[name] = row
+        _layout_rows(rows, {n: c[0] for n, c in calls.items()}, args.rounds, results)
+        if args.layouts_bwd:
+            _layout_bwd_rows(p, (q, k, v), (qc, kc, vc), S, args.rounds, results)
+        del q, k, v, qt, kt, vt, qc, kc, vc
+        torch.cuda.empty_cache()
+
+
+def _layout_bwd_rows(p, bshd, contiguous, S, rounds, results):
+    """Forward + backward (gradients of q, k, v): contiguous leaves vs (B, S, H, D) leaves passed as
+    transposed views (a Transformers layer in training); the gradients of the second checked against
+    the first's."""
+    g = torch.Generator(device="cuda").manual_seed(S + 1)
+    do = torch.randn(bshd[0].shape, device="cuda", dtype=bshd[0].dtype, generator=g)  # (B, S, Hq, D)
+    leaves_c = [t.detach().requires_grad_() for t in contiguous]
+    leaves_t = [t.detach().requires_grad_() for t in bshd]
+    calls = {
+        "fwd+bwd, contiguous (B,H,S,D)": lambda: torch.autograd.grad(
+            sparse_k.sparse_attention(*leaves_c, p), leaves_c, do.transpose(1, 2)),
+        "fwd+bwd, transposed (B,S,H,D) views": lambda: torch.autograd.grad(
+            sparse_k.sparse_attention(*(t.transpose(1, 2) for t in leaves_t), p).transpose(1, 2), leaves_t, do),
+    }
+    rows, ref = {}, None
+    for name, fn in calls.items():
+        row = dict(section="layouts", pattern="sliding_window", S=S, D=bshd[0].shape[-1], call=name)
+        try:
+            grads, row["kernel"] = _which_kernels(fn)
+            if ref is None:
+                ref = grads
+            else:
+                row["err_vs_contiguous"] = max(rel_err(a.transpose(1, 2), b) for a, b in zip(grads, ref))
+                if row["err_vs_contiguous"] >= 1e-2:  # one kernel on the same values: equal up to dQ's add order
+                    row["error"] = "gradients differ from the contiguous call's: row void"
+            del grads
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows[name] = row
+    del ref
+    _layout_rows(rows, calls, rounds, results)
+
+
 def _fmt(x, nd=2):
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
 def print_table(results):
     cols = [
-        ("section", "section"), ("pattern", "pattern"), ("S", "S"), ("D", "D"), ("tile", "tile"), ("warps", "warps"),
+        ("section", "section"), ("pattern", "pattern"), ("call", "call"), ("S", "S"), ("D", "D"), ("tile", "tile"), ("warps", "warps"),
         ("stages", "stages"), ("tma", "tma"), ("kernel", "kernel"), ("ours_ms", "ours ms"),
+        ("out_order", "out order"), ("ms_rounds", "ms per round"), ("ratio_vs_contiguous", "x contiguous"),
+        ("err_vs_contiguous", "grad err vs contiguous"),
         ("tflops_ours", "TF/s"), ("triton_ms", "triton ms"), ("tflops_triton", "triton TF/s"), ("flex_ms", "flex ms"), ("ratio_triton_vs_flex", "triton x flex"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
@@ -1010,7 +1150,7 @@ def write_json(path, meta, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek"), required=True)
+    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek", "layouts"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
     ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
@@ -1023,6 +1163,9 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true",
                     help="tune_structured / tune_structured_bwd: launch each variant once, no checks, no timing "
                          "(fills Triton's and Inductor's caches; run shards in parallel before a timed run)")
+    ap.add_argument("--rounds", type=int, default=5, help="layouts: times each call is timed, in turn with the others")
+    ap.add_argument("--layouts-bwd", action="store_true",
+                    help="layouts: also forward + backward, contiguous vs transposed views")
     ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
     ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)
@@ -1040,7 +1183,8 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     results = []
     {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd,
-     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2, "sparsek": section_sparsek}[args.section](args, results)
+     "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2, "sparsek": section_sparsek,
+     "layouts": section_layouts}[args.section](args, results)
     print_table(results)
     if args.json:
         write_json(args.json, meta, results)

@@ -152,5 +152,30 @@ def structured_case_id(case) -> str:
     return f"B{B}-Hq{Hq}-Hkv{Hkv}-S{S}-{str(dtype)[6:]}-p{pid}-W{window}-s{sinks}"
 
 
+#: Memory layouts of the strided-view tests: "bshd", each of q, k, v (and dO) a transposed view of its own
+#: (B, S, H, D) tensor (a Transformers layer after RoPE; flash_api); "qkv", slices of one fused (B, S,
+#: (Hq + 2 Hkv) * D) projection (row strides not those of any packed tensor).
+VIEW_LAYOUTS = ("bshd", "qkv")
+
+
+def bshd_views(B: int, Hq: int, Hkv: int, S: int, dtype, g: torch.Generator, layout: str, D: int = 128):
+    """Random ``q (B, Hq, S, D)``, ``k, v (B, Hkv, S, D)`` and ``do`` (like q) on the GPU as strided
+    views (``VIEW_LAYOUTS``), never contiguous (for ``Hq, Hkv, S > 1``)."""
+    if layout == "bshd":
+        return tuple(torch.randn(B, S, h, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+                     for h in (Hq, Hkv, Hkv, Hq))
+    if layout != "qkv":
+        raise ValueError(layout)
+    qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device="cuda", dtype=dtype, generator=g)
+    q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+    do = torch.randn(B, S, Hq * D + 64, device="cuda", dtype=dtype, generator=g)[..., 64:]
+    return tuple(t.unflatten(-1, (-1, D)).transpose(1, 2) for t in (q, k, v, do))
+
+
+def nan_bshd(B: int, H: int, S: int, dtype, D: int = 128) -> torch.Tensor:
+    """A NaN-filled ``(B, H, S, D)`` view of ``(B, S, H, D)`` storage (a poisoned strided output)."""
+    return torch.full((B, S, H, D), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+
+
 #: Marks the tests of the Hopper CUDA kernels: they build the extensions, so they need an sm_90 GPU and nvcc.
 needs_sm90 = pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU and nvcc")

@@ -11,6 +11,9 @@ import pytest
 import torch
 from helpers import (
     STRUCTURED_CUDA_CASES,
+    VIEW_LAYOUTS,
+    bshd_views,
+    nan_bshd,
     needs_sm90,
     rel_err,
     structured_case_id,
@@ -20,9 +23,6 @@ from sparse_k import cuda_structured as cs
 from sparse_k import reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-
 
 
 @pytest.mark.gpu
@@ -49,6 +49,34 @@ def test_matches_reference(case, variant):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("layout", VIEW_LAYOUTS)
+@pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
+def test_strided_views_match_reference(case, layout):
+    """q, k, v as transposed views of (B, S, H, D) storage (own tensors, or slices of one fused QKV
+    projection), read in place; the output written into a NaN-poisoned (B, S, H, D)-ordered view; the
+    public forward returns that order (so a Transformers layer's transpose back is contiguous)."""
+    B, Hq, Hkv, S, dtype, pid, window, sinks = case
+    seed = time.time_ns() % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, g, layout)
+    assert not q.is_contiguous() and cs.cuda_structured_ok(q, k, v, pattern_id=pid)
+    scale = 128 ** -0.5
+    geo = row_geometry(B, S, S, None, device="cuda")
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), structured_pattern(pid, window, sinks), geo,
+                                       scale=scale)
+    out = nan_bshd(B, Hq, S, dtype)
+    lse = torch.full((B, Hq, S), float("nan"), device="cuda")
+    cs._launch(q, k, v, out, lse, pid, window, sinks, scale, 0)
+    assert not out.isnan().any() and not lse.isnan().any(), seed
+    assert rel_err(out, ref) < TOL[dtype], seed
+    assert float((lse.double() - ref_lse).abs().max()) < 1e-3, seed
+    out2, lse2 = cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=window, sinks=sinks, scale=scale)
+    assert out2.transpose(1, 2).is_contiguous()
+    assert torch.equal(out2, out) and torch.equal(lse2, lse), seed  # one kernel, one order of operations
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_public_forward_and_contract():
     q = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
@@ -61,7 +89,10 @@ def test_public_forward_and_contract():
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert float((lse.double() - ref_lse).abs().max()) < 1e-3
     assert not cs.cuda_structured_ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), pattern_id=1)
-    assert not cs.cuda_structured_ok(q.transpose(1, 2), k, v, pattern_id=1)
+    assert out.is_contiguous()  # contiguous inputs: contiguous output, as before
+    padded = torch.randn(1, 4, 300, 132, device="cuda", dtype=torch.bfloat16)[..., :128]  # rows of 264 bytes
+    assert not cs.cuda_structured_ok(padded, k, v, pattern_id=1)
+    assert not cs.cuda_structured_ok(q, k[:, :1].expand(1, 2, 300, 128), v, pattern_id=1)  # head stride 0
     assert not cs.cuda_structured_ok(q, k, v, pattern_id=1, causal=False)
     assert not cs.cuda_structured_ok(q, k, v, pattern_id=3)
 

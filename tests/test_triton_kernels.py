@@ -153,6 +153,35 @@ def test_fp16_forward_backward():
 
 
 @_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", ["streaming", "block_diagonal"])
+def test_transposed_views_without_copies(name, monkeypatch):
+    """What a Transformers layer passes: q, k, v transposed views of (B, S, H, D) leaves (streaming: the
+    structured kernels; block_diagonal: the layout path). The output comes back in (B, S, H, D) order
+    (so the adapter's ``transpose(1, 2).contiguous()`` copies nothing), the backward receives the
+    strided dO itself, and the leaves' gradients are contiguous and match the float64 reference's."""
+    from sparse_k import ops
+
+    p = PATTERNS[name]
+    g = torch.Generator().manual_seed(13 + len(name))
+    B, Hq, Hkv, S, D = 2, 4, 2, 29, 16
+    leaves = [rand(B, S, h, D, gen=g).requires_grad_() for h in (Hq, Hkv, Hkv)]
+    do = rand(B, S, Hq, D, gen=g)
+    seen = []
+    real_bwd = ops.block_attn_bwd
+    monkeypatch.setattr(ops, "block_attn_bwd", lambda d, *a: seen.append(d.data_ptr()) or real_bwd(d, *a))
+    out = triton_attn(*(t.transpose(1, 2) for t in leaves), p)
+    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out.transpose(1, 2), leaves, do)
+    assert seen == [do.data_ptr()]  # dO reached the kernels as the view it is
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = sparse_k.sparse_attention(*(t.transpose(1, 2) for t in ref_leaves), p, backend="reference")
+    refs = torch.autograd.grad(ref.transpose(1, 2), ref_leaves, do.double())
+    assert rel(out, ref) < TOL32
+    for a, b in zip(grads, refs):
+        assert a.is_contiguous() and rel(a, b) < 5 * TOL32
+
+
+@_SUBPROCESS_ONLY
 @pytest.mark.parametrize("pack", [2, 4])
 def test_gqa_packing(pack):
     """Several query heads of one KV group share a tile (BLOCK_M = pack * block_q)."""
@@ -364,6 +393,25 @@ def test_custom_op_registration():
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
     torch.library.opcheck(ops.block_attn_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@_SUBPROCESS_ONLY
+def test_custom_op_fake_follows_query_order():
+    """The fake of ``sparse_k::block_attn_fwd`` allocates its output by the kernels' rule
+    (``memory_order.new_output``): for transposed (B, S, H, D) inputs a (B, S, H, D)-ordered output,
+    which opcheck's fake-tensor test compares with the kernel's strides."""
+    from sparse_k import ops
+
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (rand(1, 20, h, 16, gen=g).transpose(1, 2) for h in (4, 2, 2))
+    geo = row_geometry(1, 20, 20, None, device=DEV)
+    lay = _layout(p, 20, 20, geo, 2)
+    pid, params = triton_fwd.pattern_code(p)
+    args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
+            pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
+    assert ops.block_attn_fwd(*args)[0].transpose(1, 2).is_contiguous()
+    torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def _random_selection(B, Hkv, Sq, Skv, query_block, top_k, geo, gen, weights=True):

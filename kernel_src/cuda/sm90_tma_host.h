@@ -1,10 +1,12 @@
 // Host side of the TMA tensor maps of the sm_90 kernels: the driver's cuTensorMapEncodeTiled, reached
-// through the runtime's entry-point query (no link against libcuda), and 3-D maps over contiguous
-// (heads, S, D) tensors.
+// through the runtime's entry-point query (no link against libcuda), 3-D maps over contiguous
+// (heads, S, D) tensors (the backward's float32 dQ buffer) and 4-D maps over strided (B, H, S, D)
+// bf16 / fp16 views (q, k, v, dO).
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <stdint.h>
 #include <stdio.h>
 
 namespace sk90h {
@@ -48,11 +50,46 @@ inline bool make_map_3d(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, CU
   return true;
 }
 
-// A bf16 / fp16 map of a (heads, S, D) tensor: (64, rows, 1) boxes (64 columns = 128 bytes).
-inline bool make_map_16bit(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool bf16, int D, int S, int heads,
-                           int rows, const char* what, char* err, int errlen) {
-  return make_map_3d(map, enc, ptr, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, D, S,
-                     heads, 64, rows, what, err, errlen);
+// Element strides (b, h, s) of a (B, H, S, D) view with unit last stride, as the kernels take them.
+struct ViewStrides {
+  long long b, h, s;
+};
+
+// A bf16 / fp16 4-D map (D, S, H, B) of a (B, H, S, D) view with unit last stride and element strides
+// st (each a multiple of 8 elements, i.e. 16 bytes, below 2^39; a dimension of size 1 may have any
+// stride: the map gets the packed one): (64, rows, 1, 1) boxes, 128-byte swizzle, rows past S read as
+// zeros. A transposed view of (B, S, H, D) projections has st = (S*H*D, D, H*D). false with the reason
+// (naming `what`) in err.
+inline bool make_map_view(CUtensorMap* map, EncodeTiledFn enc, const void* ptr, bool bf16, int D, int S, int H, int B,
+                          ViewStrides st, int rows, const char* what, char* err, int errlen) {
+  const long long sizes[4] = {D, S, H, B};
+  long long el[4] = {1, st.s, st.h, st.b};
+  for (int i = 1; i < 4; ++i) {
+    if (sizes[i] == 1) el[i] = el[i - 1] * sizes[i - 1];  // never stepped: the packed value
+    if (el[i] <= 0 || el[i] % 8 != 0 || el[i] >= (1LL << 39)) {
+      snprintf(err, errlen, "%s: stride %lld of dimension %d (1 S, 2 H, 3 B) is not a positive multiple of 8 "
+               "elements below 2^39", what, el[i], i);
+      return false;
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    snprintf(err, errlen, "%s: data not 16-byte aligned", what);
+    return false;
+  }
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(S), static_cast<cuuint64_t>(H),
+                        static_cast<cuuint64_t>(B)};
+  cuuint64_t strides[3] = {static_cast<cuuint64_t>(el[1]) * 2, static_cast<cuuint64_t>(el[2]) * 2,
+                           static_cast<cuuint64_t>(el[3]) * 2};
+  cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1};
+  cuuint32_t estr[4] = {1, 1, 1, 1};
+  CUresult res = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                     const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled (%s, 4-D view) failed (CUresult %d)", what, static_cast<int>(res));
+    return false;
+  }
+  return true;
 }
 
 }  // namespace sk90h

@@ -2,23 +2,33 @@
 // stream comes from Python as an integer, so this file compiles without CUDA torch.
 #include <torch/extension.h>
 
-extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
-                                   const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, int B,
-                                   int Hq, int Hkv, int S, int S_pad, int is_bf16, int pattern, int window,
-                                   int sinks, float scale, int variant, void* stream, char* err, int errlen);
+#include "sm90_view_host.h"
 
-// q, dout (B, Hq, S, 128), k, v (B, Hkv, S, 128) contiguous bf16/fp16 on one CUDA device; lse2, delta
-// (B, Hq, S_pad) float32; dq_acc (B, Hq, S_pad, 128) float32 (zeroed); dk, dv like k. The Python wrapper
-// (cuda_structured_bwd.py) validates; these checks guard the raw pointers.
+extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
+                                   const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
+                                   int pattern, int window, int sinks, float scale, int variant, void* stream,
+                                   char* err, int errlen);
+
+// q, dout (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16 views on one CUDA device (unit last stride,
+// strides of 16-byte multiples: sm90_view_host.h); lse2, delta (B, Hq, S_pad) float32 contiguous; dq_acc
+// (B, Hq, S_pad, 128) float32 contiguous (zeroed); dk, dv shaped like k, non-overlapping and dense, any
+// such strides. The Python wrapper (cuda_structured_bwd.py) validates; these checks guard the raw pointers.
 static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                            const at::Tensor& lse2, const at::Tensor& delta, at::Tensor& dq_acc, at::Tensor& dk,
                            at::Tensor& dv, int64_t pattern, int64_t window, int64_t sinks, double scale,
                            int64_t variant, int64_t stream) {
-  const at::Tensor* all[] = {&q, &k, &v, &dout, &lse2, &delta, &dq_acc, &dk, &dv};
-  for (const at::Tensor* t : all) {
-    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "contiguous CUDA tensors expected");
+  const at::Tensor* fp32[] = {&lse2, &delta, &dq_acc};
+  for (const at::Tensor* t : fp32) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "lse2, delta, dq_acc must be contiguous CUDA tensors");
   }
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, S, D)");
+  long long strides[18];
+  sk90h::check_view(q, "q", false, strides);
+  sk90h::check_view(k, "k", false, strides + 3);
+  sk90h::check_view(v, "v", false, strides + 6);
+  sk90h::check_view(dout, "dout", false, strides + 9);
+  sk90h::check_view(dk, "dk", true, strides + 12);
+  sk90h::check_view(dv, "dv", true, strides + 15);
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "q must be bf16 or fp16, got ", dt);
   TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && dout.scalar_type() == dt && dk.scalar_type() == dt &&
@@ -42,7 +52,7 @@ static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::T
   char err[512] = {0};
   const int rc = sk90_structured_bwd(
       q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr<float>(), delta.data_ptr<float>(),
-      dq_acc.data_ptr<float>(), dk.data_ptr(), dv.data_ptr(), static_cast<int>(B), static_cast<int>(Hq),
+      dq_acc.data_ptr<float>(), dk.data_ptr(), dv.data_ptr(), strides, static_cast<int>(B), static_cast<int>(Hq),
       static_cast<int>(k.size(1)), static_cast<int>(S), static_cast<int>(S_pad), dt == at::kBFloat16 ? 1 : 0,
       static_cast<int>(pattern), static_cast<int>(window), static_cast<int>(sinks), static_cast<float>(scale),
       static_cast<int>(variant), reinterpret_cast<void*>(stream), err, sizeof(err));

@@ -1,16 +1,17 @@
 // Hopper (sm_90a) backward for the structured causal patterns: dense, sliding_window, streaming.
 //
 // Contract (that of ``triton_structured_bwd.structured_backward`` for a plain self-attention
-// geometry): q, dO (B, Hq, S, 128), k, v (B, Hkv, S, 128) contiguous bf16/fp16; query head h reads KV
-// head h / (Hq / Hkv). Query i sees key j when j <= i and
+// geometry): q, dO (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16, views with unit last stride and
+// strides of 16-byte multiples (4-D TMA maps); query head h reads KV head h / (Hq / Hkv). Query i sees
+// key j when j <= i and
 //   dense           always
 //   sliding_window  i - j < W
 //   streaming       i - j < W  or  j < sinks
 // Inputs from the preparation pass, padded to S_pad (a multiple of 64) rows per (batch, head):
 // lse2 = lse * log2(e) (+inf on rows that see no key and on the padding) and delta = rowsum(dO * O)
-// (0 on the padding), float32 (B, Hq, S_pad). Outputs: dk, dv (B, Hkv, S, 128) in the input dtype
-// (scale applied to dk); dq_acc (B, Hq, S_pad, 128) float32, zeroed by the caller, receives
-// scale * dS K by reduce-adds.
+// (0 on the padding), float32 (B, Hq, S_pad). Outputs: dk, dv (B, Hkv, S, 128) in the input dtype, views
+// with their own strides (16-byte multiples, unit last; scale applied to dk); dq_acc (B, Hq, S_pad, 128)
+// float32 contiguous, zeroed by the caller, receives scale * dS K by reduce-adds.
 //
 // One CTA = one 128-key tile of one (batch, KV head), 3 warpgroups (384 threads):
 //   warpgroup 0  producer. Warp 0 (one thread) loads the K and V tiles once (TMA, 128-byte swizzle),
@@ -71,6 +72,8 @@ constexpr int kDQTile = 4 * kDQBox;          // 64 rows x 128 columns (warpgroup
 struct Params {
   void* dk;
   void* dv;
+  long long dkb, dkh, dks;  // dk's element strides (b, h, s)
+  long long dvb, dvh, dvs;  // dv's
   float* dq_acc;
   const float* lse2;
   const float* delta;
@@ -166,22 +169,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {
       const int krow = n * kBlockN;
       mbar_expect_tx(bar_kv, 2 * kKVTile);
-      tma_load_3d(sk, &tm_k, bar_kv, 0, krow, bkv);
-      tma_load_3d(sk + kKVHalf, &tm_k, bar_kv, 64, krow, bkv);
-      tma_load_3d(sv, &tm_v, bar_kv, 0, krow, bkv);
-      tma_load_3d(sv + kKVHalf, &tm_v, bar_kv, 64, krow, bkv);
+      tma_load_4d(sk, &tm_k, bar_kv, 0, krow, kvh, b);
+      tma_load_4d(sk + kKVHalf, &tm_k, bar_kv, 64, krow, kvh, b);
+      tma_load_4d(sv, &tm_v, bar_kv, 0, krow, kvh, b);
+      tma_load_4d(sv + kKVHalf, &tm_v, bar_kv, 64, krow, kvh, b);
       for (int it = 0; it < count; ++it) {
         const int s = it % STAGES;
         if (it >= STAGES) mbar_wait(bar_empty + 8 * s, ((it / STAGES) & 1) ^ 1);
         const int gi = it / nm;
         const int m = r.m_lo + (it - gi * nm);
-        const int bh = b * p.Hq + kvh * G + gi;
+        const int h = kvh * G + gi;
+        const int bh = b * p.Hq + h;
         const uint32_t fb = bar_full + 8 * s;
         mbar_expect_tx(fb, 2 * kQTile + kStatBytes);
-        tma_load_3d(sq + s * kQTile, &tm_q, fb, 0, m * kBlockM, bh);
-        tma_load_3d(sq + s * kQTile + kQHalf, &tm_q, fb, 64, m * kBlockM, bh);
-        tma_load_3d(sdo + s * kQTile, &tm_do, fb, 0, m * kBlockM, bh);
-        tma_load_3d(sdo + s * kQTile + kQHalf, &tm_do, fb, 64, m * kBlockM, bh);
+        tma_load_4d(sq + s * kQTile, &tm_q, fb, 0, m * kBlockM, h, b);
+        tma_load_4d(sq + s * kQTile + kQHalf, &tm_q, fb, 64, m * kBlockM, h, b);
+        tma_load_4d(sdo + s * kQTile, &tm_do, fb, 0, m * kBlockM, h, b);
+        tma_load_4d(sdo + s * kQTile + kQHalf, &tm_do, fb, 64, m * kBlockM, h, b);
         const size_t srow = static_cast<size_t>(bh) * p.S_pad + static_cast<size_t>(m) * kBlockM;
         bulk_load(sstat + s * kStatBytes, p.lse2 + srow, kBlockM * 4, fb);
         bulk_load(sstat + s * kStatBytes + kBlockM * 4, p.delta + srow, kBlockM * 4, fb);
@@ -423,24 +427,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---------------- epilogue: dK * scale, dV
-  const size_t krow = static_cast<size_t>(bkv) * p.S + key0;
-  uint32_t* dk32 = reinterpret_cast<uint32_t*>(p.dk);
-  uint32_t* dv32 = reinterpret_cast<uint32_t*>(p.dv);
+  // key row r of (b, kvh) starts at element b * dkb + kvh * dkh + r * dks (dv alike); thread columns
+  // 8 j + 2 qd, +1
+  uint16_t* const dk_row = static_cast<uint16_t*>(p.dk) + b * p.dkb + kvh * p.dkh + key0 * p.dks + 2 * qd;
+  uint16_t* const dv_row = static_cast<uint16_t*>(p.dv) + b * p.dvb + kvh * p.dvh + key0 * p.dvs + 2 * qd;
   const float sc = p.scale;
   if (key0 < p.S) {
-    const size_t o = (krow * kHeadDim + 2 * qd) / 2;
+    uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row);
+    uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      dk32[o + 4 * j] = pack2<BF16>(dk[4 * j] * sc, dk[4 * j + 1] * sc);
-      dv32[o + 4 * j] = pack2<BF16>(dv[4 * j], dv[4 * j + 1]);
+      dk32[4 * j] = pack2<BF16>(dk[4 * j] * sc, dk[4 * j + 1] * sc);
+      dv32[4 * j] = pack2<BF16>(dv[4 * j], dv[4 * j + 1]);
     }
   }
   if (key0 + 8 < p.S) {
-    const size_t o = ((krow + 8) * kHeadDim + 2 * qd) / 2;
+    uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row + 8 * p.dks);
+    uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row + 8 * p.dvs);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      dk32[o + 4 * j] = pack2<BF16>(dk[4 * j + 2] * sc, dk[4 * j + 3] * sc);
-      dv32[o + 4 * j] = pack2<BF16>(dv[4 * j + 2], dv[4 * j + 3]);
+      dk32[4 * j] = pack2<BF16>(dk[4 * j + 2] * sc, dk[4 * j + 3] * sc);
+      dv32[4 * j] = pack2<BF16>(dv[4 * j + 2], dv[4 * j + 3]);
     }
   }
 }
@@ -472,10 +479,12 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorM
 // instead of 3; bit 1 = no software pipelining of the next tile's S^T across this tile's dQ; bit 2 = dQ
 // by red.global.add from the consumers' registers instead of shared memory + TMA reduce-adds issued by a
 // producer-side warp. Returns 0 on success, else writes a message to err.
+// strides: the element strides (b, h, s) of q, k, v, dout, dk and dv, 18 values.
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
-                                   const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, int B,
-                                   int Hq, int Hkv, int S, int S_pad, int is_bf16, int pattern, int window,
-                                   int sinks, float scale, int variant, void* stream, char* err, int errlen) {
+                                   const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
+                                   int pattern, int window, int sinks, float scale, int variant, void* stream,
+                                   char* err, int errlen) {
   using namespace sk90b;
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 || pattern < 0 ||
       pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f) || variant < 0 ||
@@ -498,14 +507,22 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   if (!make_map_3d(&tdq, enc, dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kHeadDim, S_pad, B * Hq, 32, kBlockM, "dq",
                    err, errlen))
     return 1;
-  if (!make_map_16bit(&tq, enc, q, bf16, kHeadDim, S, B * Hq, kBlockM, "q", err, errlen) ||
-      !make_map_16bit(&tdo, enc, dout, bf16, kHeadDim, S, B * Hq, kBlockM, "do", err, errlen) ||
-      !make_map_16bit(&tk, enc, k, bf16, kHeadDim, S, B * Hkv, kBlockN, "k", err, errlen) ||
-      !make_map_16bit(&tv, enc, v, bf16, kHeadDim, S, B * Hkv, kBlockN, "v", err, errlen))
+  const ViewStrides st_q{strides[0], strides[1], strides[2]}, st_k{strides[3], strides[4], strides[5]},
+      st_v{strides[6], strides[7], strides[8]}, st_do{strides[9], strides[10], strides[11]};
+  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tdo, enc, dout, bf16, kHeadDim, S, Hq, B, st_do, kBlockM, "do", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.dk = dk;
   p.dv = dv;
+  p.dkb = strides[12];
+  p.dkh = strides[13];
+  p.dks = strides[14];
+  p.dvb = strides[15];
+  p.dvh = strides[16];
+  p.dvs = strides[17];
   p.dq_acc = dq_acc;
   p.lse2 = lse2;
   p.delta = delta;

@@ -1,12 +1,15 @@
 // Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming.
 //
 // Contract (the same as ``triton_structured.structured_forward`` with a plain self-attention
-// geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128) contiguous,
-// bf16 or fp16; query head h reads KV head h / (Hq / Hkv). Query i sees key j when j <= i and
+// geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16,
+// views with unit last stride and strides of 16-byte multiples (read through 4-D TMA maps, e.g. the
+// transposed (B, S, H, D) projections of a Transformers layer); query head h reads KV head
+// h / (Hq / Hkv). Query i sees key j when j <= i and
 //   dense           always
 //   sliding_window  i - j < W
 //   streaming       i - j < W  or  j < sinks
-// Outputs: out (B, Hq, S, 128) in q's dtype, lse (B, Hq, S) float32, natural log.
+// Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit last),
+// lse (B, Hq, S) float32 contiguous, natural log.
 //
 // Work tile = 128 query rows of one (batch, query head); CTA = 3 warpgroups (384 threads):
 //   warpgroup 0  producer: one thread issues TMA bulk tensor copies (128-byte swizzle) of the
@@ -65,6 +68,7 @@ using namespace sk90h;
 // ------------------------------------------------------------------ tile ranges
 struct Params {
   void* out;
+  long long osb, osh, oss;  // out's element strides (b, h, s)
   float* lse;
   int S;
   int Hq;
@@ -178,24 +182,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
         int m, bh;
         work_coords(p, w, m, bh);
-        const int kvh = (bh / p.Hq) * p.Hkv + (bh % p.Hq) / (p.Hq / p.Hkv);
+        const int b = bh / p.Hq, h = bh % p.Hq;
+        const int kvh = h / (p.Hq / p.Hkv);
         const TileRange tr = tile_range(p, m);
         if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
         mbar_expect_tx(bar_q, kTileBytes);
-        tma_load_3d(sq, &tm_q, bar_q, 0, m * kBlockM, bh);
-        tma_load_3d(sq + kHalfBytes, &tm_q, bar_q, 64, m * kBlockM, bh);
+        tma_load_4d(sq, &tm_q, bar_q, 0, m * kBlockM, h, b);
+        tma_load_4d(sq + kHalfBytes, &tm_q, bar_q, 64, m * kBlockM, h, b);
         for (int it = 0; it < tr.count; ++it, ++cnt) {
           const int s = cnt % STAGES;
           const uint32_t ph = ((cnt / STAGES) & 1) ^ 1;  // the release of the slot's previous tile
           const int row = tr.tile(it) * kBlockN;
           if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
           mbar_expect_tx(bar_kfull + 8 * s, kTileBytes);
-          tma_load_3d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh);
-          tma_load_3d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh);
+          tma_load_4d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh, b);
+          tma_load_4d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh, b);
           if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
           mbar_expect_tx(bar_vfull + 8 * s, kTileBytes);
-          tma_load_3d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh);
-          tma_load_3d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh);
+          tma_load_4d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh, b);
+          tma_load_4d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh, b);
         }
       }
     }
@@ -416,15 +421,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     const size_t head_row = static_cast<size_t>(bh) * p.S;
     const int row1 = row0 + 8;
-    uint32_t* out32 = reinterpret_cast<uint32_t*>(p.out);
+    // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
+    uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
     if (row0 < p.S) {
-      uint32_t* dst = out32 + ((head_row + row0) * kHeadDim + 2 * qd) / 2;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
 #pragma unroll
       for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
       if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
     }
     if (row1 < p.S) {
-      uint32_t* dst = out32 + ((head_row + row1) * kHeadDim + 2 * qd) / 2;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
 #pragma unroll
       for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
       if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
@@ -460,9 +466,11 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMa
 // every tile (the second device run's kernel); + 4 = one CTA per work tile instead of a persistent
 // grid. (Two K/V stages, measured slower on the H100, is a template argument only.)
 // Returns 0 on success, else writes a message to err.
-extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
-                                   int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
-                                   int variant, void* stream, char* err, int errlen) {
+// strides: the element strides (b, h, s) of q, k, v and out, 12 values.
+extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int is_bf16, int pattern,
+                                   int window, int sinks, float scale, int variant, void* stream, char* err,
+                                   int errlen) {
   using namespace sk90;
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || pattern < 0 || pattern > 2 ||
       (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
@@ -474,12 +482,17 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   if (!enc) return 1;
   CUtensorMap tq, tk, tv;
   const bool bf16 = is_bf16 != 0;
-  if (!make_map_16bit(&tq, enc, q, bf16, kHeadDim, S, B * Hq, kBlockM, "q", err, errlen) ||
-      !make_map_16bit(&tk, enc, k, bf16, kHeadDim, S, B * Hkv, kBlockN, "k", err, errlen) ||
-      !make_map_16bit(&tv, enc, v, bf16, kHeadDim, S, B * Hkv, kBlockN, "v", err, errlen))
+  const ViewStrides st_q{strides[0], strides[1], strides[2]}, st_k{strides[3], strides[4], strides[5]},
+      st_v{strides[6], strides[7], strides[8]};
+  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.out = out;
+  p.osb = strides[9];
+  p.osh = strides[10];
+  p.oss = strides[11];
   p.lse = lse;
   p.S = S;
   p.Hq = Hq;

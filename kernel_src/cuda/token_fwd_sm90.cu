@@ -2,7 +2,8 @@
 // its sliding_window / streaming static part: the inference prefill of the sparse_k pattern.
 //
 // Contract (``triton_fwd._selection_loop`` with a plain self-attention geometry, q_start = k_start =
-// 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128) contiguous, bf16 or fp16; query head h
+// 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16, views with unit last stride
+// and strides of 16-byte multiples (4-D TMA maps; gathered rows by their row stride); query head h
 // reads KV head h / (Hq / Hkv). Query i sees key j when j <= i and
 //   static part     i - j < W  (streaming: or j < sinks)
 //   selection       j is in slot c < min(count, K) of the list indices[b, kvh, blk(i), :], 0 <= j < S,
@@ -10,7 +11,8 @@
 //                   (i - j >= W and j >= sinks; this implies j <= i); log2(w) is added to its logit.
 // blk(i) = i / query_block - first_block[b]; rows whose block lies outside [0, NB) see no selected
 // key (as the Triton loop). query_block is a multiple of 128, so one 128-row tile has one block.
-// Outputs: out (B, Hq, S, 128) in q's dtype, lse (B, Hq, S) float32, natural log.
+// Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit
+// last), lse (B, Hq, S) float32 contiguous, natural log.
 //
 // The kernel is structured_fwd_sm90.cu's (TMA producer warpgroup, two wgmma consumer warpgroups with
 // ping-pong, persistent grid, the rotated consumer loop) with a second kind of key tile in front of
@@ -61,6 +63,9 @@ struct Params {
   const void* k;
   const void* v;
   void* out;
+  long long ksb, ksh, kss;  // element strides (b, h, s) of k, v and out
+  long long vsb, vsh, vss;
+  long long osb, osh, oss;
   float* lse;
   const int* sel_idx;      // (B, Hkv, NB, K), unit last stride
   const int* sel_cnt;      // (B, Hkv, NB)
@@ -147,11 +152,11 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-// The 128 gathered rows of a tile (256 bytes each at base + 256 * key) into a 128-byte-swizzled tile
+// The 128 gathered rows of a tile (256 bytes each at base + row_bytes * key) into a 128-byte-swizzled tile
 // at dst. Thread t holds the (safe) key of slot t; warp w copies rows 32 w .. 32 w + 31, two rows per
 // instruction (lane l: row 2 i + l / 16, 16-byte chunk l % 16), so each instruction reads 512
 // contiguous-by-row bytes (four whole 128-byte lines) instead of one sector of 32 rows.
-__device__ __forceinline__ void gather_tile(uint32_t dst, const uint8_t* base, int key, int t) {
+__device__ __forceinline__ void gather_tile(uint32_t dst, const uint8_t* base, long long row_bytes, int key, int t) {
   const int lane = t & 31;
   const int c = lane & 15;
   const uint32_t col = (c >> 3) * kHalfBytes;
@@ -160,7 +165,7 @@ __device__ __forceinline__ void gather_tile(uint32_t dst, const uint8_t* base, i
     const int src = 2 * i + (lane >> 4);
     const int kr = __shfl_sync(0xffffffffu, key, src);
     const int r = (t & ~31) + src;
-    cp_async16(dst + col + r * 128 + (((c & 7) ^ (r & 7)) << 4), base + static_cast<size_t>(kr) * (kHeadDim * 2) + 16 * c);
+    cp_async16(dst + col + r * 128 + (((c & 7) ^ (r & 7)) << 4), base + kr * row_bytes + 16 * c);
   }
 }
 
@@ -213,7 +218,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       work_coords(p, w, m, bh);
       const int b = bh / p.Hq;
       const int hk = (bh % p.Hq) / (p.Hq / p.Hkv);
-      const int kvh = b * p.Hkv + hk;
       const TileRange tr = tile_range(p, m);
       long long ioff, woff;
       const int nslots = sel_slots(p, m, b, hk, ioff, woff);
@@ -222,11 +226,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t == 0) {
         if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
         mbar_expect_tx(bar_q, kTileBytes);
-        tma_load_3d(sq, &tm_q, bar_q, 0, qlo, bh);
-        tma_load_3d(sq + kHalfBytes, &tm_q, bar_q, 64, qlo, bh);
+        tma_load_4d(sq, &tm_q, bar_q, 0, qlo, bh % p.Hq, b);
+        tma_load_4d(sq + kHalfBytes, &tm_q, bar_q, 64, qlo, bh % p.Hq, b);
       }
-      const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + static_cast<size_t>(kvh) * p.S * kHeadDim * 2;
-      const uint8_t* vbase = static_cast<const uint8_t*>(p.v) + static_cast<size_t>(kvh) * p.S * kHeadDim * 2;
+      const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + 2 * (b * p.ksb + hk * p.ksh);
+      const uint8_t* vbase = static_cast<const uint8_t*>(p.v) + 2 * (b * p.vsb + hk * p.vsh);
       for (int it = 0; it < nsel + tr.count; ++it, ++cnt) {
         const int s = cnt % STAGES;
         const uint32_t ph = ((cnt / STAGES) & 1) ^ 1;
@@ -256,11 +260,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
           sbias[s * kBlockN + t] = bias;
           sthr[s * kBlockN + t] = static_cast<uint8_t>(thr);
-          gather_tile(sk + s * kTileBytes, kbase, safe, t);
+          gather_tile(sk + s * kTileBytes, kbase, 2 * p.kss, safe, t);
           cp_async_arrive(bar_kfull + 8 * s);
           mbar_arrive(bar_kfull + 8 * s);
           if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
-          gather_tile(sv + s * kTileBytes, vbase, safe, t);
+          gather_tile(sv + s * kTileBytes, vbase, 2 * p.vss, safe, t);
           cp_async_arrive(bar_vfull + 8 * s);
           mbar_arrive(bar_vfull + 8 * s);
         } else {
@@ -268,16 +272,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (cnt >= STAGES) mbar_wait(bar_kempty + 8 * s, ph);
           if (t == 0) {
             mbar_expect_tx(bar_kfull + 8 * s, kTileBytes);
-            tma_load_3d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, kvh);
-            tma_load_3d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, kvh);
+            tma_load_4d(sk + s * kTileBytes, &tm_k, bar_kfull + 8 * s, 0, row, hk, b);
+            tma_load_4d(sk + s * kTileBytes + kHalfBytes, &tm_k, bar_kfull + 8 * s, 64, row, hk, b);
           } else {
             mbar_arrive(bar_kfull + 8 * s);
           }
           if (cnt >= STAGES) mbar_wait(bar_vempty + 8 * s, ph);
           if (t == 0) {
             mbar_expect_tx(bar_vfull + 8 * s, kTileBytes);
-            tma_load_3d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, kvh);
-            tma_load_3d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, kvh);
+            tma_load_4d(sv + s * kTileBytes, &tm_v, bar_vfull + 8 * s, 0, row, hk, b);
+            tma_load_4d(sv + s * kTileBytes + kHalfBytes, &tm_v, bar_vfull + 8 * s, 64, row, hk, b);
           } else {
             mbar_arrive(bar_vfull + 8 * s);
           }
@@ -518,15 +522,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     const size_t head_row = static_cast<size_t>(bh) * p.S;
     const int row1 = row0 + 8;
-    uint32_t* out32 = reinterpret_cast<uint32_t*>(p.out);
+    // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
+    uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
     if (row0 < p.S) {
-      uint32_t* dst = out32 + ((head_row + row0) * kHeadDim + 2 * qd) / 2;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
 #pragma unroll
       for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
       if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
     }
     if (row1 < p.S) {
-      uint32_t* dst = out32 + ((head_row + row1) * kHeadDim + 2 * qd) / 2;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
 #pragma unroll
       for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
       if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
@@ -558,7 +563,8 @@ static int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMa
 }  // namespace sk90t
 
 // Host entry point; sel_* as Params (strides in elements, the index / weight lists with unit last
-// stride; sel_w may be null). Returns 0 on success, else writes a message to err.
+// stride; sel_w may be null); strides: the element strides (b, h, s) of the index, count and weight
+// lists (9 values), then of q, k, v and out (12). Returns 0 on success, else writes a message to err.
 extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
                               int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
                               const int* sel_idx, const int* sel_cnt, const float* sel_w, const long long* first,
@@ -574,14 +580,25 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
   if (!enc) return 1;
   CUtensorMap tq, tk, tv;
   const bool bf16 = is_bf16 != 0;
-  if (!make_map_16bit(&tq, enc, q, bf16, kHeadDim, S, B * Hq, kBlockM, "q", err, errlen) ||
-      !make_map_16bit(&tk, enc, k, bf16, kHeadDim, S, B * Hkv, kBlockN, "k", err, errlen) ||
-      !make_map_16bit(&tv, enc, v, bf16, kHeadDim, S, B * Hkv, kBlockN, "v", err, errlen))
+  const long long* const vs = strides + 9;  // q, k, v, out: (b, h, s) each
+  const ViewStrides st_q{vs[0], vs[1], vs[2]}, st_k{vs[3], vs[4], vs[5]}, st_v{vs[6], vs[7], vs[8]};
+  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.k = k;
   p.v = v;
   p.out = out;
+  p.ksb = vs[3];
+  p.ksh = vs[4];
+  p.kss = vs[5];
+  p.vsb = vs[6];
+  p.vsh = vs[7];
+  p.vss = vs[8];
+  p.osb = vs[9];
+  p.osh = vs[10];
+  p.oss = vs[11];
   p.lse = lse;
   p.sel_idx = sel_idx;
   p.sel_cnt = sel_cnt;
