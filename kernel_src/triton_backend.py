@@ -26,6 +26,7 @@ import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
 from .api import AttentionCall, register_backend
 from .patterns import BigBird
+from .triton_fwd import PATTERN_IDS
 
 __all__ = ["bigbird_tiles", "decode_config", "run", "selection_prefill_config", "tile_config", "why_unsupported"]
 
@@ -147,6 +148,9 @@ def why_unsupported(call: AttentionCall) -> str | None:
         return "the last dimension of q, k and v must be contiguous"
     if call.sink_logits is not None and call.sink_logits.dtype == torch.float64:
         return "float64 sink_logits"
+    rule = call.pattern.static_part() if call.pattern.learned else call.pattern
+    if rule.name not in PATTERN_IDS:
+        return f"pattern {rule.name!r} has no kernel rule (the kernels evaluate {', '.join(sorted(set(PATTERN_IDS)))})"
     if isinstance(call.pattern, BigBird):
         bq, bk, _, _ = _plan(call)
         if bq not in (16, 32, 64, 128):

@@ -364,6 +364,22 @@ def test_why_unsupported(monkeypatch):
 
 
 @_SUBPROCESS_ONLY
+def test_pattern_without_kernel_rule_falls_back():
+    """A model's own window around streaming (``WithinWindow``, Gemma 2's local layers) has no kernel rule:
+    the backend refuses it by name and the call runs exactly on the PyTorch path (no KeyError)."""
+    from sparse_k import Streaming
+    from sparse_k.transformers_adapter import WithinWindow
+
+    p = WithinWindow(base=Streaming(sinks=2, window=5), window=10)
+    g = torch.Generator().manual_seed(18)
+    q, k, v = rand(1, 2, 29, 16, gen=g), rand(1, 1, 29, 16, gen=g), rand(1, 1, 29, 16, gen=g)
+    with pytest.warns(UserWarning, match="within_window"):
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
+    ref = sparse_k.sparse_attention(q, k, v, p, backend="reference")
+    assert rel(out, ref) < TOL32
+
+
+@_SUBPROCESS_ONLY
 def test_bigbird_misaligned_falls_back():
     """Left padding moves bigbird blocks off the tiles: the backend refuses and the call still runs exactly."""
     p = PATTERNS["bigbird"]
