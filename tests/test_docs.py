@@ -77,7 +77,7 @@ def test_readme_gives_the_ci_test_command():
     assert command in (ROOT / ".ci" / "run").read_text(), f".ci/run must call the README's test command {command!r}"
 
 
-@pytest.mark.parametrize("name", ["design.md", "benchmarks.md", "history.md"])
+@pytest.mark.parametrize("name", ["design.md", "benchmarks.md", "history.md", "usage.md"])
 def test_docs_pages_exist_and_are_linked(name):
     assert (ROOT / "docs" / name).is_file(), f"docs/{name} is missing"
     assert f"docs/{name}" in README.read_text(), f"README.md does not link docs/{name}"
@@ -87,7 +87,7 @@ def test_every_design_reference_exists():
     sections = design_sections(DESIGN.read_text())
     assert sections, "docs/design.md has no '## N. Title' sections"
     missing, seen = [], 0
-    for path in [*code_files(), README]:
+    for path in [*code_files(), README, *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text(errors="replace")
         for lineno, line in enumerate(text.splitlines(), 1):
             for n in design_refs(line):
