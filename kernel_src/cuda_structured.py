@@ -10,7 +10,7 @@ sinks`` for streaming; dense: always). The extension is compiled on first use (`
 ``sm_90a``, cached on disk; about 25 s once on the H100 machine). ``triton_fwd.attention_forward``
 hands it the calls it computes (``cuda_dispatch``).
 
-H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``cuda/NOTES.md``, 2026-11-22): sliding_window
+H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``docs/history.md``, 2026-11-22): sliding_window
 15.1 ms (574 TF/s; 16.9 ms timed again later in the same process), streaming 15.5 ms (16.6); Triton's
 structured kernel 16.8 / 17.8 ms, FlexAttention 21.7 / 21.9 ms. Dense causal S=16K: 3.65 ms, equal to
 SDPA's cuDNN backend.

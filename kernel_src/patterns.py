@@ -2,7 +2,7 @@
 
 Every pattern is a frozen dataclass (hashable, so layouts can be cached by it) with three jobs:
 
-* ``allowed(qpos, kpos, ...)`` — the exact element rule of ../shared/docs/design.md §4 on
+* ``allowed(qpos, kpos, ...)`` — the exact element rule of design §4 (``docs/design.md``) on
   *positions* (not tensor indices), vectorised over broadcastable integer tensors. The exact
   reference and ``BlockLayout.to_dense`` use it.
 * ``key_intervals(q_lo, q_hi, ...)`` — for a tile of query positions ``[q_lo, q_hi]`` a few

@@ -237,7 +237,7 @@ def large_check(q, k, v, layout, out, rows=256) -> float:
     return max(errs)
 
 
-TOL = 2e-2  # bf16 operands: relative errors of 1e-3..1e-2 are rounding (METHOD.md); a wrong kernel gives O(1)
+TOL = 2e-2  # bf16 operands: relative errors of 1e-3..1e-2 are rounding (design §10); a wrong kernel gives O(1)
 
 
 # ---------------------------------------------------------------- sections

@@ -64,7 +64,7 @@ def test_cpu_calls_stay_on_triton():
                                       ("dense", {})])
 def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
     """Plain causal bf16 self-attention goes to the CUDA kernel; its output matches the Triton kernel's
-    (same inputs) and the float64 reference. bf16 operands: 1e-3..1e-2 relative (METHOD.md)."""
+    (same inputs) and the float64 reference. bf16 operands: 1e-3..1e-2 relative (design §10)."""
     from sparse_k import (
         build_block_layout,
         get_pattern,

@@ -7,7 +7,7 @@ other modules) or, when triton was imported earlier in the session, runs this fi
 interpreter (``test_interpreter_suite_in_subprocess``) and every other test here is skipped.
 
 Tolerances: fp32 under the interpreter is exact float32 arithmetic (errors ~1e-6); compiled fp32
-``tl.dot`` uses tf32 (~3e-4 relative, METHOD.md), hence ``TOL32``; fp16 operands ~1e-3.
+``tl.dot`` uses tf32 (~3e-4 relative, design §10), hence ``TOL32``; fp16 operands ~1e-3.
 """
 
 import warnings
