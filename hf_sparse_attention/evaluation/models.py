@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +24,9 @@ __all__ = [
     "LoadedModel",
     "apply_variant",
     "default_gguf",
+    "gguf_context_length",
     "load_model",
+    "model_max_context",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -108,6 +112,81 @@ def _random_config(spec: str):
         f"--random-weights {spec!r} is neither a preset ({', '.join(RANDOM_CONFIG_PRESETS)}), "
         "a config.json file, a folder nor a Hub model id"
     )
+
+
+#: Byte sizes of GGUF's fixed-size value types (by type id); 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_context_length(path: str) -> int | None:
+    """``<architecture>.context_length`` from a GGUF file's header (versions 2 and 3), or None.
+
+    Reads the key-value section only up to that key, so it costs milliseconds (``gguf.GGUFReader``
+    and ``AutoConfig`` parse the whole tokenizer first: seconds).
+    """
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def string() -> str:
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                f.seek(read("<Q"), 1)
+            elif kind == 9:
+                item, count = read("<I"), read("<Q")
+                if item in _GGUF_SIZES:
+                    f.seek(_GGUF_SIZES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _GGUF_SIZES:
+                f.seek(_GGUF_SIZES[kind], 1)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        if f.read(4) != b"GGUF" or read("<I") < 2:
+            return None
+        read("<Q")  # tensor count
+        for _ in range(read("<Q")):
+            key, kind = string(), read("<I")
+            if key.endswith(".context_length") and kind in _GGUF_INTS:
+                return int(read(_GGUF_INTS[kind]))
+            skip(kind)
+    return None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def model_max_context(model: str | None = None, random_weights: str | None = None) -> int:
+    """The trained context (``max_position_embeddings``) of what ``load_model`` would load, read
+    from the config or GGUF header only (no weights), so bad flags fail before a long load.
+
+    Raises ``FileNotFoundError``/``ValueError``/``OSError`` naming the model when it cannot be found.
+    """
+    if random_weights is not None:
+        config = _random_config(random_weights)
+        return int(getattr(config, "max_position_embeddings", 2048))
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model must be a string (Hub id, folder or .gguf path), got {type(model).__name__}")
+    if model in (None, DEFAULT_MODEL) or model.endswith(".gguf"):
+        if model in (None, DEFAULT_MODEL):
+            path = os.path.join(*default_gguf())
+        elif not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file {model} does not exist")
+        else:
+            path = model
+        n = gguf_context_length(path)
+        return 2048 if n is None else n
+    if not os.path.isdir(model) and not _HUB_ID.match(model):
+        raise FileNotFoundError(f"{model!r} is neither a folder, a .gguf file, {DEFAULT_MODEL!r} nor a Hub id (org/name)")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 @functools.lru_cache(maxsize=4)
