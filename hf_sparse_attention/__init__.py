@@ -8,10 +8,11 @@ from sparse_k import *  # noqa: F401,F403
 from sparse_k import __all__ as _core_all
 
 from .configure import configure
+from .example_model import load_example_model
 
 __version__ = "0.1.0"
 
-__all__ = [*_core_all, "configure"]
+__all__ = [*_core_all, "configure", "load_example_model"]
 
 try:
     import transformers as _transformers  # noqa: F401

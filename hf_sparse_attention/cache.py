@@ -40,7 +40,8 @@ layer's decode state between steps:
 * ``dsa``: nothing is evicted (design §7: every key stays a candidate); the indexer keys of the
   cached tokens are kept, so a decode step computes them for its new tokens only.
 
-Limitations: batches without padding (a padded row would count its padding as sinks); no
+Limitations: batches without padding (a padded row would count its padding as sinks; a padded batch
+raises ``ValueError``); no
 ``crop`` (assisted decoding) on layers that dropped keys.
 """
 
@@ -78,6 +79,31 @@ class _KeptKeysLayer(CacheLayerMixin):
     """A cache layer that keeps a subset of the keys seen: ``cumulative_length`` counts every key,
     ``keys`` holds the kept ones, and the next update's key tensor starts at slot 0."""
 
+    _module = None
+    _returned = None
+
+    def _mark_returned(self, keys: torch.Tensor) -> None:
+        """Remember ``keys`` as this update's result and tell the attention module (the adapter finds
+        this layer through ``CACHE_LAYER_ATTR`` and ``owns``)."""
+        self._returned = weakref.ref(keys)
+        module = self._module() if self._module is not None else None
+        if module is not None:
+            module.__dict__[CACHE_LAYER_ATTR] = weakref.ref(self)
+
+    def owns(self, key: torch.Tensor) -> bool:
+        """True when ``key`` is the tensor this layer's last ``update`` returned."""
+        return self._returned is not None and self._returned() is key
+
+    def check_key_mask(self, key_mask: torch.Tensor | None) -> None:
+        """Raise ``ValueError`` when ``key_mask`` (``(B, L)`` bool) marks padding: the kept slots of a
+        padded row would hold its padding as sinks and drop real keys."""
+        if key_mask is not None and not bool(key_mask.all()):
+            raise ValueError(
+                "SparseCache supports unpadded batches only: this batch is padded (its attention_mask has zeros), and a "
+                "padded row would keep its padding as sinks and drop real keys. Generate the rows one at a time "
+                "(unpadded), or use the default DynamicCache, which handles padding (memory grows with the length)"
+            )
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[:, :, :0]
@@ -106,7 +132,8 @@ class BoundedLayer(_KeptKeysLayer):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, sinks: int, window: int, mode: str = "original", inv_freq: torch.Tensor | None = None):
+    def __init__(self, sinks: int, window: int, mode: str = "original", inv_freq: torch.Tensor | None = None,
+                 module: torch.nn.Module | None = None):
         super().__init__()
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ValueError(f"BoundedLayer: `sinks` must be an int >= 0, got {sinks!r}")
@@ -117,6 +144,7 @@ class BoundedLayer(_KeptKeysLayer):
         if mode == "rolling" and sinks > 0 and inv_freq is None:
             raise ValueError("BoundedLayer: the 'rolling' mode re-rotates sink keys and needs the model's `inv_freq`")
         self.sinks, self.window, self.mode, self.inv_freq = sinks, window, mode, inv_freq
+        self._module = None if module is None else weakref.ref(module)
         self.cumulative_length = 0
         self.sink_keys: torch.Tensor | None = None  # sinks at their original phase (rolling mode)
 
@@ -146,6 +174,7 @@ class BoundedLayer(_KeptKeysLayer):
                 kept_k[0] = rotate_keys(self.sink_keys, self.inv_freq, first_window_pos - self.sinks)
             self.keys = torch.cat(kept_k, dim=-2)
             self.values = torch.cat(kept_v, dim=-2)
+        self._mark_returned(keys)
         return keys, values
 
     def reset(self) -> None:
@@ -192,7 +221,6 @@ class SelectionLayer(_KeptKeysLayer):
         self.state: SparseKDecodeState | None = None
         self.index_keys: torch.Tensor | None = None
         self._index_owner = None
-        self._returned = None
         self._new_tokens = 0
 
     # -- Transformers cache-layer interface ------------------------------------------------------
@@ -206,10 +234,7 @@ class SelectionLayer(_KeptKeysLayer):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
         self._new_tokens = key_states.shape[-2]
-        self._returned = weakref.ref(self.keys)
-        module = self._module()
-        if module is not None:
-            module.__dict__[CACHE_LAYER_ATTR] = weakref.ref(self)
+        self._mark_returned(self.keys)
         return self.keys, self.values
 
     def reset(self) -> None:
@@ -238,18 +263,13 @@ class SelectionLayer(_KeptKeysLayer):
 
     # -- attention ----------------------------------------------------------------------------------
 
-    def owns(self, key: torch.Tensor) -> bool:
-        """True when ``key`` is the tensor this layer's last ``update`` returned."""
-        return self._returned is not None and self._returned() is key
-
     def attend(self, query, key, value, pattern, key_mask, run, *, selector, layer_idx: int):
         """Attention of this call's queries over the slots ``key``/``value`` that ``update`` returned.
 
         ``run(q, k, v, pattern, selection, q_start, key_mask)`` runs ``sparse_attention`` with the
         layer's other arguments. Returns ``(B, Hq, Sq, D)``.
         """
-        if key_mask is not None and not bool(key_mask.all()):
-            raise ValueError("SparseCache supports unpadded batches only (a padded row would count its padding as sinks)")
+        self.check_key_mask(key_mask)
         if pattern != self.pattern:
             raise ValueError(f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.pattern!r}")
         if isinstance(pattern, DSA):
@@ -405,7 +425,8 @@ class SparseCache(Cache):
     ``bounded_layers`` lists the layers with a ``BoundedLayer``, ``selection_layers`` those with a
     ``SelectionLayer`` (learned patterns; needs the model, not just its config); the others keep a
     Transformers layer (``DynamicSlidingWindowLayer`` under a model window, else a ``DynamicLayer``).
-    Batches must be unpadded (see the module docstring).
+    Batches must be unpadded: a padded batch raises ``ValueError`` at its first forward (when built
+    from the model; from a config alone the attention modules are unknown and padding goes unchecked).
     """
 
     def __init__(self, model, mode: str | None = None, evict: bool = True):
@@ -440,7 +461,7 @@ class SparseCache(Cache):
                 inv_freq = _inv_freq(model, types[i])
                 if inv_freq is None:
                     raise ValueError("SparseCache(mode='rolling') found no rotary embedding (`inv_freq`) in the model")
-            layers.append(BoundedLayer(keep[0], keep[1], mode, inv_freq))
+            layers.append(BoundedLayer(keep[0], keep[1], mode, inv_freq, modules.get(i)))
             self.bounded_layers.append(i)
         self.mode = mode
         super().__init__(layers=layers)

@@ -1,4 +1,11 @@
-"""``configure(model, pattern=..., **params)``: write ``config.sparse_attention`` on a model or config."""
+"""``configure(model, pattern=..., **params)``: write ``config.sparse_attention`` on a model or config.
+
+On a model, ``configure`` also switches it to ``attn_implementation="sparse_k"`` when it runs one of
+Transformers' dense implementations (``sdpa``, ``eager``, ``flash_attention_2``...): a model loaded
+without ``attn_implementation="sparse_k"`` would otherwise keep running dense attention and ignore
+the configuration. On a config nothing is switched (pass it to ``from_pretrained(...,
+attn_implementation="sparse_k")``).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,44 @@ def _configs(target):
         if text is not None and all(text is not c for c in out):
             out.append(text)
     return out
+
+
+def _num_layers(configs) -> int | None:
+    """``num_hidden_layers`` of the text config (the last of ``configs``), or None when it has none."""
+    n = getattr(configs[-1], "num_hidden_layers", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _check_layer_range(cfg: dict, num_layers: int | None) -> None:
+    if num_layers is None:
+        return
+    for name, indices in (("dense_layers", cfg["dense_layers"]), ("layers", [int(i) for i in cfg["layers"]])):
+        bad = sorted(i for i in indices if i >= num_layers)
+        if bad:
+            raise ValueError(
+                f"configure(): `{name}` names layer(s) {bad}, but the model has {num_layers} layers "
+                f"(indices 0..{num_layers - 1})"
+            )
+
+
+def _attn_implementation(model) -> str | None:
+    configs = _configs(model)
+    return getattr(configs[-1], "_attn_implementation", None) or getattr(configs[0], "_attn_implementation", None)
+
+
+def _switch_to_sparse(model) -> None:
+    """Run ``model`` with ``attn_implementation="sparse_k"`` unless it already runs it (or a hub
+    kernel, named ``"org/name"``, which reads the same ``config.sparse_attention``)."""
+    current = _attn_implementation(model)
+    if current == "sparse_k" or (isinstance(current, str) and "/" in current):
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        raise TypeError(
+            f"configure(): {type(model).__name__} runs attn_implementation={current!r} and has no "
+            "set_attn_implementation(); configure its Transformers model, or its config before loading"
+        )
+    setter("sparse_k")
 
 
 def configure(
@@ -52,8 +97,12 @@ def configure(
             call ``hf_sparse_attention.load_selectors_for_model(model)``.
     Returns:
         The plain, JSON-friendly dict stored as ``config.sparse_attention`` (it round-trips through
-        ``save_pretrained``/``from_pretrained``). The model must run with
-        ``attn_implementation="sparse_k"`` (``model.set_attn_implementation("sparse_k")``) to use it.
+        ``save_pretrained``/``from_pretrained``). A model that ran a dense implementation (``sdpa``,
+        ``eager``...) now runs ``attn_implementation="sparse_k"``; ``model.set_attn_implementation("sdpa")``
+        switches it back.
+    Raises:
+        ValueError: an unknown pattern, backend or position mode, a bad pattern parameter, or a
+            ``dense_layers``/``layers`` index outside ``0 .. num_hidden_layers - 1``.
     """
     cfg: dict = {} if pattern is None else {"pattern": pattern}
     cfg.update(params)
@@ -68,8 +117,11 @@ def configure(
     ):
         if value is not None:
             cfg[name] = list(value) if name == "dense_layers" else value
-    validate_sparse_config(cfg)
-    for config in _configs(target):
+    configs = _configs(target)
+    _check_layer_range(validate_sparse_config(cfg), _num_layers(configs))
+    if isinstance(target, torch.nn.Module):
+        _switch_to_sparse(target)
+    for config in configs:
         config.sparse_attention = dict(cfg)
     if selector_path is not None and isinstance(target, torch.nn.Module):
         from .selectors import load_selectors_for_model

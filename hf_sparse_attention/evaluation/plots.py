@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from .speed import MEMORY_LABELS
+
 __all__ = ["write_plots"]
 
 
@@ -78,8 +80,8 @@ def _speed_plot(rows, path):
         axes[0].plot(xs, [r["prefill_seconds"] for r in mine], marker="o", label=v)
         axes[1].plot(xs, [r["decode_tokens_per_second"] or float("nan") for r in mine], marker="o", label=v)
         axes[2].plot(xs, [r["peak_memory_bytes"] / 2**20 for r in mine], marker="o", label=v)
-    kind = rows[0]["memory_kind"] if rows else ""
-    for ax, title in zip(axes, ("prefill time (s)", "decode tokens/s", f"peak memory (MiB, {kind})")):
+    memory = MEMORY_LABELS.get(rows[0]["memory_kind"], "memory (MiB)") if rows else ""
+    for ax, title in zip(axes, ("prefill time (s)", "decode tokens/s", memory)):
         ax.set_xlabel("sequence length (tokens)")
         ax.set_title(title, fontsize=10)
         ax.set_xscale("log", base=2)

@@ -8,6 +8,7 @@ import os
 from collections import defaultdict
 
 from .plots import write_plots
+from .speed import MEMORY_LABELS, MEMORY_NOTES
 
 __all__ = ["SCHEMA_PATH", "load_schema", "summarize_retrieval", "timestamped_dir", "validate_results", "write_outputs"]
 
@@ -51,6 +52,30 @@ def _fmt_params(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
 
 
+def _budget_lines(results: dict) -> list[str]:
+    rows = results.get("budgets") or []
+    if not rows:
+        return []
+    lines = ["## Patterns and key budgets", "",
+             "Every sparse pattern gets the same number of keys per query at a context (`--budget`, default a quarter "
+             "of the context). *keys, last query*: what the last query of a `context`-token sequence attends (the "
+             "budget, far from the start); *mean keys per query*: over all its queries; *fraction*: allowed (query, "
+             "key) pairs of all causal pairs (bigbird: layer 0, KV head 0).", ""]
+    learned = sorted({r["pattern"] for r in rows if r["pattern"] in ("sparse_k", "dsa")})
+    if learned:
+        how = results["settings"].get("learned_selection", "training-free (no trained selector loaded)")
+        note = ("without a trained selector each block selects the keys with the training-free score -‖key‖ "
+                "(the same keys for sparse_k and dsa); trained selectors: README, \"Learned selection\""
+                if how.startswith("training-free") else "trained selectors were loaded")
+        lines += [f"Learned selection ({', '.join(learned)}): **{how}**: {note}.", ""]
+    lines += ["| pattern | context | parameters | keys, last query | mean keys per query | fraction of causal pairs |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['context']} | {_fmt_params(r['params'])} | {r['last_query_keys']} | "
+                     f"{r['mean_keys_per_query']:.1f} | {r['causal_fraction']:.3f} |")
+    return lines + [""]
+
+
 def _markdown(results: dict) -> str:
     env, model = results["environment"], results["model"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or f"CPU only ({env['cpu_count']} cores)"
@@ -66,6 +91,7 @@ def _markdown(results: dict) -> str:
         f"- wall time: {results['timing']['total_seconds']:.1f} s",
         "",
     ]
+    lines += _budget_lines(results)
     if results.get("perplexity"):
         corpus = results.get("corpus", {})
         lines += ["## Perplexity", "",
@@ -88,14 +114,16 @@ def _markdown(results: dict) -> str:
                 lines += ["", f"![{task}](retrieval_{task}.png)"]
         lines.append("")
     if results.get("speed"):
+        kinds = list(dict.fromkeys(r["memory_kind"] for r in results["speed"]))
+        header = MEMORY_LABELS[kinds[0]] if len(kinds) == 1 else "memory (MiB, see measure)"
         lines += ["## Speed", "",
-                  "| pattern | length | prefill (s) | decode tokens/s | peak memory (MiB) | memory measure |",
+                  f"| pattern | length | prefill (s) | decode tokens/s | {header} | memory measure |",
                   "|---|---|---|---|---|---|"]
         for r in results["speed"]:
             tps = f"{r['decode_tokens_per_second']:.1f}" if r["decode_tokens_per_second"] else "—"
             lines.append(f"| {r['variant']} | {r['length']} | {r['prefill_seconds']:.3f} | {tps} | "
                          f"{r['peak_memory_bytes'] / 2**20:.1f} | {r['memory_kind']} |")
-        lines += ["", "![speed](speed.png)", ""]
+        lines += [""] + [f"`{k}`: {MEMORY_NOTES[k]}." for k in kinds] + ["", "![speed](speed.png)", ""]
     return "\n".join(lines)
 
 

@@ -16,7 +16,21 @@ import time
 
 import torch
 
-__all__ = ["benchmark_lengths", "measure_once"]
+__all__ = ["MEMORY_LABELS", "MEMORY_NOTES", "benchmark_lengths", "measure_once"]
+
+#: How each ``memory_kind`` is named in the report and the plot: what was measured, not just "memory".
+MEMORY_LABELS = {
+    "cpu_peak_rss": "peak RSS of the whole process (MiB)",
+    "cuda_max_allocated": "peak CUDA memory allocated (MiB)",
+}
+#: One sentence per ``memory_kind`` for the report.
+MEMORY_NOTES = {
+    "cpu_peak_rss": "resident set size of the whole Python process during the measurement (model weights, tokenizer "
+                    "and freed-but-kept allocator memory included; it never drops below an earlier peak), not the "
+                    "attention's own memory",
+    "cuda_max_allocated": "`torch.cuda.max_memory_allocated` during prefill and decode, reset before each measurement "
+                          "(model weights included)",
+}
 
 
 class _RssPeak:
