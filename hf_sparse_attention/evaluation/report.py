@@ -7,9 +7,12 @@ import json
 import os
 from collections import defaultdict
 
+from .perplexity import perplexity_spread
 from .plots import write_plots
+from .retrieval import TASKS
 
-__all__ = ["SCHEMA_PATH", "load_schema", "summarize_retrieval", "timestamped_dir", "validate_results", "write_outputs"]
+__all__ = ["SCHEMA_PATH", "load_schema", "summarize_perplexity", "summarize_retrieval", "timestamped_dir",
+           "validate_results", "write_outputs"]
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.schema.json")
 
@@ -47,6 +50,67 @@ def summarize_retrieval(rows: list[dict]) -> list[dict]:
             for (t, v, c), g in groups.items()]
 
 
+def summarize_perplexity(rows: list[dict]) -> list[dict]:
+    """Spread over text windows per (variant, context), in first-seen order: ``perplexity_spread`` of
+    the perplexities and of the per-window ratio to dense (``vs_dense``; None without a dense row)."""
+    groups: dict = defaultdict(dict)
+    dense = {(r["context"], r.get("window", 0)): r["perplexity"] for r in rows if r["pattern"] == "dense"}
+    for r in rows:
+        groups[(r["variant"], r["context"])][r.get("window", 0)] = r["perplexity"]
+    out = []
+    for (v, c), by_window in groups.items():
+        ratios = [p / dense[(c, w)] for w, p in by_window.items() if (c, w) in dense]
+        out.append({"variant": v, "context": c, **perplexity_spread(list(by_window.values())),
+                    "vs_dense": perplexity_spread(ratios) if len(ratios) == len(by_window) else None})
+    return out
+
+
+def _budget_lines(results: dict) -> list[str]:
+    lines = ["## Key budgets", "",
+             "Keys per query: the most keys any query attends (sinks + window + top_k for sparse_k/dsa); "
+             "fraction: attended (query, key) pairs over the S(S+1)/2 causal pairs of a prefill of `context` tokens.", "",
+             "| pattern | context | keys per query | mean keys per query | fraction of causal pairs |", "|---|---|---|---|---|"]
+    for b in results["budgets"]:
+        lines.append(f"| {b['variant']} | {b['context']} | {b['keys_per_query']} | {b['mean_keys_per_query']:.1f} | "
+                     f"{b['fraction']:.1%} |")
+    return lines + [""]
+
+
+def _spread_lines(results: dict) -> list[str]:
+    lines = ["### Perplexity over text windows", "",
+             "Mean ± sample standard deviation and min–max over disjoint text windows (offsets in tokens: "
+             f"{results.get('corpus', {}).get('window_offsets')}); vs dense: the per-window ratio, mean ± std.", "",
+             "| pattern | context | windows | perplexity | min–max | vs dense |", "|---|---|---|---|---|---|"]
+    for s in results["perplexity_summary"]:
+        rel = s["vs_dense"]
+        rel_text = f"{rel['mean']:.3f}x ± {rel['std']:.3f}" if rel else "—"
+        lines.append(f"| {s['variant']} | {s['context']} | {s['n']} | {s['mean']:.3f} ± {s['std']:.3f} | "
+                     f"{s['min']:.3f}–{s['max']:.3f} | {rel_text} |")
+    return lines + [""]
+
+
+def _format_lines(results: dict) -> list[str]:
+    """One row per (pattern, context): budget, then accuracy in the trained and the unseen formats."""
+    summary = {(s["task"], s["variant"], s["context"]): s for s in results["retrieval_summary"]}
+    budgets = {(b["variant"], b["context"]): b for b in results.get("budgets", [])}
+    tasks = [t for t in TASKS if any(k[0] == t for k in summary)]
+    names = {"passkey": "trained format (passkey)", "needle": "tuned format (needle)",
+             "unseen": "unseen format", "multikey": "multi-key (unseen)"}
+    lines = ["### Retrieval by prompt format", "",
+             "passkey: the landmark prompt the selectors trained on; needle: the magic-number sentence in held-out "
+             "Gutenberg text; unseen: other filler (synthetic prose or held-out play lines), other needle wording, "
+             "question before or after the haystack; multi-key: several labelled needles, the asked one scored.", "",
+             "| pattern | context | keys per query | fraction of pairs | " + " | ".join(names[t] for t in tasks) + " |",
+             "|---|---|---|---|" + "---|" * len(tasks)]
+    for v, c in dict.fromkeys((k[1], k[2]) for k in summary):
+        b = budgets.get((v, c))
+        cells = [f"{summary[(t, v, c)]['correct']}/{summary[(t, v, c)]['total']}" if (t, v, c) in summary else "—"
+                 for t in tasks]
+        budget = f"{b['keys_per_query']} | {b['fraction']:.1%}" if b else "— | —"
+        lines.append(f"| {v} | {c} | {budget} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _fmt_params(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
 
@@ -71,22 +135,30 @@ def _markdown(results: dict) -> str:
         lines += ["## Perplexity", "",
                   f"Corpus: {corpus.get('name')} ({corpus.get('split')} split, {corpus.get('documents')} document(s), "
                   f"first {corpus.get('tokens')} tokens); strided sliding windows of `context` tokens.", "",
-                  "| pattern | context | stride | perplexity | vs dense | parameters | seconds |", "|---|---|---|---|---|---|---|"]
-        dense = {r["context"]: r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}
+                  "| pattern | context | stride | perplexity | vs dense | parameters | seconds | text window |",
+                  "|---|---|---|---|---|---|---|---|"]
+        dense = {(r["context"], r.get("window", 0)): r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}
         for r in sorted(results["perplexity"], key=lambda r: r["context"]):
-            rel = f"{r['perplexity'] / dense[r['context']]:.3f}x" if r["context"] in dense else "—"
+            key = (r["context"], r.get("window", 0))
+            rel = f"{r['perplexity'] / dense[key]:.3f}x" if key in dense else "—"
             lines.append(f"| {r['variant']} | {r['context']} | {r['stride']} | {r['perplexity']:.3f} | {rel} | "
-                         f"{_fmt_params(r['params'])} | {r['seconds']:.1f} |")
-        lines += ["", "![perplexity](perplexity.png)", ""]
+                         f"{_fmt_params(r['params'])} | {r['seconds']:.1f} | {r.get('window', 0)} |")
+        lines += [""]
+        if any(s["n"] > 1 for s in results.get("perplexity_summary", [])):
+            lines += _spread_lines(results)
+        lines += ["![perplexity](perplexity.png)", ""]
     if results.get("retrieval_summary"):
         lines += ["## Retrieval (exact match)", "",
                   "| task | pattern | context | correct / trials | accuracy |", "|---|---|---|---|---|"]
         for s in results["retrieval_summary"]:
             lines.append(f"| {s['task']} | {s['variant']} | {s['context']} | {s['correct']} / {s['total']} | {s['accuracy']:.0%} |")
-        for task in ("passkey", "needle"):
+        lines += ["", *_format_lines(results)]
+        for task in TASKS:
             if any(s["task"] == task for s in results["retrieval_summary"]):
                 lines += ["", f"![{task}](retrieval_{task}.png)"]
         lines.append("")
+    if results.get("budgets"):
+        lines += _budget_lines(results)
     if results.get("speed"):
         lines += ["## Speed", "",
                   "| pattern | length | prefill (s) | decode tokens/s | peak memory (MiB) | memory measure |",
@@ -104,6 +176,8 @@ def write_outputs(results: dict, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     if results.get("retrieval"):
         results["retrieval_summary"] = summarize_retrieval(results["retrieval"])
+    if results.get("perplexity"):
+        results["perplexity_summary"] = summarize_perplexity(results["perplexity"])
     results["plots"] = write_plots(results, out_dir)
     validate_results(results)
     paths = {"results": os.path.join(out_dir, "results.json"), "report": os.path.join(out_dir, "report.md")}
