@@ -319,6 +319,11 @@ def test_compare_results_flags_differences():
     assert same["retrieval_identical"] and same["time_ratio"] == 2.0
     assert same["max_perplexity_rel_diff"] == pytest.approx(5e-5)
     assert not compare_results(res(10.0, 3, 1.0, 1), res(10.0, 2, 1.0, 2))["retrieval_identical"]
+    # Perplexity rows of several text windows are compared window by window.
+    a, b = res(10.0, 3, 1.0, 1), res(10.0, 3, 1.0, 2)
+    a["perplexity"] = [{"variant": "dense", "context": 256, "window": w, "perplexity": p} for w, p in ((0, 10.0), (1, 20.0))]
+    b["perplexity"] = [{"variant": "dense", "context": 256, "window": w, "perplexity": p} for w, p in ((1, 20.0), (0, 11.0))]
+    assert compare_results(a, b)["max_perplexity_rel_diff"] == pytest.approx(0.1)
 
 
 def test_full_profile_compares_every_pattern():
