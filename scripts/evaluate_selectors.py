@@ -41,6 +41,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from hf_sparse_attention.evaluation.retrieval import TASK_COLUMNS
+
 
 def _parse_selector(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
@@ -86,10 +88,6 @@ def _depth(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
     return value
-
-
-TASK_COLUMNS = {"passkey": "trained format (passkey)", "needle": "tuned format (needle)",
-                "unseen": "unseen format", "multikey": "multi-key (unseen)"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -522,6 +522,7 @@ def test_perplexity_seeds_and_budgets_in_results_and_report(tmp_path):
     budgets = {b["variant"]: b for b in res["budgets"]}
     assert budgets["streaming"]["keys_per_query"] == 64 and budgets["dense"]["fraction"] == 1.0
     assert "Perplexity over text windows" in res["_report"] and "## Key budgets" in res["_report"]
+    assert "3 disjoint windows of 300 tokens" in res["_report"]
     assert "| streaming | 256 | 64 |" in res["_report"]
 
 

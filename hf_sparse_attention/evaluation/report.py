@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from .perplexity import perplexity_spread
 from .plots import write_plots
-from .retrieval import TASKS
+from .retrieval import TASK_COLUMNS, TASKS
 
 __all__ = ["SCHEMA_PATH", "load_schema", "summarize_perplexity", "summarize_retrieval", "timestamped_dir",
            "validate_results", "write_outputs"]
@@ -94,13 +94,11 @@ def _format_lines(results: dict) -> list[str]:
     summary = {(s["task"], s["variant"], s["context"]): s for s in results["retrieval_summary"]}
     budgets = {(b["variant"], b["context"]): b for b in results.get("budgets", [])}
     tasks = [t for t in TASKS if any(k[0] == t for k in summary)]
-    names = {"passkey": "trained format (passkey)", "needle": "tuned format (needle)",
-             "unseen": "unseen format", "multikey": "multi-key (unseen)"}
     lines = ["### Retrieval by prompt format", "",
              "passkey: the landmark prompt the selectors trained on; needle: the magic-number sentence in held-out "
              "Gutenberg text; unseen: other filler (synthetic prose or held-out play lines), other needle wording, "
              "question before or after the haystack; multi-key: several labelled needles, the asked one scored.", "",
-             "| pattern | context | keys per query | fraction of pairs | " + " | ".join(names[t] for t in tasks) + " |",
+             "| pattern | context | keys per query | fraction of pairs | " + " | ".join(TASK_COLUMNS[t] for t in tasks) + " |",
              "|---|---|---|---|" + "---|" * len(tasks)]
     for v, c in dict.fromkeys((k[1], k[2]) for k in summary):
         b = budgets.get((v, c))
@@ -134,7 +132,9 @@ def _markdown(results: dict) -> str:
         corpus = results.get("corpus", {})
         lines += ["## Perplexity", "",
                   f"Corpus: {corpus.get('name')} ({corpus.get('split')} split, {corpus.get('documents')} document(s), "
-                  f"first {corpus.get('tokens')} tokens); strided sliding windows of `context` tokens.", "",
+                  + (f"first {corpus.get('tokens')} tokens" if corpus.get("windows", 1) == 1 else
+                   f"{corpus['windows']} disjoint windows of {corpus.get('tokens')} tokens")
+                  + "); strided sliding windows of `context` tokens.", "",
                   "| pattern | context | stride | perplexity | vs dense | parameters | seconds | text window |",
                   "|---|---|---|---|---|---|---|---|"]
         dense = {(r["context"], r.get("window", 0)): r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}

@@ -59,6 +59,9 @@ TASKS = ("passkey", "needle", "unseen", "multikey")
 #: Tasks in the formats the selectors trained or were tuned on, and tasks in formats they never saw.
 TRAINED_FORMAT_TASKS = ("passkey", "needle")
 UNSEEN_FORMAT_TASKS = ("unseen", "multikey")
+#: Column heading of each task in the tables that set the formats side by side.
+TASK_COLUMNS = {"passkey": "trained format (passkey)", "needle": "tuned format (needle)",
+                "unseen": "unseen format", "multikey": "multi-key (unseen)"}
 
 
 @dataclass(frozen=True)
