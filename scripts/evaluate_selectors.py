@@ -8,9 +8,19 @@ For one context length it compares, on the same model and inputs:
 * each learned pattern given with ``--selector NAME=PATH`` (trained selectors loaded from PATH),
 * each learned pattern named in ``--training-free`` (no selector file: the documented fallback).
 
-It reports perplexity on held-out Gutenberg text (strided, ``--ppl-tokens`` tokens) and passkey
-accuracy over ``--depths x --trials-per-depth`` trials, and writes the table, the JSON results and
-the command line that made them.
+It reports, per variant:
+
+* the key budget as keys per query (``sinks + window + top_k``; streaming: ``sinks + window``) and
+  as the fraction of the causal (query, key) pairs of a ``--context`` prefill that it attends;
+* perplexity on held-out Gutenberg text (strided, windows of ``--context`` every half context) over
+  ``--ppl-seeds`` disjoint text windows of ``--ppl-tokens`` tokens: mean ± std, min-max, and the
+  per-window ratio to dense;
+* retrieval accuracy over ``--depths x --trials-per-depth`` trials per task (``--tasks``):
+  ``passkey`` (the landmark format the selectors trained on), ``unseen`` (other filler, needle
+  wording and question position) and ``multikey`` (``--multikey-needles`` labelled needles, the
+  asked one scored); ``needle`` (the magic-number sentence) on request;
+
+and writes the table, the JSON results and the command line that made them.
 
 Example (the defaults are the issue's recipe: SmolLM2-135M, 4K context, sinks 4, window 256,
 top_k 256 -> 516 keys per query)::
@@ -30,6 +40,8 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+
+from hf_sparse_attention.evaluation.retrieval import TASK_COLUMNS
 
 
 def _parse_selector(text: str) -> tuple[str, str]:
@@ -53,12 +65,43 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
 
 
+def _bounded_int(low: int, high: int | None, what: str):
+    """An argparse type: an int in ``[low, high]`` (``what`` names the flag's values in the error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+def _depth(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_setting_arguments(p)
-    p.add_argument("--ppl-tokens", type=int, default=16384)
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--trials-per-depth", type=int, default=4)
+    p.add_argument("--ppl-tokens", type=_bounded_int(2, None, "an integer >= 2"), default=16384,
+                   help="tokens per perplexity text window")
+    p.add_argument("--ppl-seeds", type=_bounded_int(1, None, "a positive integer"), default=3,
+                   help="disjoint text windows (the first at the corpus start, the others at seeded offsets)")
+    p.add_argument("--tasks", nargs="+", default=["passkey", "unseen", "multikey"], choices=list(TASK_COLUMNS),
+                   help="retrieval tasks, one column each")
+    p.add_argument("--multikey-needles", type=_bounded_int(2, 8, "an integer from 2 to 8"), default=4)
+    p.add_argument("--depths", type=_depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--trials-per-depth", type=_bounded_int(1, None, "a positive integer"), default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON file for the results (the table is printed either way)")
     return p
@@ -113,6 +156,27 @@ def _apply(model, variant: dict) -> None:
         raise FileNotFoundError(f"no selectors could be loaded from {variant['selector_path']!r}")
 
 
+def _cell(row: dict, task: str) -> str:
+    return f"{row[task + '_correct']}/{row[task + '_trials']}" if task + "_trials" in row else "—"
+
+
+def results_table(rows: list[dict], tasks: list[str]) -> list[str]:
+    """Markdown table of the evaluated ``rows`` (dense first): budget, perplexity spread, retrieval per task."""
+    dense = rows[0]["perplexity_windows"]
+    head = ["variant", "keys per query", "fraction of pairs", "perplexity (mean ± std)", "min–max", "vs dense"]
+    lines = ["| " + " | ".join(head + [TASK_COLUMNS[t] for t in tasks]) + " |", "|" + "---|" * (len(head) + len(tasks))]
+    for r in rows:
+        ratios = [p / d - 1 for p, d in zip(r["perplexity_windows"], dense)]
+        mean = sum(ratios) / len(ratios)
+        std = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
+        cells = [r["label"], str(r["keys_per_query"]), f"{r['pair_fraction']:.1%}",
+                 f"{r['perplexity']:.3f} ± {r['perplexity_std']:.3f}",
+                 f"{min(r['perplexity_windows']):.3f}–{max(r['perplexity_windows']):.3f}",
+                 f"{mean * 100:+.1f}% ± {std * 100:.1f}"]
+        lines.append("| " + " | ".join(cells + [_cell(r, t) for t in tasks]) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.context < args.sinks + args.window + args.top_k:
@@ -126,40 +190,55 @@ def main(argv=None) -> int:
         strided_perplexity,
         tokenize_corpus,
     )
+    from hf_sparse_attention.evaluation.budget import attention_budget
+    from hf_sparse_attention.evaluation.perplexity import perplexity_spread, perplexity_windows
+    from sparse_k import get_pattern
 
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)
     model, tok = loaded.model, loaded.tokenizer
     docs = load_documents("gutenberg", split="test")
-    ids = tokenize_corpus(tok, docs, max_tokens=args.ppl_tokens)
-    ids = ids.to(next(model.parameters()).device)
-    items = retrieval_items("passkey", [args.context], args.depths, args.trials_per_depth, seed=args.seed)
+    ids = tokenize_corpus(tok, docs, max_tokens=args.ppl_tokens * (1 if args.ppl_seeds == 1 else 8 * args.ppl_seeds))
+    try:
+        windows = perplexity_windows(ids, args.ppl_tokens, args.ppl_seeds, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"--ppl-seeds {args.ppl_seeds} x --ppl-tokens {args.ppl_tokens}: {e}") from None
+    device = next(model.parameters()).device
+    hay = None
+    if {"needle", "unseen", "multikey"} & set(args.tasks):
+        hay = tokenize_corpus(tok, docs[2:] or docs, 4 * (args.context + 64))[0].tolist()
+    trials = {t: retrieval_items(t, [args.context], args.depths, args.trials_per_depth, seed=args.seed,
+                                 needles=args.multikey_needles) for t in args.tasks}
     rows = []
     for variant in _variants(args):
         _apply(model, variant)
         t0 = time.perf_counter()
-        ppl = strided_perplexity(model, ids, args.context, args.context // 2, desc=f"ppl {variant['label']}")
-        hits = [run_retrieval_item(model, tok, it)["correct"] for it in tqdm(items, desc=f"passkey {variant['label']}")]
-        rows.append({**variant, "perplexity": ppl["perplexity"], "passkey_correct": int(sum(hits)),
-                     "passkey_trials": len(hits), "seconds": time.perf_counter() - t0})
-    dense_ppl = rows[0]["perplexity"]
+        budget = attention_budget(get_pattern(variant["pattern"], **variant["params"]), args.context)
+        ppl = [strided_perplexity(model, w.to(device), args.context, args.context // 2,
+                                  desc=f"ppl {variant['label']} window {i}")["perplexity"] for i, (_, w) in enumerate(windows)]
+        spread = perplexity_spread(ppl)
+        row = {**variant, "keys_per_query": budget["keys_per_query"], "pair_fraction": budget["fraction"],
+               "perplexity": spread["mean"], "perplexity_std": spread["std"], "perplexity_windows": ppl}
+        for task, items in trials.items():
+            hits = [run_retrieval_item(model, tok, it, hay)["correct"] for it in tqdm(items, desc=f"{task} {variant['label']}")]
+            row[f"{task}_correct"], row[f"{task}_trials"] = int(sum(hits)), len(hits)
+        rows.append({**row, "seconds": time.perf_counter() - t0})
     lines = [
         f"context {args.context}, key budget {args.sinks + args.window + args.top_k} per query "
         f"(sinks {args.sinks}, window {args.window}, top_k {args.top_k}); held-out Gutenberg "
-        f"({', '.join(f.rsplit('/', 1)[-1] for f in gutenberg_files('test')[:2])}, ...), {args.ppl_tokens} tokens",
+        f"({', '.join(f.rsplit('/', 1)[-1] for f in gutenberg_files('test')[:2])}, ...), {args.ppl_seeds} window(s) of "
+        f"{args.ppl_tokens} tokens at offsets {[off for off, _ in windows]}; retrieval: {len(args.depths)} depths x "
+        f"{args.trials_per_depth} trials per task",
         "",
-        "| variant | perplexity | vs dense | passkey |",
-        "|---|---|---|---|",
+        *results_table(rows, args.tasks),
     ]
-    for r in rows:
-        rel = (r["perplexity"] / dense_ppl - 1) * 100
-        lines.append(f"| {r['label']} | {r['perplexity']:.3f} | {rel:+.1f}% | {r['passkey_correct']}/{r['passkey_trials']} |")
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     lines += ["", f"command: `{command}`"]
     print("\n".join(lines))
     if args.output:
         with open(args.output, "w") as fh:
-            json.dump({"command": command, "args": vars(args), "rows": rows, "table": "\n".join(lines)}, fh, indent=2, default=str)
+            json.dump({"command": command, "args": vars(args), "rows": rows, "table": "\n".join(lines),
+                       "ppl_window_offsets": [off for off, _ in windows]}, fh, indent=2, default=str)
     return 0
 
 

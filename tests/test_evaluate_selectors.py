@@ -29,3 +29,30 @@ def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):
     bad = save_selectors(create_selectors(model, wrong), str(tmp_path / "bad"), pattern=wrong)
     with pytest.raises(SystemExit, match="window=128"):
         mod._variants(mod.build_parser().parse_args(["--selector", f"dsa={bad}"]))
+
+
+def test_table_states_budgets_spread_and_both_formats():
+    mod = _script()
+    rows = [
+        {"label": "dense", "keys_per_query": 2048, "pair_fraction": 1.0, "perplexity": 11.0, "perplexity_std": 1.0,
+         "perplexity_windows": [10.0, 11.0, 12.0], "passkey_correct": 4, "passkey_trials": 5,
+         "unseen_correct": 3, "unseen_trials": 5, "multikey_correct": 2, "multikey_trials": 5},
+        {"label": "streaming (516 keys)", "keys_per_query": 516, "pair_fraction": 0.4, "perplexity": 12.1,
+         "perplexity_std": 1.1, "perplexity_windows": [11.0, 12.1, 13.2], "passkey_correct": 0, "passkey_trials": 5,
+         "unseen_correct": 1, "unseen_trials": 5, "multikey_correct": 0, "multikey_trials": 5},
+    ]
+    head, rule, dense, streaming = mod.results_table(rows, ["passkey", "unseen", "multikey"])
+    assert head.split(" | ")[1:4] == ["keys per query", "fraction of pairs", "perplexity (mean ± std)"]
+    assert "trained format (passkey) | unseen format | multi-key (unseen) |" in head
+    assert rule.count("---") == 9
+    assert dense.startswith("| dense | 2048 | 100.0% | 11.000 ± 1.000 | 10.000–12.000 | +0.0% ± 0.0 | 4/5 | 3/5 | 2/5 |")
+    assert "| +10.0% ± 0.0 | 0/5 | 1/5 | 0/5 |" in streaming  # every window 10% above dense
+
+
+@pytest.mark.parametrize("bad", [["--multikey-needles", "1"], ["--multikey-needles", "9"], ["--ppl-seeds", "0"],
+                                 ["--trials-per-depth", "0"], ["--depths", "1.5"], ["--tasks", "haystack"],
+                                 ["--ppl-tokens", "1"]])
+def test_bad_flags_are_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        _script().build_parser().parse_args(bad)
+    assert bad[0] in capsys.readouterr().err

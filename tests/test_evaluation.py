@@ -199,10 +199,13 @@ def test_evaluate_retrieval_script(tmp_path):
                                              "--needle-depths", "0.5", "--baseline-context", "0",
                                              "--patterns", "sliding_window"], tmp_path)
     summary = {(s["task"], s["variant"]): s for s in res["retrieval_summary"]}
-    assert set(summary) == {(t, v) for t in ("passkey", "needle") for v in ("dense", "sliding_window")}
+    assert set(summary) == {(t, v) for t in ("passkey", "needle", "unseen", "multikey") for v in ("dense", "sliding_window")}
+    assert summary[("unseen", "dense")]["total"] == summary[("multikey", "dense")]["total"] == 2
+    assert "trained format (passkey)" in res["_report"] and "| sliding_window | 256 | 64 | 43.7% |" in res["_report"]
     assert summary[("passkey", "dense")]["total"] == 2
     assert all(r["prompt_tokens"] <= 256 for r in res["retrieval"])
-    assert sorted(res["plots"]) == ["retrieval_needle.png", "retrieval_passkey.png"]
+    assert sorted(res["plots"]) == ["retrieval_multikey.png", "retrieval_needle.png", "retrieval_passkey.png",
+                                    "retrieval_unseen.png"]
 
 
 def test_benchmark_model_script(tmp_path):
@@ -226,7 +229,7 @@ def test_main_job_tiny(tmp_path):
     assert [r["variant"] for r in res["perplexity"]] == expected
     assert [s["variant"] for s in res["retrieval_summary"] if s["task"] == "passkey"] == expected
     assert [r["variant"] for r in res["speed"]] == expected
-    assert len(res["plots"]) == 4
+    assert len(res["plots"]) == 6  # perplexity, speed and one per retrieval task
     assert res["settings"]["profile"] == "small"
     assert [(b["variant"], b["context"]) for b in res["budgets"]] == [(v, 256) for v in expected]
     assert res["settings"]["learned_selection"] == "training-free (no trained selector loaded)"
@@ -235,23 +238,24 @@ def test_main_job_tiny(tmp_path):
     assert "## Patterns and key budgets" in report
     assert "Learned selection (sparse_k): **training-free (no trained selector loaded)**" in report
     dense = next(b for b in res["budgets"] if b["variant"] == "dense")
-    assert dense["last_query_keys"] == 256 and dense["causal_fraction"] == 1.0
+    assert dense["keys_per_query"] == 256 and dense["fraction"] == 1.0
     streaming = next(b for b in res["budgets"] if b["variant"] == "streaming")
-    assert streaming["last_query_keys"] == 64  # the default budget: a quarter of the context (>= 64)
+    assert streaming["keys_per_query"] == 64  # the default budget: a quarter of the context (>= 64)
     assert f"| streaming | 256 | sinks=4, window=60 | 64 | {streaming['mean_keys_per_query']:.1f} |" in report
     assert "| peak RSS of the whole process (MiB) |" in report and "peak memory" not in report
 
 
 @pytest.mark.parametrize("context", [1, 100, 257])
-def test_key_budget_counts_allowed_pairs_exactly(context):
-    """``key_budget`` (block layout + rule, learned selection by formula) against the dense mask."""
+def test_budget_rows_count_allowed_pairs_exactly(context):
+    """``budget_rows`` (every preset pattern; learned selection by formula) against the dense mask."""
     import sparse_k as sk
 
-    from hf_sparse_attention.evaluation.variants import key_budget
+    from hf_sparse_attention.evaluation.cli import budget_rows
 
     causal = context * (context + 1) // 2
+    rows_by_variant = {r["variant"]: r for r in budget_rows(["all"], [context], 64)}
     for v in make_variants(["all"], 64):
-        got = key_budget(v.pattern, v.params, context)
+        got = rows_by_variant[v.label]
         p = sk.get_pattern(v.pattern, **v.params)
         mask, _ = sk.pattern_mask(p.static_part() if p.learned else p, sk.row_geometry(1, context, context), context, context)
         rows = mask[0, 0].sum(-1)
@@ -260,9 +264,10 @@ def test_key_budget_counts_allowed_pairs_exactly(context):
             start = i // p.query_block * p.query_block
             cand = (torch.arange(context)[None, :] >= p.sinks) & (torch.arange(context)[None, :] <= (start - p.window)[:, None])
             rows = rows + cand.sum(-1).clamp(max=p.top_k)
-        want = {"last_query_keys": int(rows[-1]), "mean_keys_per_query": int(rows.sum()) / context,
-                "causal_fraction": int(rows.sum()) / causal}
-        assert got == pytest.approx(want), v.label
+        want = {"keys_per_query": int(rows.max()), "mean_keys_per_query": int(rows.sum()) / context,
+                "fraction": int(rows.sum()) / causal}
+        assert {k: got[k] for k in want} == pytest.approx(want), v.label
+        assert got["params"] == dict(v.params) and got["context"] == context
 
 
 def _bad_flags(monkeypatch, capsys, tool: str, argv: list[str]) -> str:
@@ -414,6 +419,11 @@ def test_compare_results_flags_differences():
     assert same["retrieval_identical"] and same["time_ratio"] == 2.0
     assert same["max_perplexity_rel_diff"] == pytest.approx(5e-5)
     assert not compare_results(res(10.0, 3, 1.0, 1), res(10.0, 2, 1.0, 2))["retrieval_identical"]
+    # Perplexity rows of several text windows are compared window by window.
+    a, b = res(10.0, 3, 1.0, 1), res(10.0, 3, 1.0, 2)
+    a["perplexity"] = [{"variant": "dense", "context": 256, "window": w, "perplexity": p} for w, p in ((0, 10.0), (1, 20.0))]
+    b["perplexity"] = [{"variant": "dense", "context": 256, "window": w, "perplexity": p} for w, p in ((1, 20.0), (0, 11.0))]
+    assert compare_results(a, b)["max_perplexity_rel_diff"] == pytest.approx(0.1)
 
 
 def test_full_profile_compares_every_pattern():
@@ -461,3 +471,201 @@ def test_warnings_do_not_break_the_progress_bar():
         hits = [seg for seg in lines if text in seg]
         assert hits and all("work items" not in seg for seg in hits), res.stderr
     assert any("work items: 100%" in seg and "4/4" in seg for seg in lines), res.stderr
+
+
+# ----- unseen formats, multi-key retrieval, key budgets, perplexity windows (issue 16 item 4) -----
+
+def _haystack(tok, tokens: int) -> list[int]:
+    from hf_sparse_attention.evaluation import load_documents, tokenize_corpus
+
+    return tokenize_corpus(tok, load_documents("gutenberg", split="test")[2:], tokens)[0].tolist()
+
+
+def _filler_sentence_tokens(tok, prompt: str, item) -> int:
+    """Most tokens of one filler sentence (or play line) of ``prompt``, as the builder counts them."""
+    from hf_sparse_attention.evaluation.formats import item_format
+
+    body = prompt.split("\n\n")[1]
+    if item_format(item.task, item.form)["filler"] == "play":
+        parts = ["\n" + s for s in body.split("\n")]
+    else:
+        parts = [" " + s + "." for s in body.split(". ")]
+    return max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in parts)
+
+
+def test_unseen_prompts_have_the_length_depth_and_format_asked_for(tiny):
+    """Token length within one filler sentence of the context, needle at the requested depth, the
+    question before or after the haystack, and none of the training or tuned formats' wording."""
+    from hf_sparse_attention.evaluation.formats import WORDINGS, item_format
+    from hf_sparse_attention.evaluation.retrieval import build_prompt
+
+    tok = tiny.tokenizer
+    hay = _haystack(tok, 4 * 1100)
+    seen = set()
+    for context in (300, 1000):
+        for it in retrieval_items("unseen", [context], [0.0, 0.3, 0.7, 1.0], 2, seed=5):
+            fmt = item_format("unseen", it.form)
+            seen.add((fmt["filler"], fmt["question"]))
+            prompt = build_prompt(tok, it, hay)
+            n = len(tok(prompt)["input_ids"])
+            assert context - _filler_sentence_tokens(tok, prompt, it) - 2 <= n <= context, (it, n)
+            needle, question, cue = WORDINGS[fmt["wording"]]
+            needle = needle.format(key=it.key)
+            assert prompt.count(needle) == 1 and prompt.endswith(cue)
+            for trained in ("pass key", "special magic number", "The grass is green", "important info"):
+                assert trained not in prompt
+            body_start = prompt.index("\n\n") + 2
+            body_end = prompt.rindex("\n\n")
+            assert (prompt.index(question) < body_start) == (fmt["question"] == "before")
+            at = prompt.index(needle)
+            before = len(tok(prompt[body_start:at], add_special_tokens=False)["input_ids"])
+            after = len(tok(prompt[at + len(needle):body_end], add_special_tokens=False)["input_ids"])
+            slack = (_filler_sentence_tokens(tok, prompt, it) / 2 + 2) / (before + after)  # half a sentence
+            assert abs(before / (before + after) - it.depth) <= slack, (it.depth, before, after)
+    assert seen == {("prose", "after"), ("prose", "before"), ("play", "after"), ("play", "before")}
+
+
+def test_multikey_prompt_asks_for_the_scored_key(tiny):
+    import re
+
+    from hf_sparse_attention.evaluation.formats import multikey_keys
+    from hf_sparse_attention.evaluation.retrieval import build_prompt
+
+    tok = tiny.tokenizer
+    hay = _haystack(tok, 4 * 600)
+    for it in retrieval_items("multikey", [512], [0.2, 0.8], 2, seed=1, needles=5):
+        prompt = build_prompt(tok, it, hay)
+        assert len(tok(prompt)["input_ids"]) <= 512
+        found = dict(re.findall(r"The code for the (\w+) door is (\d{5})\.", prompt))
+        assert len(found) == 5 and len(set(found.values())) == 5
+        asked = re.search(r"What is the code for the (\w+) door\?", prompt).group(1)
+        assert found[asked] == str(it.key)
+        assert prompt.endswith(f"The code for the {asked} door is")
+        others = sorted(int(v) for c, v in found.items() if c != asked)
+        assert others == sorted(it.to_dict()["distractor_keys"])
+        assert multikey_keys(it.key, it.depth, it.form, 5)[0]["colour"] == asked
+    with pytest.raises(ValueError, match="needles"):
+        retrieval_items("multikey", [512], [0.5], 1, needles=9)
+
+
+def test_multikey_scores_only_the_asked_key(tiny):
+    """A model that answers another door's key is wrong (and flagged); the asked key is right."""
+    from hf_sparse_attention.evaluation import run_retrieval_batch
+
+    tok = tiny.tokenizer
+    hay = _haystack(tok, 4 * 400)
+    (it,) = retrieval_items("multikey", [256], [0.5], 1, seed=2, needles=3)
+    other = it.to_dict()["distractor_keys"][0]
+
+    class Answers(torch.nn.Module):
+        def __init__(self, text):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.text = text
+
+        def generate(self, input_ids, **kw):
+            ans = torch.tensor([tok(self.text, add_special_tokens=False)["input_ids"]]).expand(input_ids.shape[0], -1)
+            return torch.cat([input_ids, ans], 1)
+
+    wrong = run_retrieval_batch(Answers(f" {other}."), tok, [it], hay)[0]
+    right = run_retrieval_batch(Answers(f" {it.key}."), tok, [it], hay)[0]
+    assert (wrong["correct"], wrong["answered_other"]) == (False, True)
+    assert (right["correct"], right["answered_other"]) == (True, False)
+
+
+def _brute_pairs(rule, S: int) -> tuple[int, int]:
+    """(attended causal pairs, most keys of a query) by a double loop over positions."""
+    rows = [sum(1 for j in range(i + 1) if rule(i, j)) for i in range(S)]
+    return sum(rows), max(rows)
+
+
+@pytest.mark.filterwarnings("ignore:sparse_k. no trained selector")
+def test_budget_fraction_matches_brute_force_count():
+    import sparse_k
+    from sparse_k import build_selection, pattern_mask
+
+    from hf_sparse_attention.evaluation.budget import attention_budget
+
+    S = 203
+    cases = {
+        "dense": (sparse_k.Dense(), lambda i, j: True),
+        "streaming": (sparse_k.Streaming(sinks=3, window=20), lambda i, j: j < 3 or i - j < 20),
+        "sliding_window": (sparse_k.SlidingWindow(window=17), lambda i, j: i - j < 17),
+        "block_diagonal": (sparse_k.BlockDiagonal(block=32), lambda i, j: i // 32 == j // 32),
+        "dilated": (sparse_k.Dilated(window=6, scales=3),
+                    lambda i, j: any((i - j) % 2**s == 0 and i - j < 6 * 2**s for s in range(3))),
+    }
+    for name, (pattern, rule) in cases.items():
+        pairs, most = _brute_pairs(rule, S)
+        b = attention_budget(pattern, S, chunk=37)
+        assert (b["pairs"], b["keys_per_query"]) == (pairs, most), name
+        assert b["fraction"] == pytest.approx(pairs / (S * (S + 1) / 2)) and b["causal_pairs"] == S * (S + 1) // 2
+    # Learned pattern: count the real selection of the training-free selector on random keys.
+    pat = sparse_k.SparseK(sinks=4, window=24, top_k=16, query_block=16)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, S, 8) for _ in range(3))
+    geo = sparse_k.row_geometry(1, S, S)
+    sel = build_selection(pat, q, k, v, geo, layer_idx=0)
+    mask, _ = pattern_mask(pat, geo, S, S, num_kv_heads=2, selection=sel)
+    for h in range(2):
+        rows = mask[0, min(h, mask.shape[1] - 1)].sum(-1)
+        b = attention_budget(pat, S)
+        assert b["pairs"] == int(rows.sum()) and b["keys_per_query"] == int(rows.max()) == 4 + 24 + 16
+    assert attention_budget("streaming", 64)["fraction"] == 1.0
+    with pytest.raises(ValueError, match="context"):
+        attention_budget(pat, 0)
+
+
+def test_perplexity_windows_differ_by_seed_and_give_a_spread():
+    import statistics
+
+    from hf_sparse_attention.evaluation.perplexity import perplexity_spread, perplexity_windows
+
+    ids = torch.arange(1000).view(1, -1)
+    a = perplexity_windows(ids, 100, 3, seed=0)
+    b = perplexity_windows(ids, 100, 3, seed=1)
+    assert [w.shape for _, w in a] == [(1, 100)] * 3
+    assert a[0][0] == 0 and len({off for off, _ in a}) == 3
+    assert all(torch.equal(w[0], torch.arange(off, off + 100)) for off, w in a)
+    assert [off for off, _ in a] != [off for off, _ in b]  # another seed, other text
+    assert [off for off, _ in perplexity_windows(ids, 100, 3, seed=0)] == [off for off, _ in a]  # reproducible
+    with pytest.raises(ValueError, match="1000 tokens"):
+        perplexity_windows(ids, 400, 3)
+    s = perplexity_spread([10.0, 12.0, 11.0])
+    assert s == {"n": 3, "mean": 11.0, "std": statistics.stdev([10.0, 12.0, 11.0]), "min": 10.0, "max": 12.0}
+    assert perplexity_spread([5.0])["std"] == 0.0
+
+
+def test_perplexity_seeds_and_budgets_in_results_and_report(tmp_path):
+    res = _run_script("evaluate_perplexity", [*TINY, "--ppl-tokens", "300", "--ppl-seeds", "3", "--patterns", "streaming"],
+                      tmp_path)
+    rows = res["perplexity"]
+    assert sorted((r["variant"], r["window"]) for r in rows) == [(v, w) for v in ("dense", "streaming") for w in range(3)]
+    offsets = {r["window"]: r["offset"] for r in rows}
+    assert offsets[0] == 0 and len(set(offsets.values())) == 3 == res["corpus"]["windows"]
+    assert len({r["perplexity"] for r in rows if r["variant"] == "dense"}) == 3
+    summary = {s["variant"]: s for s in res["perplexity_summary"]}
+    dense = [r["perplexity"] for r in rows if r["variant"] == "dense"]
+    assert summary["dense"]["n"] == 3 and summary["dense"]["mean"] == pytest.approx(sum(dense) / 3)
+    assert summary["dense"]["vs_dense"]["mean"] == pytest.approx(1.0)
+    budgets = {b["variant"]: b for b in res["budgets"]}
+    assert budgets["streaming"]["keys_per_query"] == 64 and budgets["dense"]["fraction"] == 1.0
+    assert "Perplexity over text windows" in res["_report"] and "## Patterns and key budgets" in res["_report"]
+    assert "3 disjoint windows of 300 tokens" in res["_report"]
+    assert "| streaming | 256 | sinks=4, window=60 | 64 |" in res["_report"]
+
+
+def test_new_retrieval_flags_are_validated():
+    from hf_sparse_attention.evaluation.cli import build_parser, run
+
+    for bad in (["--multikey-needles", "1"], ["--multikey-needles", "9"], ["--multikey-needles", "x"],
+                ["--tasks", "haystack"]):
+        with pytest.raises(SystemExit):
+            build_parser("evaluate_retrieval").parse_args(bad)
+    with pytest.raises(SystemExit):
+        build_parser("evaluate_perplexity").parse_args(["--ppl-seeds", "0"])
+    args = build_parser("hfsa-evaluate").parse_args(["--multikey-needles", "6"])
+    assert args.multikey_needles == 6 and args.tasks == ["passkey", "needle", "unseen", "multikey"]
+    with pytest.raises(ValueError, match="windows of 300 tokens"):
+        run("evaluate_perplexity", [*TINY, "--corpus", __file__, "--ppl-tokens", "300", "--ppl-seeds", "500",
+                                    "--patterns", "streaming"])

@@ -21,10 +21,10 @@ DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
 
 PROFILES: dict[str, dict] = {
     "small": dict(contexts=[1024], depths=DEPTHS5, trials_per_depth=1, needle_depths=[0.5], needle_trials_per_depth=1,
-                  baseline_context=2048, baseline_trials_per_depth=2, ppl_tokens=2048, stride=0,
+                  baseline_context=2048, baseline_trials_per_depth=2, ppl_tokens=2048, stride=0, ppl_seeds=1,
                   speed_lengths=[512, 1024], decode_tokens=4, repeats=1, retrieval_batch_size=5),
     "full": dict(patterns=["all"], contexts=[2048, 4096, 8192], depths=DEPTHS5, trials_per_depth=4, needle_depths=[0.1, 0.5, 0.9],
-                 needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384,
+                 needle_trials_per_depth=1, baseline_context=0, baseline_trials_per_depth=0, ppl_tokens=16384, ppl_seeds=3,
                  stride=None, speed_lengths=[2048, 8192], decode_tokens=16, repeats=1,
                  retrieval_batch_size=20),
 }
@@ -82,6 +82,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the flags.\n")
 
 
+def _multikey_needles(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from 2 to 8, got {text!r}") from None
+    if not 2 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"expected an integer from 2 to 8 (one colour per needle), got {value}")
+    return value
+
+
 def build_parser(tool: str) -> argparse.ArgumentParser:
     """The parser of ``tool`` (a key of ``TOOLS``)."""
     if tool not in TOOLS:
@@ -113,9 +123,18 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
         g.add_argument("--max-documents", type=_positive_int, default=None)
         g.add_argument("--ppl-tokens", type=_positive_int, default=None, help="score the first N tokens of the corpus")
         g.add_argument("--stride", type=_positive_int, default=None, help="window stride; default: half the context (small profile: the context)")
+        g.add_argument("--ppl-seeds", type=_positive_int, default=None,
+                       help="disjoint text windows of --ppl-tokens tokens each (the first at the corpus start, the others "
+                            "at seeded offsets); the report gives mean ± std and min-max; default: 1 (small), 3 (full)")
     if "retrieval" in parts:
         g = p.add_argument_group("retrieval")
-        g.add_argument("--tasks", nargs="+", default=["passkey", "needle"], choices=["passkey", "needle"])
+        g.add_argument("--tasks", nargs="+", default=["passkey", "needle", "unseen", "multikey"],
+                       choices=["passkey", "needle", "unseen", "multikey"],
+                       help="passkey/needle: the formats the selectors trained or were tuned on; unseen: other filler, "
+                            "needle wording and question position; multikey: several labelled needles, one asked for "
+                            "(unseen and multikey use --depths and --trials-per-depth)")
+        g.add_argument("--multikey-needles", type=_multikey_needles, default=4,
+                       help="needles per multikey trial (2 to 8), each with its own label")
         g.add_argument("--depths", nargs="+", type=_depth, default=None)
         g.add_argument("--trials-per-depth", type=_positive_int, default=None)
         g.add_argument("--needle-depths", nargs="+", type=_depth, default=None)
@@ -155,19 +174,19 @@ def _first_line(exc: BaseException) -> str:
 
 
 def budget_rows(patterns, lengths, budget: int | None, speed_lengths=None) -> list[dict]:
-    """Per length and variant, the keys per query and the fraction of causal pairs (``key_budget``).
+    """Per length and variant, the keys per query and the fraction of causal pairs (``budget.attention_budget``).
 
     ``speed_lengths``: the speed tool's lengths, whose variants all get the budget of the longest.
     """
+    from .budget import variant_budget
     from .runner import budget_for
-    from .variants import key_budget, make_variants
+    from .variants import make_variants
 
     rows = []
     for n in dict.fromkeys(lengths):
         keys = budget_for(max(speed_lengths) if speed_lengths else n, budget)
         for v in make_variants(patterns, keys):
-            rows.append({"variant": v.label, "pattern": v.pattern, "params": dict(v.params), "context": int(n),
-                         **key_budget(v.pattern, v.params, int(n))})
+            rows.append({"params": dict(v.params), **variant_budget(v, int(n))})
     return rows
 
 
@@ -225,7 +244,7 @@ def run(tool: str, argv=None) -> dict:
     from .distributed import process_state, run_items
     from .environment import environment_record, set_seed
     from .models import load_model, resolve_device
-    from .perplexity import tokenize_corpus
+    from .perplexity import perplexity_windows, tokenize_corpus
     from .report import timestamped_dir, write_outputs
     from .runner import Runner, budget_for, perplexity_items, retrieval_work, speed_items, variant_order
 
@@ -255,11 +274,14 @@ def run(tool: str, argv=None) -> dict:
     if "perplexity" in parts:
         docs = load_documents(args.corpus, config=args.corpus_config, split=args.split,
                               text_column=args.text_column, max_documents=args.max_documents)
-        ids, used = tokenize_corpus(lm.tokenizer, docs, args.ppl_tokens, return_count=True)
+        reach = args.ppl_tokens if args.ppl_seeds == 1 else args.ppl_tokens * 8 * args.ppl_seeds
+        ids, used = tokenize_corpus(lm.tokenizer, docs, reach, return_count=True)
+        windows = perplexity_windows(ids, min(args.ppl_tokens, ids.shape[1]), args.ppl_seeds, args.seed)
         results["corpus"] = {**corpus_description(args.corpus, args.corpus_config, args.split, docs[:used]),
-                             "tokens": int(ids.shape[1])}
-        runner_kw["token_ids"] = ids
-        items += perplexity_items(args.patterns, args.contexts, args.budget, args.stride)
+                             "tokens": int(windows[0][1].shape[1]), "windows": len(windows),
+                             "window_offsets": [off for off, _ in windows]}
+        runner_kw["ppl_windows"] = windows
+        items += perplexity_items(args.patterns, args.contexts, args.budget, args.stride, len(windows))
     if "retrieval" in parts:
         runner_kw["max_new_tokens"] = args.max_new_tokens
         if "passkey" in args.tasks:
@@ -269,11 +291,17 @@ def run(tool: str, argv=None) -> dict:
                 items += retrieval_work("passkey", args.patterns, [args.baseline_context], args.depths,
                                         args.baseline_trials_per_depth, args.budget, args.seed, only_dense=True,
                                         batch_size=args.retrieval_batch_size)
-        if "needle" in args.tasks:
+        for task in ("unseen", "multikey"):
+            if task in args.tasks:
+                items += retrieval_work(task, args.patterns, args.contexts, args.depths, args.trials_per_depth,
+                                        args.budget, args.seed, batch_size=args.retrieval_batch_size,
+                                        needles=args.multikey_needles)
+        if {"needle", "unseen", "multikey"} & set(args.tasks):
             hay_docs = load_documents("gutenberg", split="test")
             need = max(args.contexts) + 64
             hay = tokenize_corpus(lm.tokenizer, hay_docs[2:] or hay_docs, 4 * need)[0].tolist()
             runner_kw["haystack_ids"] = hay
+        if "needle" in args.tasks:
             items += retrieval_work("needle", args.patterns, args.contexts, args.needle_depths,
                                     args.needle_trials_per_depth, args.budget, args.seed,
                                     batch_size=args.retrieval_batch_size)

@@ -21,7 +21,7 @@ def compare_results(a: dict, b: dict) -> dict:
         return {(s["task"], s["variant"], s["context"]): (s["correct"], s["total"]) for s in r.get("retrieval_summary", [])}
 
     def ppl(r):
-        return {(p["variant"], p["context"]): p["perplexity"] for p in r.get("perplexity", [])}
+        return {(p["variant"], p["context"], p.get("window", 0)): p["perplexity"] for p in r.get("perplexity", [])}
 
     pa, pb = ppl(a), ppl(b)
     if set(pa) != set(pb):

@@ -4,18 +4,52 @@ Windows of ``max_length`` tokens start every ``stride`` tokens; each window scor
 not scored by the previous one (earlier tokens serve as context, labelled -100). Perplexity is
 ``exp(sum NLL / scored tokens)``. Results carry the NLL sum and the token count, so results from
 several processes merge exactly.
+
+``perplexity_windows`` cuts several disjoint text windows from one tokenized corpus (window 0 is
+the corpus's first tokens, the others at seeded offsets), so a perplexity comes with a spread
+(``perplexity_spread``: mean, sample standard deviation, min and max over the windows).
 """
 
 from __future__ import annotations
 
 import math
+import random
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["strided_perplexity", "tokenize_corpus"]
+__all__ = ["perplexity_spread", "perplexity_windows", "strided_perplexity", "tokenize_corpus"]
+
+
+def perplexity_windows(ids: torch.Tensor, tokens: int, count: int, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """``count`` disjoint windows ``(offset, ids (1, tokens))`` of the corpus ``ids (1, N)``.
+
+    Window 0 starts at token 0 (the single-window evaluation's text); windows 1.. start at distinct
+    multiples of ``tokens`` drawn by a generator seeded with ``seed``, so every seed index scores
+    different text. Raises ``ValueError`` when the corpus holds fewer than ``count * tokens`` tokens.
+    """
+    for name, value in (("tokens", tokens), ("count", count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids must have shape (1, N), got {tuple(ids.shape)}")
+    slots = ids.shape[1] // tokens
+    if slots < count:
+        raise ValueError(f"the corpus has {ids.shape[1]} tokens: {count} windows of {tokens} tokens need "
+                         f"{count * tokens} (use fewer windows, fewer tokens or a longer corpus)")
+    picks = [0] + sorted(random.Random(f"ppl-windows-{seed}").sample(range(1, slots), count - 1))
+    return [(p * tokens, ids[:, p * tokens:(p + 1) * tokens]) for p in picks]
+
+
+def perplexity_spread(values: list[float]) -> dict:
+    """``{"n", "mean", "std", "min", "max"}`` of per-window perplexities (``std``: sample, 0 for one)."""
+    if not values:
+        raise ValueError("perplexity_spread needs at least one value")
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"n": len(values), "mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values)}
 
 
 def tokenize_corpus(tokenizer, documents: list[str], max_tokens: int | None = None, *, return_count: bool = False):

@@ -23,7 +23,10 @@ def _perplexity_plot(rows, path):
     plt = _plt()
     contexts = sorted({r["context"] for r in rows})
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    table = {(r["variant"], r["context"]): r["perplexity"] for r in rows}
+    runs = defaultdict(list)
+    for r in rows:
+        runs[(r["variant"], r["context"])].append(r["perplexity"])
+    table = {k: sum(v) / len(v) for k, v in runs.items()}  # mean over text windows
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(variants) * max(1, len(contexts)) ** 0.5 + 2), 4))
     width = 0.8 / len(contexts)
     for k, c in enumerate(contexts):
@@ -98,7 +101,7 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
     if results.get("perplexity"):
         _perplexity_plot(results["perplexity"], os.path.join(out_dir, "perplexity.png"))
         names.append("perplexity.png")
-    for task in ("passkey", "needle"):
+    for task in ("passkey", "needle", "unseen", "multikey"):
         if any(r["task"] == task for r in results.get("retrieval", [])):
             name = f"retrieval_{task}.png"
             _retrieval_plot(results["retrieval"], task, os.path.join(out_dir, name))

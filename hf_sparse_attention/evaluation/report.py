@@ -7,10 +7,15 @@ import json
 import os
 from collections import defaultdict
 
+from .perplexity import perplexity_spread
 from .plots import write_plots
 from .speed import MEMORY_LABELS, MEMORY_NOTES
 
-__all__ = ["SCHEMA_PATH", "load_schema", "summarize_retrieval", "timestamped_dir", "validate_results", "write_outputs"]
+
+from .retrieval import TASK_COLUMNS, TASKS
+
+__all__ = ["SCHEMA_PATH", "load_schema", "summarize_perplexity", "summarize_retrieval", "timestamped_dir",
+           "validate_results", "write_outputs"]
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.schema.json")
 
@@ -48,6 +53,54 @@ def summarize_retrieval(rows: list[dict]) -> list[dict]:
             for (t, v, c), g in groups.items()]
 
 
+def summarize_perplexity(rows: list[dict]) -> list[dict]:
+    """Spread over text windows per (variant, context), in first-seen order: ``perplexity_spread`` of
+    the perplexities and of the per-window ratio to dense (``vs_dense``; None without a dense row)."""
+    groups: dict = defaultdict(dict)
+    dense = {(r["context"], r.get("window", 0)): r["perplexity"] for r in rows if r["pattern"] == "dense"}
+    for r in rows:
+        groups[(r["variant"], r["context"])][r.get("window", 0)] = r["perplexity"]
+    out = []
+    for (v, c), by_window in groups.items():
+        ratios = [p / dense[(c, w)] for w, p in by_window.items() if (c, w) in dense]
+        out.append({"variant": v, "context": c, **perplexity_spread(list(by_window.values())),
+                    "vs_dense": perplexity_spread(ratios) if len(ratios) == len(by_window) else None})
+    return out
+
+
+def _spread_lines(results: dict) -> list[str]:
+    lines = ["### Perplexity over text windows", "",
+             "Mean ± sample standard deviation and min–max over disjoint text windows (offsets in tokens: "
+             f"{results.get('corpus', {}).get('window_offsets')}); vs dense: the per-window ratio, mean ± std.", "",
+             "| pattern | context | windows | perplexity | min–max | vs dense |", "|---|---|---|---|---|---|"]
+    for s in results["perplexity_summary"]:
+        rel = s["vs_dense"]
+        rel_text = f"{rel['mean']:.3f}x ± {rel['std']:.3f}" if rel else "—"
+        lines.append(f"| {s['variant']} | {s['context']} | {s['n']} | {s['mean']:.3f} ± {s['std']:.3f} | "
+                     f"{s['min']:.3f}–{s['max']:.3f} | {rel_text} |")
+    return lines + [""]
+
+
+def _format_lines(results: dict) -> list[str]:
+    """One row per (pattern, context): budget, then accuracy in the trained and the unseen formats."""
+    summary = {(s["task"], s["variant"], s["context"]): s for s in results["retrieval_summary"]}
+    budgets = {(b["variant"], b["context"]): b for b in results.get("budgets", [])}
+    tasks = [t for t in TASKS if any(k[0] == t for k in summary)]
+    lines = ["### Retrieval by prompt format", "",
+             "passkey: the landmark prompt the selectors trained on; needle: the magic-number sentence in held-out "
+             "Gutenberg text; unseen: other filler (synthetic prose or held-out play lines), other needle wording, "
+             "question before or after the haystack; multi-key: several labelled needles, the asked one scored.", "",
+             "| pattern | context | keys per query | fraction of pairs | " + " | ".join(TASK_COLUMNS[t] for t in tasks) + " |",
+             "|---|---|---|---|" + "---|" * len(tasks)]
+    for v, c in dict.fromkeys((k[1], k[2]) for k in summary):
+        b = budgets.get((v, c))
+        cells = [f"{summary[(t, v, c)]['correct']}/{summary[(t, v, c)]['total']}" if (t, v, c) in summary else "—"
+                 for t in tasks]
+        budget = f"{b['keys_per_query']} | {b['fraction']:.1%}" if b else "— | —"
+        lines.append(f"| {v} | {c} | {budget} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _fmt_params(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
 
@@ -58,7 +111,7 @@ def _budget_lines(results: dict) -> list[str]:
         return []
     lines = ["## Patterns and key budgets", "",
              "Every sparse pattern gets the same number of keys per query at a context (`--budget`, default a quarter "
-             "of the context). *keys, last query*: what the last query of a `context`-token sequence attends (the "
+             "of the context). *keys per query*: the most keys any query of a `context`-token sequence attends (the "
              "budget, far from the start); *mean keys per query*: over all its queries; *fraction*: allowed (query, "
              "key) pairs of all causal pairs (bigbird: layer 0, KV head 0).", ""]
     learned = sorted({r["pattern"] for r in rows if r["pattern"] in ("sparse_k", "dsa")})
@@ -68,11 +121,11 @@ def _budget_lines(results: dict) -> list[str]:
                 "(the same keys for sparse_k and dsa); trained selectors: README, \"Learned selection\""
                 if how.startswith("training-free") else "trained selectors were loaded")
         lines += [f"Learned selection ({', '.join(learned)}): **{how}**: {note}.", ""]
-    lines += ["| pattern | context | parameters | keys, last query | mean keys per query | fraction of causal pairs |",
+    lines += ["| pattern | context | parameters | keys per query | mean keys per query | fraction of causal pairs |",
               "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['context']} | {_fmt_params(r['params'])} | {r['last_query_keys']} | "
-                     f"{r['mean_keys_per_query']:.1f} | {r['causal_fraction']:.3f} |")
+        lines.append(f"| {r['variant']} | {r['context']} | {_fmt_params(r['params'])} | {r['keys_per_query']} | "
+                     f"{r['mean_keys_per_query']:.1f} | {r['fraction']:.3f} |")
     return lines + [""]
 
 
@@ -96,20 +149,28 @@ def _markdown(results: dict) -> str:
         corpus = results.get("corpus", {})
         lines += ["## Perplexity", "",
                   f"Corpus: {corpus.get('name')} ({corpus.get('split')} split, {corpus.get('documents')} document(s), "
-                  f"first {corpus.get('tokens')} tokens); strided sliding windows of `context` tokens.", "",
-                  "| pattern | context | stride | perplexity | vs dense | parameters | seconds |", "|---|---|---|---|---|---|---|"]
-        dense = {r["context"]: r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}
+                  + (f"first {corpus.get('tokens')} tokens" if corpus.get("windows", 1) == 1 else
+                   f"{corpus['windows']} disjoint windows of {corpus.get('tokens')} tokens")
+                  + "); strided sliding windows of `context` tokens.", "",
+                  "| pattern | context | stride | perplexity | vs dense | parameters | seconds | text window |",
+                  "|---|---|---|---|---|---|---|---|"]
+        dense = {(r["context"], r.get("window", 0)): r["perplexity"] for r in results["perplexity"] if r["pattern"] == "dense"}
         for r in sorted(results["perplexity"], key=lambda r: r["context"]):
-            rel = f"{r['perplexity'] / dense[r['context']]:.3f}x" if r["context"] in dense else "—"
+            key = (r["context"], r.get("window", 0))
+            rel = f"{r['perplexity'] / dense[key]:.3f}x" if key in dense else "—"
             lines.append(f"| {r['variant']} | {r['context']} | {r['stride']} | {r['perplexity']:.3f} | {rel} | "
-                         f"{_fmt_params(r['params'])} | {r['seconds']:.1f} |")
-        lines += ["", "![perplexity](perplexity.png)", ""]
+                         f"{_fmt_params(r['params'])} | {r['seconds']:.1f} | {r.get('window', 0)} |")
+        lines += [""]
+        if any(s["n"] > 1 for s in results.get("perplexity_summary", [])):
+            lines += _spread_lines(results)
+        lines += ["![perplexity](perplexity.png)", ""]
     if results.get("retrieval_summary"):
         lines += ["## Retrieval (exact match)", "",
                   "| task | pattern | context | correct / trials | accuracy |", "|---|---|---|---|---|"]
         for s in results["retrieval_summary"]:
             lines.append(f"| {s['task']} | {s['variant']} | {s['context']} | {s['correct']} / {s['total']} | {s['accuracy']:.0%} |")
-        for task in ("passkey", "needle"):
+        lines += ["", *_format_lines(results)]
+        for task in TASKS:
             if any(s["task"] == task for s in results["retrieval_summary"]):
                 lines += ["", f"![{task}](retrieval_{task}.png)"]
         lines.append("")
@@ -132,6 +193,8 @@ def write_outputs(results: dict, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     if results.get("retrieval"):
         results["retrieval_summary"] = summarize_retrieval(results["retrieval"])
+    if results.get("perplexity"):
+        results["perplexity_summary"] = summarize_perplexity(results["perplexity"])
     results["plots"] = write_plots(results, out_dir)
     validate_results(results)
     paths = {"results": os.path.join(out_dir, "results.json"), "report": os.path.join(out_dir, "report.md")}

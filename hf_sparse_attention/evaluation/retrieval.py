@@ -17,6 +17,10 @@ Needle-in-a-haystack: a window of a held-out Gutenberg text of the right length,
 "The special magic number is N." inserted at the line break nearest to ``depth``, then the question
 "What is the special magic number mentioned in the text above? The special magic number is".
 
+Unseen formats (``unseen``: other filler, needle wording and question position; ``multikey``:
+several labelled needles, one asked for) are built in ``formats.py``; a trial's ``form`` (its index
+in its context's grid) picks its filler, wording and question position.
+
 Keys come from a generator seeded by (seed, task, context, depth, trial), so every variant and
 every process split sees the same prompts.
 """
@@ -29,6 +33,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from .formats import item_format, multikey_keys, multikey_prompt, unseen_prompt
 
 __all__ = [
     "FILLER",
@@ -49,25 +55,44 @@ KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 NEEDLE = "The special magic number is {key}."
 NEEDLE_QUESTION = "What is the special magic number mentioned in the text above? The special magic number is"
-TASKS = ("passkey", "needle")
+TASKS = ("passkey", "needle", "unseen", "multikey")
+#: Tasks in the formats the selectors trained or were tuned on, and tasks in formats they never saw.
+TRAINED_FORMAT_TASKS = ("passkey", "needle")
+UNSEEN_FORMAT_TASKS = ("unseen", "multikey")
+#: Column heading of each task in the tables that set the formats side by side.
+TASK_COLUMNS = {"passkey": "trained format (passkey)", "needle": "tuned format (needle)",
+                "unseen": "unseen format", "multikey": "multi-key (unseen)"}
 
 
 @dataclass(frozen=True)
 class RetrievalItem:
-    """One trial: ``task`` in ``TASKS``, target ``context`` tokens, needle ``depth`` in [0, 1]."""
+    """One trial: ``task`` in ``TASKS``, target ``context`` tokens, needle ``depth`` in [0, 1].
+
+    ``form``: the trial's index in its context's grid (picks the unseen formats' filler, wording
+    and question position); ``needles``: needles of a ``multikey`` trial (0 for the other tasks).
+    """
 
     task: str
     context: int
     depth: float
     trial: int
     key: int
+    form: int = 0
+    needles: int = 0
 
     def to_dict(self) -> dict:
-        return {"task": self.task, "context": self.context, "depth": self.depth, "trial": self.trial, "key": self.key}
+        d = {"task": self.task, "context": self.context, "depth": self.depth, "trial": self.trial, "key": self.key}
+        if self.task in UNSEEN_FORMAT_TASKS:
+            d.update(item_format(self.task, self.form), form=self.form)
+        if self.task == "multikey":
+            d["distractor_keys"] = [n["key"] for n in multikey_keys(self.key, self.depth, self.form, self.needles)[1:]]
+        return d
 
 
-def retrieval_items(task: str, contexts, depths, trials_per_depth: int, seed: int = 0) -> list[RetrievalItem]:
-    """The grid ``contexts x depths x trials_per_depth`` with seeded 5-digit keys."""
+def retrieval_items(task: str, contexts, depths, trials_per_depth: int, seed: int = 0,
+                    needles: int = 4) -> list[RetrievalItem]:
+    """The grid ``contexts x depths x trials_per_depth`` with seeded 5-digit keys (``needles``: per
+    ``multikey`` trial, 2 to 8)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if isinstance(trials_per_depth, bool) or not isinstance(trials_per_depth, int) or trials_per_depth < 1:
@@ -78,12 +103,16 @@ def retrieval_items(task: str, contexts, depths, trials_per_depth: int, seed: in
     for c in contexts:
         if isinstance(c, bool) or not isinstance(c, int) or c < 64:
             raise ValueError(f"context lengths must be ints >= 64, got {c!r}")
+    if task == "multikey":
+        multikey_keys(10000, 0.5, 0, needles)  # validates needles
     items = []
     for c in contexts:
-        for d in depths:
+        for i, d in enumerate(depths):
             for t in range(trials_per_depth):
                 rng = random.Random(f"{seed}-{task}-{c}-{float(d):.4f}-{t}")
-                items.append(RetrievalItem(task, int(c), float(d), t, rng.randint(10000, 99999)))
+                items.append(RetrievalItem(task, int(c), float(d), t, rng.randint(10000, 99999),
+                                           form=i * trials_per_depth + t,
+                                           needles=needles if task == "multikey" else 0))
     return items
 
 
@@ -133,9 +162,13 @@ def needle_prompt(tokenizer, haystack_ids: list[int], context: int, depth: float
 
 
 def build_prompt(tokenizer, item: RetrievalItem, haystack_ids: list[int] | None = None) -> str:
-    """Prompt text of one item; the needle task needs ``haystack_ids``."""
+    """Prompt text of one item; the needle task and the ``play`` filler need ``haystack_ids``."""
     if item.task == "passkey":
         return passkey_prompt(tokenizer, item.context, item.depth, item.key)
+    if item.task == "unseen":
+        return unseen_prompt(tokenizer, item.context, item.depth, item.key, item.form, haystack_ids)
+    if item.task == "multikey":
+        return multikey_prompt(tokenizer, item.context, item.depth, item.key, item.form, item.needles, haystack_ids)
     if haystack_ids is None:
         raise ValueError("the needle task needs haystack token ids")
     offset = random.Random(f"offset-{item.key}-{item.trial}").randrange(1 << 30)
@@ -175,9 +208,11 @@ def run_retrieval_batch(model, tokenizer, items: list[RetrievalItem], haystack_i
     records = []
     for row, (it, n) in enumerate(zip(items, lengths)):
         generated = tokenizer.decode(out[row, width:], skip_special_tokens=True)
-        records.append({**it.to_dict(), "prompt_tokens": int(n), "prediction": generated.strip(),
-                        "correct": score_answer(generated, it.key), "seconds": seconds,
-                        "batch_size": len(items)})
+        rec = {**it.to_dict(), "prompt_tokens": int(n), "prediction": generated.strip(),
+               "correct": score_answer(generated, it.key), "seconds": seconds, "batch_size": len(items)}
+        if it.task == "multikey":
+            rec["answered_other"] = any(score_answer(generated, k) for k in rec["distractor_keys"])
+        records.append(rec)
     return records
 
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-from sparse_k import available_patterns, build_block_layout, get_pattern, row_geometry
+from sparse_k import available_patterns, get_pattern
 
-__all__ = ["DEFAULT_PATTERNS", "Variant", "key_budget", "make_variants", "preset_params"]
+__all__ = ["DEFAULT_PATTERNS", "Variant", "make_variants", "preset_params"]
 
 #: Variants of the main job and of ``--patterns`` without arguments (dense is always added).
 DEFAULT_PATTERNS = ("streaming", "sliding_window", "sparse_k", "bigbird")
@@ -102,48 +101,3 @@ def make_variants(patterns, budget: int = 512, overrides: dict | None = None) ->
         out.append(Variant(label=name, pattern=name, params=params))
     return out
 
-
-def _allowed_per_query(pattern, context: int, block: int = 64) -> torch.Tensor:
-    """``(context,)`` int64: keys each query may attend under static ``pattern`` (causal, unpadded;
-    KV head 0, layer 0), from its block layout: full tiles by their size, partial tiles by the rule."""
-    geo = row_geometry(1, context, context)
-    lay = build_block_layout(pattern, context, context, geo, block_q=block, block_k=block, cache=False)
-    counts = torch.zeros(lay.num_q_blocks, block, dtype=torch.int64)
-    width = torch.full((lay.num_k_blocks,), block, dtype=torch.int64)
-    width[-1] = context - (lay.num_k_blocks - 1) * block
-    nq = lay.num_q_blocks
-    for m in range(nq):
-        full = lay.full_kv_indices[0, 0, m, : int(lay.full_kv_num_blocks[0, 0, m])].long()
-        counts[m] += int(width[full].sum())
-    tiles_m = torch.repeat_interleave(torch.arange(nq), lay.kv_num_blocks[0, 0].long())
-    tiles_n = torch.cat([lay.kv_indices[0, 0, m, : int(lay.kv_num_blocks[0, 0, m])].long() for m in range(nq)])
-    offs = torch.arange(block)
-    for i in range(0, len(tiles_m), 1024):
-        tm, tn = tiles_m[i : i + 1024], tiles_n[i : i + 1024]
-        qpos = (tm[:, None] * block + offs)[:, :, None]
-        kpos = (tn[:, None] * block + offs)[:, None, :]
-        ok = pattern.allowed(qpos, kpos, 0, torch.zeros((), dtype=torch.int64), context) & (kpos < context)
-        counts.index_add_(0, tm, ok.sum(-1))
-    return counts.flatten()[:context]
-
-
-def key_budget(pattern: str, params: dict, context: int) -> dict:
-    """Keys a query attends under ``pattern`` in a causal sequence of ``context`` tokens, counted exactly.
-
-    Static patterns are counted from their block layout and element rule (bigbird: layer 0, KV head
-    0, as its random blocks differ per layer and head); ``sparse_k``/``dsa`` count sinks + window plus
-    ``min(top_k, candidates)`` selected keys per query block (design §6; candidates ``sinks <= j <=
-    block_start - window``). Returns ``{"last_query_keys", "mean_keys_per_query", "causal_fraction"}``:
-    the keys of the last query (the budget far from the start), the mean over all queries, and the
-    allowed (query, key) pairs over the ``context * (context + 1) / 2`` causal pairs.
-    """
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be a positive int, got {context!r}")
-    p = get_pattern(pattern, **params)
-    per_query = _allowed_per_query(p.static_part() if p.learned else p, context)
-    if p.learned:
-        block_start = torch.arange(context) // p.query_block * p.query_block
-        per_query = per_query + (block_start - p.window - p.sinks + 1).clamp(0, p.top_k)
-    total = int(per_query.sum())
-    return {"last_query_keys": int(per_query[-1]), "mean_keys_per_query": total / context,
-            "causal_fraction": total / (context * (context + 1) // 2)}
