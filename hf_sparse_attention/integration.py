@@ -12,11 +12,15 @@ Importing this module registers, under the same name ``"sparse_k"``:
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+
 import torch
 
 from sparse_k.transformers_adapter import attention_forward
 
-__all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "key_mask", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "ModelNotSupportedError", "attention_forward", "check_model_support", "key_mask", "register"]
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "sparse_k"
@@ -72,10 +76,87 @@ def key_mask(
     return mask
 
 
+class ModelNotSupportedError(ValueError):
+    """``attn_implementation="sparse_k"`` was requested for a model it cannot run correctly."""
+
+
+#: Model types whose attention goes through the interface but which sparse_k refuses, with the reason.
+REFUSED_TYPES = {
+    "deepseek_v32": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
+    "glm_moe_dsa": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
+    "doge": "its attention builds its own dynamic 4-D mask (dynamic mask attention), which sparse_k would ignore",
+}
+
+#: Source text of a modeling module that picks its attention class from a fixed table (eager/sdpa/...).
+_CLASS_TABLE = re.compile(r"\w+_ATTENTION_CLASSES\[")
+
+
+def _own_attention_code(cls) -> bool:
+    """True when ``cls``'s modeling code computes attention outside the AttentionInterface."""
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return True
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        return False
+    return _CLASS_TABLE.search(source) is not None
+
+
+def check_model_support(model) -> None:
+    """Raise ``ModelNotSupportedError`` (naming the model type and why) if ``model`` cannot run sparse_k.
+
+    A model is refused when its modeling code computes attention itself instead of calling
+    Transformers' ``AttentionInterface`` (Transformers' own test, ``_can_set_attn_implementation``,
+    or an ``*_ATTENTION_CLASSES[...]`` table of fixed implementations): sparse_k would never run and
+    the causal mask, which the sparse_k mask function leaves to the attention function, would be
+    lost. Also refused: the types in ``REFUSED_TYPES``.
+    """
+    cls = type(model)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or cls.__name__
+    reason = REFUSED_TYPES.get(model_type)
+    if reason is None and _own_attention_code(cls):
+        reason = (
+            f"{cls.__name__} computes attention in its own code instead of calling Transformers' AttentionInterface, "
+            "so the sparse attention function would never run"
+        )
+    if reason is not None:
+        raise ModelNotSupportedError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" does not support model type {model_type!r}: {reason}. '
+            'Load it with attn_implementation="sdpa" or "eager".'
+        )
+
+
+def _install_load_check() -> None:
+    """Make ``from_pretrained``/``set_attn_implementation`` with ``"sparse_k"`` call ``check_model_support``.
+
+    Wraps ``PreTrainedModel.get_correct_attn_implementation`` (called by every Transformers 5.x
+    model's ``__init__`` and by ``set_attn_implementation``), once.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_sparse_k_checked", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention == ATTN_IMPLEMENTATION:
+            check_model_support(self)
+        return original(self, requested_attention, *args, **kwargs)
+
+    get_correct_attn_implementation._sparse_k_checked = True
+    get_correct_attn_implementation.__doc__ = original.__doc__
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
 def register() -> None:
-    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces and the load check (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, key_mask)
+    _install_load_check()
