@@ -56,8 +56,21 @@ def key_mask(
         else ``(B, L)`` bool with ``L = q_offset + q_length``: True where slot ``j`` holds a key that
         takes part.
     """
+    q_offset = _as_int(q_offset)
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and kv_offset == 0
+        and kv_length == q_offset + q_length
+        and attention_mask.shape[1] > kv_length
+    ):
+        # The model asked the cache about a layer that holds no keys (recurrent_gemma: layer 0 is a
+        # recurrent block, so q_offset = 0 while decoding): the 2-D padding mask, which covers every
+        # token seen so far, gives the true number of slots.
+        q_offset = attention_mask.shape[1] - q_length
+        kv_length = attention_mask.shape[1]
     end = kv_offset + kv_length
-    written = _as_int(q_offset) + q_length
+    written = q_offset + q_length
     L = min(end, written)
     if attention_mask is None:
         if kv_offset == 0 and L == kv_length:
@@ -86,6 +99,11 @@ REFUSED_TYPES = {
     "that sparse_k never builds",
     "glm_moe_dsa": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
     "that sparse_k never builds",
+    "deepseek_v4": "its attention combines compressed and selected keys under its own 4-D mask, which sparse_k "
+    "never builds",
+    "hy_v4": "its attention indexes the attention mask as a 4-D tensor, which sparse_k never builds",
+    "bigbird_pegasus": "its decoder self-attention is marked non-causal (is_causal=False) and takes its causal "
+    "rule from a 4-D mask, which sparse_k never builds",
     "doge": "its attention builds its own dynamic 4-D mask (dynamic mask attention), which sparse_k would ignore",
 }
 

@@ -47,6 +47,16 @@ SIZES = {
     "sliding_window": 5, "attention_chunk_size": 5, "window_size": 5,
 }
 
+#: Per-type config fields set after shrinking (hybrid layouts that the generic rule cannot keep).
+OVERRIDES = {
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "num_hidden_layers": 2, "lru_width": 64,
+                        "attention_window_size": 6},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3,
+               "hybrid_layer_ids": [1, 2], "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_d_state": 16,
+               "attention_hidden_size": 128, "attention_head_dim": 32, "kv_channels": 16, "num_query_groups": 4,
+               "chunk_size": 8, "adapter_rank": 8, "num_mem_blocks": 1},
+}
+
 #: Layer-count fields (a config with ``layer_types`` keeps one layer per distinct type instead).
 LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "num_decoder_layers")
 
@@ -100,20 +110,24 @@ def _shrink_dict(d: dict) -> dict:
             continue
         if key in SIZES and isinstance(value, int) and not isinstance(value, bool):
             d[key] = min(value, SIZES[key])
+        elif "vocab_size" in key and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = min(value, VOCAB)
     for key in ("head_dim", "num_key_value_heads"):
         if key in d and d[key] is None:
             d[key] = SIZES[key]
     if isinstance(d.get("qk_rope_head_dim"), int) and "head_dim" in d:
         d["head_dim"] = d["qk_rope_head_dim"]
+    if isinstance(d.get("kv_lora_rank"), int) and "num_key_value_heads" in d:
+        d["num_key_value_heads"] = d.get("num_attention_heads", 4)
     for key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
-        if key in d and isinstance(d[key], int):
+        if key in d and isinstance(d[key], int) and not isinstance(d.get("kv_lora_rank"), int):
             heads = next((d[h] for h in ("num_attention_heads", "n_head", "n_heads", "num_heads") if isinstance(d.get(h), int)), 4)
             d[key] = 2 if heads % 2 == 0 else 1
     if "is_decoder" in d and not d.get("is_encoder_decoder"):
         d["is_decoder"] = True
     if "use_sliding_window" in d:
         d["use_sliding_window"] = True
-        if d.get("sliding_window") is None:
+        if not d.get("sliding_window"):
             d["sliding_window"] = SIZES["sliding_window"]
         types = d.get("layer_types")
         if isinstance(types, list) and types and set(types) == {"full_attention"}:
@@ -135,6 +149,7 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     base = cls()
     d = _shrink_dict(base.to_dict())
+    d.update(OVERRIDES.get(model_type, {}))
     d.pop("transformers_version", None)
     d.pop("_attn_implementation_autoset", None)
     d.pop("architectures", None)
@@ -196,6 +211,10 @@ def _logits(model, ids, mask):
         return model(input_ids=ids, attention_mask=mask).logits.float()
 
 
+class NotBuildable(Exception):
+    """The tiny model fails with the model's own attention (sdpa/eager): not a sparse_k result."""
+
+
 def check_family(model_type: str, atol: float = 2e-4) -> dict:
     """Run the family checks; returns ``{"status": "works"|"refused", ...}`` or raises AssertionError.
 
@@ -204,42 +223,46 @@ def check_family(model_type: str, atol: float = 2e-4) -> dict:
     under a narrow ``streaming`` pattern with sinks (where the model's own decode equals its recompute).
     """
     ref_attn = "sdpa" if model_class(model_type)._supports_sdpa else "eager"
-    ref = build(model_type, ref_attn)
-    state = ref.state_dict()
-    try:
-        with CallCounter() as counter:
-            sparse = build(model_type, "sparse_k", state)
-    except ModelNotSupportedError as err:
-        return {"status": "refused", "reason": str(err)}
     ids, mask = _inputs()
     valid = mask.bool()
+    try:
+        ref = build(model_type, ref_attn)
+        want = _logits(ref, ids, mask)
+        with torch.no_grad():
+            seq_ref, dec_ref = _greedy(ref, ids, mask)
+    except Exception as err:  # noqa: BLE001 - any failure of the model's own attention
+        raise NotBuildable(f"{model_type} with {ref_attn}: {type(err).__name__}: {err}") from err
+    state = ref.state_dict()
+    try:
+        sparse = build(model_type, "sparse_k", state)
+    except ModelNotSupportedError as err:
+        return {"status": "refused", "reason": str(err)}
     with CallCounter() as counter:
         got = _logits(sparse, ids, mask)
-    want = _logits(ref, ids, mask)
     diff = (got - want)[valid].abs().max().item()
     assert diff < atol, f"{model_type}: padded batch with a covering window differs from {ref_attn} by {diff:.3g}"
-    with torch.no_grad():
-        seq_ref, dec_ref = _greedy(ref, ids, mask)
-        with CallCounter():
-            seq, dec = _greedy(sparse, ids, mask)
-    assert torch.equal(seq, seq_ref), f"{model_type}: greedy tokens differ from {ref_attn}"
-    ddiff = (dec.float() - dec_ref.float()).abs().max().item()
-    assert ddiff < atol, f"{model_type}: cached decode logits differ from {ref_attn} by {ddiff:.3g}"
-    result = {"status": "works", "ref": ref_attn, "calls": counter.calls, "diff": max(diff, ddiff)}
-    # Decode vs recompute with sinks and a narrow window (absolute positions in the mask path).
-    full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - SEQ, dtype=mask.dtype)], 1)
-    own = (_logits(ref, seq, full_mask)[:, SEQ - 1 : -1] - dec_ref.float())[:].abs().max().item()
-    if own > atol:
-        result["streaming"] = f"skipped: the model's own cached decode differs from recompute by {own:.3g}"
+    # Rows whose cached decode equals recomputation under the model's own attention (some models'
+    # own decode is not exact with left padding, e.g. recurrent_gemma's sdpa mask): decode is checked there.
+    full_mask = torch.cat([mask, torch.ones(2, seq_ref.shape[1] - SEQ, dtype=mask.dtype)], 1)
+    own = (_logits(ref, seq_ref, full_mask)[:, SEQ - 1 : -1] - dec_ref.float()).abs().amax((1, 2))
+    rows = [b for b in range(2) if own[b] <= atol]
+    result = {"status": "works", "ref": ref_attn, "calls": counter.calls, "diff": diff,
+              "decode_rows": rows, "own_decode_err": own.tolist()}
+    if not rows:
         return result
+    with torch.no_grad():
+        seq, dec = _greedy(sparse, ids, mask)
+    assert torch.equal(seq[rows], seq_ref[rows]), f"{model_type}: greedy tokens differ from {ref_attn}"
+    ddiff = (dec[rows].float() - dec_ref[rows].float()).abs().max().item()
+    assert ddiff < atol, f"{model_type}: cached decode logits differ from {ref_attn} by {ddiff:.3g}"
+    result["diff"] = max(diff, ddiff)
+    # Decode vs recompute with sinks and a narrow window (absolute positions in the mask path).
     hf_sparse_attention.configure(sparse, "streaming", sinks=2, window=3)
     with torch.no_grad():
         seq_s, dec_s = _greedy(sparse, ids, mask)
-        fmask = torch.cat([mask, torch.ones(2, seq_s.shape[1] - SEQ, dtype=mask.dtype)], 1)
-        rec = _logits(sparse, seq_s, fmask)[:, SEQ - 1 : -1]
-    sdiff = (dec_s.float() - rec).abs().max().item()
+        rec = _logits(sparse, seq_s, full_mask)[:, SEQ - 1 : -1]
+    sdiff = (dec_s[rows].float() - rec[rows]).abs().max().item()
     assert sdiff < atol, f"{model_type}: streaming cached decode differs from recompute by {sdiff:.3g}"
-    result["streaming"] = "ok"
     return result
 
 
@@ -257,7 +280,9 @@ def main():
         try:
             res = check_family(mt)
             msg = f"{res['status']:8s} " + (res.get("reason", "")[:150] if res["status"] == "refused" else
-                                             f"calls={res['calls']} diff={res['diff']:.2g} streaming={res['streaming'][:60]}")
+                                             f"calls={res['calls']} diff={res['diff']:.2g} decode_rows={res['decode_rows']}")
+        except NotBuildable as e:
+            msg = f"NOTBUILD {str(e)[:200]}"
         except AssertionError as e:
             msg = f"FAIL     {str(e)[:200]}"
         except Exception as e:  # noqa: BLE001
