@@ -99,6 +99,8 @@ REFUSED_TYPES = {
     "that sparse_k never builds",
     "glm_moe_dsa": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
     "that sparse_k never builds",
+    "axk2": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
     "deepseek_v4": "its attention combines compressed and selected keys under its own 4-D mask, which sparse_k "
     "never builds",
     "hy_v4": "its attention indexes the attention mask as a 4-D tensor, which sparse_k never builds",

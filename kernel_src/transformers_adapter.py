@@ -186,13 +186,21 @@ def _sparse_config(config) -> dict:
 NOT_PASSED = object()
 
 
+#: Model types that keep a ``sliding_window`` on their config/modules but attend globally (their own
+#: mask is the full causal one and they pass no window to the attention function).
+GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
+
+
 def _own_window(module, config, layer_idx):
     """The sliding window of a layer whose model does not pass ``sliding_window=`` (phimoe, qwen2_moe).
 
     In order: the module's own ``sliding_window`` attribute; ``config.sliding_window`` on layers that
     ``config.layer_types`` marks ``"sliding_attention"``; else ``config.sliding_window`` unless
-    ``config.use_sliding_window`` is False. None when the layer is global.
+    ``config.use_sliding_window`` is False. None when the layer is global or the model type is in
+    ``GLOBAL_DESPITE_WINDOW``.
     """
+    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+        return None
     if "sliding_window" in getattr(module, "__dict__", {}):
         return module.__dict__["sliding_window"]
     window = getattr(config, "sliding_window", None) if config is not None else None
