@@ -106,6 +106,10 @@ REFUSED_TYPES = {
     "hy_v4": "its attention indexes the attention mask as a 4-D tensor, which sparse_k never builds",
     "bigbird_pegasus": "its decoder self-attention is marked non-causal (is_causal=False) and takes its causal "
     "rule from a 4-D mask, which sparse_k never builds",
+    "inkling2_text": "its block attention residuals run bidirectional attention (is_causal=False) through the "
+    "attention interface, which sparse_k does not run",
+    "inkling2_loop_text": "its block attention residuals run bidirectional attention (is_causal=False) through the "
+    "attention interface, which sparse_k does not run",
     "doge": "its attention builds its own dynamic 4-D mask (dynamic mask attention), which sparse_k would ignore",
 }
 

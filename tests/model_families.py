@@ -30,6 +30,9 @@ NOT_BUILDABLE = {
     "cohere_compass_text": "its default config has no 'full_attention' layer type the model code expects",
     "dbrx": "nested attention config without `rope_theta` after the dict round trip",
     "deepseek_v2": "MoE router needs `topk_group`/`n_group` settings the default config leaves unset",
+    "dory": "looped layout: n_input_layers + n_recurrent_layers + n_output_layers must equal num_hidden_layers",
+    "dots3_note": "composite (vision + audio) config with adapters sized to the default hidden size",
+    "dots3_note_text": "MoE/adapter sizes tied to the default hidden size",
     "dots1": "MoE expert sizes unset in the default config",
     "emu3": "composite (VQ image model) config without a top-level `pad_token_id`",
     "ernie4_5_moe": "MoE router top-k larger than the shrunk expert count",
@@ -76,7 +79,7 @@ SIZES = {
     "num_layers": 2, "n_layer": 2, "n_layers": 2, "num_hidden_layers": 2, "decoder_layers": 2,
     "encoder_layers": 2, "num_decoder_layers": 2,
     "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_chunk_size": 8,
-    "intermediate_size_mlp": 96,
+    "intermediate_size_mlp": 96, "rotary_dim": 8,
     "sliding_window": 5, "attention_chunk_size": 5, "window_size": 5,
 }
 
