@@ -92,6 +92,7 @@ OVERRIDES = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
               "mamba_dt_rank": 8},
     "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "chunk_size": 8},
+    "nemotron_h": {"ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "chunk_size": 8},
     "zamba2": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3,
                "hybrid_layer_ids": [1, 2], "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_d_state": 16,
                "attention_hidden_size": 128, "attention_head_dim": 32, "kv_channels": 16, "num_query_groups": 4,
