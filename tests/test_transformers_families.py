@@ -48,7 +48,7 @@ def test_family_works_or_is_refused(model_type):
 
 
 def test_refusal_happens_at_load_with_a_clear_message():
-    from hf_sparse_attention.integration import ModelNotSupportedError
+    from hf_sparse_attention import ModelNotSupportedError
 
     cfg = mf.tiny_config("bloom")
     with pytest.raises(ModelNotSupportedError, match=r"'bloom'.*own code.*sdpa"):
