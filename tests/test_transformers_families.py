@@ -33,7 +33,7 @@ def one_thread():
 @pytest.mark.parametrize("model_type", mf.causal_lm_types())
 def test_family_works_or_is_refused(model_type):
     if model_type in mf.NOT_BUILDABLE:
-        pytest.skip(f"not buildable tiny: {mf.NOT_BUILDABLE[model_type]}")
+        pytest.skip(f"{model_type} not buildable tiny: {mf.NOT_BUILDABLE[model_type]}")
     try:
         result = mf.check_family(model_type)
     except mf.NotBuildable as err:
