@@ -30,6 +30,28 @@ def _as_int(x) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
+def _sees_the_next_token(mask_function, batch_size: int, q_length: int, q_offset: int, end: int, device) -> bool:
+    """True when the model's own mask rule lets some query of this forward attend to the next token.
+
+    A causal rule (with windows, chunks, packing or padding) never does; a bidirectional overlay
+    (Gemma 3 image blocks, a prefix-LM prompt) does. Checks the pairs ``(i, i + 1)`` only: O(B * Sq).
+    """
+    from transformers.masking_utils import bidirectional_mask_function
+
+    if mask_function is None or mask_function is bidirectional_mask_function or q_length < 2:
+        return False  # no rule, or an encoder / cross-attention mask (the adapter refuses bidirectional self-attention)
+    q = torch.arange(q_offset, min(end, q_offset + q_length) - 1, device=device)
+    if q.numel() == 0:
+        return False
+    batch = torch.arange(batch_size, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+    try:
+        allowed = mask_function(batch, head, q[None, :], q[None, :] + 1)
+    except (IndexError, RuntimeError, TypeError):  # a rule not evaluable on index tensors: taken as causal
+        return False
+    return bool(torch.as_tensor(allowed).any())
+
+
 def key_mask(
     batch_size: int,
     q_length: int,
@@ -49,7 +71,8 @@ def key_mask(
             cache an offset past the keys it dropped). q_offset: tokens already in the cache (an int,
             or a 0-d tensor for a StaticCache).
         attention_mask: Transformers' 2-D padding mask ``(B, seen + q_length)`` (True/1 = real token) or None.
-        mask_function: the model's mask rule; not used (the layer's pattern decides, see the adapter).
+        mask_function: the model's mask rule; the layer's pattern decides (see the adapter), but a rule
+            that lets a query see the next token (a bidirectional overlay) raises ValueError.
     Returns:
         None when every slot of the key tensor is a valid key (no padding, nothing dropped, nothing
         unwritten: one answer for every layer of a type even when their caches differ in length),
@@ -71,6 +94,12 @@ def key_mask(
         kv_length = attention_mask.shape[1]
     end = kv_offset + kv_length
     written = q_offset + q_length
+    if _sees_the_next_token(mask_function, batch_size, q_length, q_offset, end, device):
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" runs causal attention only, but this model\'s own mask lets '
+            "tokens attend to later tokens in this forward (a bidirectional block: image/audio tokens or a prefix-LM "
+            'prompt); run such inputs with attn_implementation="sdpa"'
+        )
     L = min(end, written)
     if attention_mask is None:
         if kv_offset == 0 and L == kv_length:

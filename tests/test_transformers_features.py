@@ -269,3 +269,15 @@ def test_shared_layer_runs_layer_zero_and_refuses_per_layer_settings():
     config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 3, "dense_layers": [1]}
     with pytest.raises(ValueError, match="layer_idx=-1"):
         attention_forward(shared, q, k, v, None)
+
+
+def test_mask_function_refuses_a_bidirectional_overlay():
+    """Gemma 3 image blocks / prefix-LM prompts let tokens see later tokens: sparse_k (causal) refuses."""
+    from transformers.masking_utils import blockwise_overlay, causal_mask_function, or_masks
+
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1], [-1, -1, -1, -1, -1, -1]])
+    with pytest.raises(ValueError, match="later tokens"):
+        key_mask(2, 6, 6, 0, 0, mask_function=or_masks(causal_mask_function, blockwise_overlay(blocks)))
+    assert key_mask(2, 6, 6, 0, 0, mask_function=causal_mask_function) is None
+    text_only = torch.full((2, 6), -1)
+    assert key_mask(2, 6, 6, 0, 0, mask_function=or_masks(causal_mask_function, blockwise_overlay(text_only))) is None
