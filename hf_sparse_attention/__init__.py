@@ -20,10 +20,11 @@ except ImportError:
     _transformers = None
 if _transformers is not None:
     from .cache import SparseCache
+    from .integration import ModelNotSupportedError
     from .integration import register as _register
 
     _register()
-    __all__ += ["SparseCache"]
+    __all__ += ["ModelNotSupportedError", "SparseCache"]
 
 from .selectors import SELECTOR_FILE, load_selectors, load_selectors_for_model, save_selectors  # noqa: E402
 

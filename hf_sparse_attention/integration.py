@@ -12,11 +12,15 @@ Importing this module registers, under the same name ``"sparse_k"``:
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+
 import torch
 
 from sparse_k.transformers_adapter import attention_forward
 
-__all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "key_mask", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "ModelNotSupportedError", "attention_forward", "check_model_support", "key_mask", "register"]
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "sparse_k"
@@ -24,6 +28,28 @@ ATTN_IMPLEMENTATION = "sparse_k"
 
 def _as_int(x) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _sees_the_next_token(mask_function, batch_size: int, q_length: int, q_offset: int, end: int, device) -> bool:
+    """True when the model's own mask rule lets some query of this forward attend to the next token.
+
+    A causal rule (with windows, chunks, packing or padding) never does; a bidirectional overlay
+    (Gemma 3 image blocks, a prefix-LM prompt) does. Checks the pairs ``(i, i + 1)`` only: O(B * Sq).
+    """
+    from transformers.masking_utils import bidirectional_mask_function
+
+    if mask_function is None or mask_function is bidirectional_mask_function or q_length < 2:
+        return False  # no rule, or an encoder / cross-attention mask (the adapter refuses bidirectional self-attention)
+    q = torch.arange(q_offset, min(end, q_offset + q_length) - 1, device=device)
+    if q.numel() == 0:
+        return False
+    batch = torch.arange(batch_size, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+    try:
+        allowed = mask_function(batch, head, q[None, :], q[None, :] + 1)
+    except (IndexError, RuntimeError, TypeError):  # a rule not evaluable on index tensors: taken as causal
+        return False
+    return bool(torch.as_tensor(allowed).any())
 
 
 def key_mask(
@@ -45,15 +71,35 @@ def key_mask(
             cache an offset past the keys it dropped). q_offset: tokens already in the cache (an int,
             or a 0-d tensor for a StaticCache).
         attention_mask: Transformers' 2-D padding mask ``(B, seen + q_length)`` (True/1 = real token) or None.
-        mask_function: the model's mask rule; not used (the layer's pattern decides, see the adapter).
+        mask_function: the model's mask rule; the layer's pattern decides (see the adapter), but a rule
+            that lets a query see the next token (a bidirectional overlay) raises ValueError.
     Returns:
         None when every slot of the key tensor is a valid key (no padding, nothing dropped, nothing
         unwritten: one answer for every layer of a type even when their caches differ in length),
         else ``(B, L)`` bool with ``L = q_offset + q_length``: True where slot ``j`` holds a key that
         takes part.
     """
+    q_offset = _as_int(q_offset)
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and kv_offset == 0
+        and kv_length == q_offset + q_length
+        and attention_mask.shape[1] > kv_length
+    ):
+        # The model asked the cache about a layer that holds no keys (recurrent_gemma: layer 0 is a
+        # recurrent block, so q_offset = 0 while decoding): the 2-D padding mask, which covers every
+        # token seen so far, gives the true number of slots.
+        q_offset = attention_mask.shape[1] - q_length
+        kv_length = attention_mask.shape[1]
     end = kv_offset + kv_length
-    written = _as_int(q_offset) + q_length
+    written = q_offset + q_length
+    if _sees_the_next_token(mask_function, batch_size, q_length, q_offset, end, device):
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" runs causal attention only, but this model\'s own mask lets '
+            "tokens attend to later tokens in this forward (a bidirectional block: image/audio tokens or a prefix-LM "
+            'prompt); run such inputs with attn_implementation="sdpa"'
+        )
     L = min(end, written)
     if attention_mask is None:
         if kv_offset == 0 and L == kv_length:
@@ -72,10 +118,98 @@ def key_mask(
     return mask
 
 
+class ModelNotSupportedError(ValueError):
+    """``attn_implementation="sparse_k"`` was requested for a model it cannot run correctly."""
+
+
+#: Model types whose attention goes through the interface but which sparse_k refuses, with the reason.
+REFUSED_TYPES = {
+    "deepseek_v32": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
+    "glm_moe_dsa": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
+    "axk2": "its attention runs its own DSA lightning indexer, which selects keys from a 4-D additive mask "
+    "that sparse_k never builds",
+    "deepseek_v4": "its attention combines compressed and selected keys under its own 4-D mask, which sparse_k "
+    "never builds",
+    "hy_v4": "its attention indexes the attention mask as a 4-D tensor, which sparse_k never builds",
+    "bigbird_pegasus": "its decoder self-attention is marked non-causal (is_causal=False) and takes its causal "
+    "rule from a 4-D mask, which sparse_k never builds",
+    "inkling2_text": "its block attention residuals run bidirectional attention (is_causal=False) through the "
+    "attention interface, which sparse_k does not run",
+    "inkling2_loop_text": "its block attention residuals run bidirectional attention (is_causal=False) through the "
+    "attention interface, which sparse_k does not run",
+    "doge": "its attention builds its own dynamic 4-D mask (dynamic mask attention), which sparse_k would ignore",
+}
+
+#: Source text of a modeling module that picks its attention class from a fixed table (eager/sdpa/...).
+_CLASS_TABLE = re.compile(r"\w+_ATTENTION_CLASSES\[")
+
+
+def _own_attention_code(cls) -> bool:
+    """True when ``cls``'s modeling code computes attention outside the AttentionInterface."""
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return True
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        return False
+    return _CLASS_TABLE.search(source) is not None
+
+
+def check_model_support(model) -> None:
+    """Raise ``ModelNotSupportedError`` (naming the model type and why) if ``model`` cannot run sparse_k.
+
+    A model is refused when its modeling code computes attention itself instead of calling
+    Transformers' ``AttentionInterface`` (Transformers' own test, ``_can_set_attn_implementation``,
+    or an ``*_ATTENTION_CLASSES[...]`` table of fixed implementations): sparse_k would never run and
+    the causal mask, which the sparse_k mask function leaves to the attention function, would be
+    lost. Also refused: the types in ``REFUSED_TYPES``.
+    """
+    cls = type(model)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or cls.__name__
+    reason = REFUSED_TYPES.get(model_type)
+    if reason is None and _own_attention_code(cls):
+        reason = (
+            f"{cls.__name__} computes attention in its own code instead of calling Transformers' AttentionInterface, "
+            "so the sparse attention function would never run"
+        )
+    if reason is not None:
+        raise ModelNotSupportedError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" does not support model type {model_type!r}: {reason}. '
+            'Load it with attn_implementation="sdpa" or "eager".'
+        )
+
+
+def _install_load_check() -> None:
+    """Make ``from_pretrained``/``set_attn_implementation`` with ``"sparse_k"`` call ``check_model_support``.
+
+    Wraps ``PreTrainedModel.get_correct_attn_implementation`` (called by every Transformers 5.x
+    model's ``__init__`` and by ``set_attn_implementation``), once.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_sparse_k_checked", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention == ATTN_IMPLEMENTATION:
+            check_model_support(self)
+        return original(self, requested_attention, *args, **kwargs)
+
+    get_correct_attn_implementation._sparse_k_checked = True
+    get_correct_attn_implementation.__doc__ = original.__doc__
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
 def register() -> None:
-    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces and the load check (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, key_mask)
+    _install_load_check()

@@ -182,6 +182,36 @@ def _sparse_config(config) -> dict:
     return cfg
 
 
+#: Default of ``attention_forward``'s ``sliding_window``: "the model did not pass one" (None = global layer).
+NOT_PASSED = object()
+
+
+#: Model types that keep a ``sliding_window`` on their config/modules but attend globally (their own
+#: mask is the full causal one and they pass no window to the attention function).
+GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
+
+
+def _own_window(module, config, layer_idx):
+    """The sliding window of a layer whose model does not pass ``sliding_window=`` (phimoe, qwen2_moe).
+
+    In order: the module's own ``sliding_window`` attribute; ``config.sliding_window`` on layers that
+    ``config.layer_types`` marks ``"sliding_attention"``; else ``config.sliding_window`` unless
+    ``config.use_sliding_window`` is False. None when the layer is global or the model type is in
+    ``GLOBAL_DESPITE_WINDOW``.
+    """
+    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+        return None
+    if "sliding_window" in getattr(module, "__dict__", {}):
+        return module.__dict__["sliding_window"]
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
 def _layer_locality(config, layer_idx, sliding_window):
     """(window, chunk) of the model's own rule for this layer (None when the layer is global)."""
     window = int(sliding_window) if sliding_window is not None else None
@@ -204,6 +234,17 @@ def layer_pattern(config, layer_idx: int | None, sliding_window: int | None = No
     if cfg["full_attention_layers_only"]:
         pattern = Dense()
     return restrict_pattern(pattern, window=window, chunk=chunk)
+
+
+def _shared_layer_idx(config, layer_idx: int) -> int:
+    """Layer index to run for a module without a depth of its own (``layer_idx < 0``: zamba2's shared block)."""
+    cfg = _sparse_config(config)
+    if cfg.get("layers") or cfg.get("dense_layers"):
+        raise ValueError(
+            f"this attention module has layer_idx={layer_idx} (one module shared by several depths), so per-layer "
+            "sparse settings (`layers`, `dense_layers`) cannot apply to it; configure one pattern for all layers"
+        )
+    return 0
 
 
 def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
@@ -246,11 +287,11 @@ def attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_mask: torch.Tensor | None,
+    key_mask: torch.Tensor | None = None,
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: "int | None" = NOT_PASSED,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     config=None,
@@ -265,10 +306,14 @@ def attention_forward(
             ``_sparse_k_selector`` are read; nothing is stored on it).
         query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``.
         key_mask: ``(B, L)`` bool/int (True = key takes part) over absolute cache slots, a 4-D SDPA
-            mask (reduced to key validity), or None (every key, queries bottom-right).
+            mask (reduced to key validity), or None (every key, queries bottom-right). Also taken
+            by keyword as ``attention_mask=`` (afmoe).
         scaling: softmax scale (default ``D ** -0.5``). softcap: logit soft-capping.
-        sliding_window: the model's own window for this layer. s_aux: ``(Hq,)`` sink logits.
-        config: defaults to ``module.config``. layer_idx: defaults to ``module.layer_idx``.
+        sliding_window: the model's own window for this layer (None: a global layer); when the model
+            does not pass it, read from the module or config (``_own_window``). s_aux: ``(Hq,)`` sink logits.
+        config: defaults to ``module.config``. layer_idx: defaults to ``module.layer_idx``; a negative
+            one (a layer shared by several depths, zamba2) runs the pattern of layer 0 and is refused
+            when the configuration gives layers different patterns.
         q_start: key index of query 0 (int or ``(B,)``), overriding the bottom-right default.
         kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k`` (packed batches), ``position_ids``;
             ``output_attentions=True`` raises.
@@ -287,9 +332,17 @@ def attention_forward(
         )
     if dropout and getattr(module, "training", False):
         warn_once(f"sparse_k attention does not apply attention dropout (got p={dropout}); running without it")
+    if "attention_mask" in kwargs:
+        if key_mask is not None:
+            raise TypeError("sparse_k attention got both a positional key mask and attention_mask=")
+        key_mask = kwargs.pop("attention_mask")
     config = config if config is not None else getattr(module, "config", None)
     layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
     layer_idx = 0 if layer_idx is None else int(layer_idx)
+    if sliding_window is NOT_PASSED:
+        sliding_window = _own_window(module, config, layer_idx)
+    if layer_idx < 0:
+        layer_idx = _shared_layer_idx(config, layer_idx)
     pattern = layer_pattern(config, layer_idx, sliding_window)
     backend = _sparse_config(config).get("backend", "auto")
     sink_logits = s_aux.to(query.dtype) if s_aux is not None else None

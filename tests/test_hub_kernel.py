@@ -2,7 +2,8 @@
 and ``attn_implementation="<org>/sparse-k"`` against ``attn_implementation="sparse_k"``.
 
 Everything is built into pytest's temporary directories and loaded offline (``LOCAL_KERNELS``,
-``HF_HUB_OFFLINE=1``); nothing is written into the repository. Runs with kernels 0.16 and 0.17.
+``HF_HUB_OFFLINE=1``); nothing is written into the repository. Runs with kernels 0.16 and 0.17; the
+Transformers route needs the kernels range of the installed Transformers (5.23+ want >= 0.18.2).
 """
 
 from __future__ import annotations
@@ -480,8 +481,40 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
+def _transformers_takes_this_kernels() -> tuple[bool, str]:
+    """(whether the installed Transformers accepts the installed ``kernels``, a sentence saying which it wants)."""
+    from transformers.utils import import_utils
+
+    lo = getattr(import_utils, "KERNELS_MIN_VERSION", "?")
+    hi = getattr(import_utils, "KERNELS_MAX_VERSION", None)
+    wants = f"kernels >= {lo}" + (f", < {hi}" if hi else "")
+    import transformers
+
+    note = f"transformers {transformers.__version__} wants {wants}; installed kernels {kernels.__version__}"
+    return bool(import_utils.is_kernels_available()), note
+
+
+def test_hub_route_refuses_clearly_when_kernels_does_not_fit(tiny_llama, repo_id, hub_dir, monkeypatch):
+    """Transformers >= 5.23 wants kernels >= 0.18.2 (unpublished today): the hub route must fail with an
+    ImportError that names ``kernels`` and the version it wants, never load something else."""
+    transformers = pytest.importorskip("transformers")
+    fits, note = _transformers_takes_this_kernels()
+    if fits:
+        pytest.skip(f"the hub route is available here ({note})")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"{repo_id}={hub_dir}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ImportError, match=r"kernels.*version"):
+        transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=repo_id)
+
+
 def test_llama_hub_route_matches_sparse_k_route(tiny_llama, hub, hub_dir, repo_id, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    fits, note = _transformers_takes_this_kernels()
+    if not fits:
+        pytest.skip(f"hub route unavailable: {note} (test_hub_route_refuses_clearly_when_kernels_does_not_fit)")
     import huggingface_hub.constants
 
     import hf_sparse_attention  # noqa: F401  (registers attn_implementation="sparse_k")

@@ -248,3 +248,77 @@ def test_configure_switches_a_dense_model_to_sparse_k():
     config = tiny_model("llama", seed=20).config
     hf_sparse_attention.configure(config, "sliding_window", window=3)  # a config: nothing to switch
     assert config._attn_implementation == "sdpa"
+
+
+def test_mask_function_counts_slots_from_the_padding_mask_when_asked_a_keyless_layer():
+    """RecurrentGemma decodes with q_offset=0, kv_length=1 (its layer 0 is recurrent): the 2-D mask,
+    which covers every token seen, gives the slots; a consistent call is unchanged."""
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :3] = 0
+    out = key_mask(2, 1, 1, 0, 0, attention_mask=mask)
+    assert out.shape == (2, 13) and torch.equal(out, mask.bool())
+    assert key_mask(2, 1, 13, 12, 0, attention_mask=torch.ones(2, 13)) is None
+    # Prefix-tuning style: no cache, kv_length = the longer mask's length: the slots written so far, as before.
+    assert key_mask(2, 4, 6, 0, 0, attention_mask=torch.ones(2, 6)).shape == (2, 4)
+
+
+def _random_qkv(seed, sq=7, skv=7):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 4, sq, 16, generator=g), torch.randn(1, 2, skv, 16, generator=g),
+            torch.randn(1, 2, skv, 16, generator=g))
+
+
+def test_attention_mask_by_keyword_equals_positional():
+    config = transformers.PretrainedConfig()
+    config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 3}
+    layer = _Layer(config, 0)
+    q, k, v = _random_qkv(1)
+    valid = torch.ones(1, 7, dtype=torch.bool)
+    valid[0, :2] = False
+    a, _ = attention_forward(layer, q, k, v, valid)
+    b, _ = attention_forward(layer, q, k, v, attention_mask=valid)
+    assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="attention_mask"):
+        attention_forward(layer, q, k, v, valid, attention_mask=valid)
+
+
+def test_window_kept_on_the_module_or_config_applies_when_not_passed():
+    """PhiMoE/Qwen2-MoE do not pass sliding_window=: the module's (or config's) window applies;
+    an explicit None (a global layer) and Moshi's ignored config window do not."""
+    config = transformers.PretrainedConfig()
+    config.sparse_attention = {"pattern": "dense"}
+    q, k, v = _random_qkv(2, 9, 9)
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    want = masked_attention(q, k, v, (j <= i) & (i - j < 3), scale=0.25)[0].transpose(1, 2)
+    dense = masked_attention(q, k, v, j <= i, scale=0.25)[0].transpose(1, 2)
+    layer = _Layer(config, 0)
+    layer.sliding_window = 3
+    assert (attention_forward(layer, q, k, v, None)[0] - want).abs().max() < 1e-5
+    assert (attention_forward(layer, q, k, v, None, sliding_window=None)[0] - dense).abs().max() < 1e-5
+    config.sliding_window = 3  # no module attribute: the config's window
+    assert (attention_forward(_Layer(config, 0), q, k, v, None)[0] - want).abs().max() < 1e-5
+    config.model_type = "moshi"
+    assert (attention_forward(_Layer(config, 0), q, k, v, None)[0] - dense).abs().max() < 1e-5
+
+
+def test_shared_layer_runs_layer_zero_and_refuses_per_layer_settings():
+    config = transformers.PretrainedConfig()
+    config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 3}
+    q, k, v = _random_qkv(3)
+    shared, first = _Layer(config, -1), _Layer(config, 0)
+    assert torch.equal(attention_forward(shared, q, k, v, None)[0], attention_forward(first, q, k, v, None)[0])
+    config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 3, "dense_layers": [1]}
+    with pytest.raises(ValueError, match="layer_idx=-1"):
+        attention_forward(shared, q, k, v, None)
+
+
+def test_mask_function_refuses_a_bidirectional_overlay():
+    """Gemma 3 image blocks / prefix-LM prompts let tokens see later tokens: sparse_k (causal) refuses."""
+    from transformers.masking_utils import blockwise_overlay, causal_mask_function, or_masks
+
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1], [-1, -1, -1, -1, -1, -1]])
+    with pytest.raises(ValueError, match="later tokens"):
+        key_mask(2, 6, 6, 0, 0, mask_function=or_masks(causal_mask_function, blockwise_overlay(blocks)))
+    assert key_mask(2, 6, 6, 0, 0, mask_function=causal_mask_function) is None
+    text_only = torch.full((2, 6), -1)
+    assert key_mask(2, 6, 6, 0, 0, mask_function=or_masks(causal_mask_function, blockwise_overlay(text_only))) is None
