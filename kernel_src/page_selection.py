@@ -37,6 +37,8 @@ __all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "qu
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
+#: How the bounds of a KV head's query heads combine into its page score: "sum" (default) or "max".
+HEAD_REDUCE = "sum"
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
@@ -74,14 +76,15 @@ def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
 
 def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """Page scores ``(B, Hkv, NB, P)`` float32: for every block's query heads ``q_blocks (B, Hkv, NB, G, D)``
-    the Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` summed over the ``G`` heads; pages without a
+    the Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` summed (``HEAD_REDUCE``: or maxed) over the ``G`` heads; pages without a
     key (``ok (B, 1, P)`` False) score 0 here (the caller masks them)."""
     B, H, NB, G, D = q_blocks.shape
     q = q_blocks.to(kmin.dtype)
     qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G, 2 * D)
     okf = ok[..., None]
     kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
-    return torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, -1).sum(3)
+    per_head = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, -1)
+    return per_head.amax(3) if HEAD_REDUCE == "max" else per_head.sum(3)
 
 
 def top_indices(x: torch.Tensor, K: int, *, fused: bool | None = None) -> torch.Tensor:

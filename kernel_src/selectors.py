@@ -10,21 +10,25 @@ are taken with weight 1; otherwise:
   ``p = sparsek(u over the candidates, top_k)``. The ``top_k`` keys with the largest ``u`` are
   kept with their weights ``p``: they are the ``top_k`` largest ``p`` (``p`` is monotone in ``u``
   and at most ``top_k`` entries reach 1); fractional entries past them are dropped, so the kept
-  weights sum to at most ``top_k``. Ties go to the earlier key.
+  weights sum to at most ``top_k``. Ties go to the earlier key. Long rows (more than
+  ``2 * top_k + PREFIX_CHUNK`` candidates) take the same top-k from a prefix scan
+  (``_prefix_topk_layout``: no sort of whole rows; the weights are exact while the SparseK support
+  before the block's grid chunk has at most ``2 * top_k`` keys).
 * ``DSA`` + ``LightningIndexer``: indexer scores of the block's *first* query against the
   candidates, top ``top_k`` (weight 1), one selection shared by all KV heads (a ``per_kv_head``
   indexer scores and selects for every KV head separately). Only the first query
   is used so that the selection is fixed when the block starts: decode equals recompute. A call
   that starts inside a block (decode) uses the indexer query the indexer memoised when the block's
   first query went through it (``LightningIndexer._block_memo``); without that memo it falls back
-  to the call's first query with a one-time warning.
-* ``selector=None``: the **training-free fallback** (one-time warning). Score of key ``j`` for KV
-  head ``h``: ``u = -||k_j||_2`` (keys with a *small* norm first). It is query-independent, so it
-  needs no decode state. Measured on SmolLM2-135M (2K tokens, sinks 4, window 128, top_k 128,
-  query_block 64), the keys it selects carry 57% (passkey prompts) / 48% (Gutenberg text) of the
-  dense attention mass that lies beyond the window, against 31% / 20% for random keys, 17% / 10%
-  for the largest key norms and 75% / 72% for the per-block oracle; in the question's block it
-  selects 59% of the passkey sentence's tokens. Selection is hard (weights None).
+  to the call's first query with a one-time warning. ``DSA_PRESELECT`` (off) ranks pages by an upper
+  bound of the indexer score first (``_dsa_preselected_layout``).
+* ``selector=None``: the **query-aware training-free default** (one-time warning that trained
+  selectors do better): Quest-style pages scored against the block's first query
+  (``sparse_k.page_selection``), the same for both patterns, unweighted; its decode memo is the
+  ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
+  initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
+* On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
+  float's order-preserving bits, then the reversed index), exact with ties to the earlier key.
 
 Scores from the scorer/indexer keep their autograd graph, so gradients reach the selector through
 the SparseK weights (``log p`` is added to the logit by the attention paths).
@@ -61,7 +65,8 @@ PRESELECT_FACTOR = 4
 
 
 def training_free_scores(key: torch.Tensor) -> torch.Tensor:
-    """The documented fallback score ``u (B, Hkv, Skv) = -||k||_2`` (float32) from ``key (B, Hkv, Skv, D)``."""
+    """The key-norm score ``u (B, Hkv, Skv) = -||k||_2`` (float32) from ``key (B, Hkv, Skv, D)`` (the former
+    training-free default; an untrained ``SparseKScorer`` ranks like it)."""
     return -key.float().norm(dim=-1)
 
 

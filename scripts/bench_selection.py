@@ -5,7 +5,7 @@ For each context length: dense causal SDPA, then for each selector (``sparse_k``
 ``SparseKScorer``, ``dsa`` with a random ``LightningIndexer``, the training-free default) the time of
 ``build_selection`` alone and of selection + ``sparse_attention``, one layer, B=1. Also whether the
 selection call synchronises with the host (``torch.cuda.set_sync_debug_mode``) and, for sparse_k, the
-recall of the page pre-selection against the exact top-k.
+the recall of a variant against its reference (sparse_k: the top-k over whole rows; dsa_paged: dsa).
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def _syncs(fn) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
-    p.add_argument("--selectors", nargs="+", default=["sparse_k", "sparse_k_exact", "dsa", "dsa_exact", "training_free"])
+    p.add_argument("--selectors", nargs="+", default=["sparse_k", "sparse_k_full", "dsa", "dsa_paged", "training_free"],
+                   help="sparse_k (default path: prefix scan on long rows), sparse_k_full (top-k over whole rows), dsa "
+                        "(default: exact), dsa_paged (DSA_PRESELECT on), training_free")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -80,9 +82,13 @@ def main(argv=None) -> int:
                     selector.weight.normal_(0, D ** -0.5)
             elif name.startswith("dsa"):
                 selector = LightningIndexer(Hq, Hkv, D, indexer_heads=4, indexer_dim=32).to(dev)
-            factor = sel.PRESELECT_FACTOR
-            if name.endswith("_exact"):
-                sel.PRESELECT_FACTOR = 10**9
+            saved = (sel.PREFIX_CHUNK, sel.DSA_PRESELECT)
+
+            def configure(variant):
+                sel.PREFIX_CHUNK = 10**9 if variant == "sparse_k_full" else saved[0]
+                sel.DSA_PRESELECT = variant == "dsa_paged"
+
+            configure(name)
             try:
                 def select():
                     with torch.no_grad():
@@ -103,11 +109,13 @@ def main(argv=None) -> int:
                     continue
                 row = {"S": S, "variant": name, "selection_ms": t_sel, "total_ms": t_all, "vs_dense": t_all / dense,
                        "host_syncs": syncs, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
-                if name in ("sparse_k", "dsa") and f"{name}_exact" in args.selectors:
+                reference = {"sparse_k": "sparse_k_full", "dsa_paged": "dsa"}.get(name)
+                if reference in args.selectors:
                     try:
                         fast = select()
-                        sel.PRESELECT_FACTOR = 10**9
+                        configure(reference)
                         exact = select()
+                        configure(name)
                         a = torch.zeros(B, Hkv, fast.indices.shape[2], S + 1, dtype=torch.bool, device=dev)
                         a.scatter_(-1, fast.indices.long().clamp_min(-1) % (S + 1), True)
                         bm = torch.zeros_like(a)
@@ -120,7 +128,7 @@ def main(argv=None) -> int:
                       flush=True)
                 rows.append(row)
             finally:
-                sel.PRESELECT_FACTOR = factor
+                sel.PREFIX_CHUNK, sel.DSA_PRESELECT = saved
             torch.cuda.reset_peak_memory_stats()
     if args.output:
         with open(args.output, "w") as fh:

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--variants", nargs="+", default=["dense", "sparse_k"], help="dense, streaming, sparse_k, dsa")
     p.add_argument("--page", type=int, default=None, help="page size of the training-free selection")
+    p.add_argument("--head-reduce", choices=["sum", "max"], default=None)
     p.add_argument("--ppl-tokens", type=int, default=0)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
 
     if args.page:
         ps.DEFAULT_PAGE = args.page
+    if args.head_reduce:
+        ps.HEAD_REDUCE = args.head_reduce
     torch.manual_seed(0)
     loaded = load_model(None, attn_implementation="sdpa", dtype="float32", device="cpu")
     model, tok = loaded.model, loaded.tokenizer

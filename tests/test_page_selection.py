@@ -291,3 +291,22 @@ def test_fused_top_indices_equals_stable_sort():
     x[1, 0, :5] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0])
     for K in (1, 17, 301):
         assert torch.equal(_top_indices(x, K, fused=True), _top_indices(x, K, fused=False))
+
+
+@pytest.mark.parametrize("use_sparse_cache", [False, True])
+def test_generate_equals_recompute_through_transformers(use_sparse_cache):
+    """Greedy generation with the training-free default (DynamicCache: the memo on the attention module;
+    SparseCache: the memo on the SelectionLayer) gives the logits of recomputing every prefix."""
+    from helpers import sparse_tiny_llama
+    from hf_sparse_attention import SparseCache
+
+    model = sparse_tiny_llama("sparse_k", {"sinks": 2, "window": 8, "top_k": 8, "query_block": 4}, random_selectors=False)
+    seq = torch.randint(1, 50, (2, 30), generator=torch.Generator().manual_seed(2))
+    kw = {"past_key_values": SparseCache(model)} if use_sparse_cache else {}
+    with warnings.catch_warnings(record=True) as rec, torch.no_grad():
+        warnings.simplefilter("always")
+        out = model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=30, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+        again = torch.stack([model(out.sequences[:, :t], use_cache=False).logits[:, -1] for t in range(30, 60)])
+    assert not any("first query was not seen" in str(w.message) for w in rec)
+    torch.testing.assert_close(torch.stack(out.logits), again, atol=1e-4, rtol=1e-4)
