@@ -39,6 +39,10 @@ layer's decode state between steps:
   equals recomputing the prefix, token for token.
 * ``dsa``: nothing is evicted (design §7: every key stays a candidate); the indexer keys of the
   cached tokens are kept, so a decode step computes them for its new tokens only.
+* either pattern without a trained selector (the query-aware training-free default,
+  ``sparse_k.page_selection``): nothing is evicted (a page that scores low for one block may score
+  high for a later query); the layer keeps the memo of the current block's first query, so a
+  decode step selects exactly as the recompute does.
 
 Limitations: batches without padding (a padded row would count its padding as sinks; a padded batch
 raises ``ValueError``); no
@@ -55,7 +59,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from sparse_k.config import validate_sparse_config
 from sparse_k.decode_selection import SparseKDecodeState
 from sparse_k.patterns import DSA, SlidingWindow, SparseK, Streaming
-from sparse_k.selectors import build_selection, training_free_scores
+from sparse_k.selectors import build_selection
 from sparse_k.token_layout import TokenLayout
 from sparse_k.transformers_adapter import CACHE_LAYER_ATTR, WithinWindow, _translation_invariant, layer_pattern
 
@@ -220,6 +224,7 @@ class SelectionLayer(_KeptKeysLayer):
         self.tail_start = 0
         self.state: SparseKDecodeState | None = None
         self.index_keys: torch.Tensor | None = None
+        self.memo: dict = {}  # training-free selection: the current block's first query (sparse_k.page_selection)
         self._index_owner = None
         self._new_tokens = 0
 
@@ -239,6 +244,7 @@ class SelectionLayer(_KeptKeysLayer):
 
     def reset(self) -> None:
         self.keys = self.values = self.front_pos = self.state = self.index_keys = None
+        self.memo = {}
         self.is_initialized = False
         self.cumulative_length, self.tail_start = 0, 0
 
@@ -246,6 +252,9 @@ class SelectionLayer(_KeptKeysLayer):
         super().reorder_cache(beam_idx)
         pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
         self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
+        for name in ("block", "q"):
+            if name in self.memo:
+                self.memo[name] = pick(self.memo[name])
         if self.state is not None:
             for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
                 setattr(self.state, name, pick(getattr(self.state, name)))
@@ -272,25 +281,24 @@ class SelectionLayer(_KeptKeysLayer):
         self.check_key_mask(key_mask)
         if pattern != self.pattern:
             raise ValueError(f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.pattern!r}")
-        if isinstance(pattern, DSA):
-            return self._attend_dsa(query, key, value, run, selector, layer_idx)
-        weighted = selector is not None
-        if self.state is not None and self.state.weighted != weighted:
+        if isinstance(pattern, DSA) or selector is None:
             if self.front_pos is not None:
-                raise ValueError("SparseCache: the layer's selector changed after keys were evicted")
-            self.state = None
+                raise ValueError(f"SparseCache: layer {layer_idx} evicted keys under a trained selector, which is gone now")
+            return self._attend_dsa(query, key, value, run, selector, layer_idx)
         if self.state is None:
             geo_sel = build_selection(pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector)
             out = run(query, key, value, pattern if geo_sel is not None else pattern.static_part(), geo_sel, None, None)
-            self.state = SparseKDecodeState(pattern, weighted=weighted)
+            self.state = SparseKDecodeState(pattern, weighted=True)
         else:
             out = self._attend_blocks(query, key, value, run, selector)
         self._after_call(key, value, selector)
         return out
 
     def _attend_dsa(self, query, key, value, run, selector, layer_idx):
+        """Selection from scratch each call (``dsa``, and the training-free default of both patterns),
+        with the layer's memo of the current block's first query (training-free) or its cached indexer keys."""
         index_keys = None
-        if selector is not None:
+        if selector is not None and isinstance(self.pattern, DSA):
             old = key.shape[2] - self._new_tokens
             fresh = self._index_owner is selector and self.index_keys is not None and self.index_keys.shape[1] == old
             with torch.no_grad():
@@ -301,7 +309,7 @@ class SelectionLayer(_KeptKeysLayer):
             self._index_owner = selector
             index_keys = self.index_keys
         sel = build_selection(self.pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector,
-                              index_keys=index_keys)
+                              index_keys=index_keys, memo=self.memo if selector is None else None)
         return run(query, key, value, self.pattern if sel is not None else self.pattern.static_part(), sel, None, None)
 
     def _slots(self, pos: torch.Tensor) -> torch.Tensor:
@@ -319,8 +327,6 @@ class SelectionLayer(_KeptKeysLayer):
             i0 = F + lo - self.tail_start
             k, v = key[:, :, i0 : i0 + hi - lo + 1], value[:, :, i0 : i0 + hi - lo + 1]
             with torch.no_grad():
-                if selector is None:
-                    return training_free_scores(k)
                 return selector(v, torch.arange(lo, hi + 1, device=k.device)[None], k)
 
         return scores

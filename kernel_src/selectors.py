@@ -10,21 +10,25 @@ are taken with weight 1; otherwise:
   ``p = sparsek(u over the candidates, top_k)``. The ``top_k`` keys with the largest ``u`` are
   kept with their weights ``p``: they are the ``top_k`` largest ``p`` (``p`` is monotone in ``u``
   and at most ``top_k`` entries reach 1); fractional entries past them are dropped, so the kept
-  weights sum to at most ``top_k``. Ties go to the earlier key.
+  weights sum to at most ``top_k``. Ties go to the earlier key. Long rows (more than
+  ``2 * top_k + PREFIX_CHUNK`` candidates) take the same top-k from a prefix scan
+  (``_prefix_topk_layout``: no sort of whole rows; the weights are exact while the SparseK support
+  before the block's grid chunk has at most ``2 * top_k`` keys).
 * ``DSA`` + ``LightningIndexer``: indexer scores of the block's *first* query against the
   candidates, top ``top_k`` (weight 1), one selection shared by all KV heads (a ``per_kv_head``
   indexer scores and selects for every KV head separately). Only the first query
   is used so that the selection is fixed when the block starts: decode equals recompute. A call
   that starts inside a block (decode) uses the indexer query the indexer memoised when the block's
   first query went through it (``LightningIndexer._block_memo``); without that memo it falls back
-  to the call's first query with a one-time warning.
-* ``selector=None``: the **training-free fallback** (one-time warning). Score of key ``j`` for KV
-  head ``h``: ``u = -||k_j||_2`` (keys with a *small* norm first). It is query-independent, so it
-  needs no decode state. Measured on SmolLM2-135M (2K tokens, sinks 4, window 128, top_k 128,
-  query_block 64), the keys it selects carry 57% (passkey prompts) / 48% (Gutenberg text) of the
-  dense attention mass that lies beyond the window, against 31% / 20% for random keys, 17% / 10%
-  for the largest key norms and 75% / 72% for the per-block oracle; in the question's block it
-  selects 59% of the passkey sentence's tokens. Selection is hard (weights None).
+  to the call's first query with a one-time warning. ``DSA_PRESELECT`` (off) ranks pages by an upper
+  bound of the indexer score first (``_dsa_preselected_layout``).
+* ``selector=None``: the **query-aware training-free default** (one-time warning that trained
+  selectors do better): Quest-style pages scored against the block's first query
+  (``sparse_k.page_selection``), the same for both patterns, unweighted; its decode memo is the
+  ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
+  initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
+* On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
+  float's order-preserving bits, then the reversed index), exact with ties to the earlier key.
 
 Scores from the scorer/indexer keep their autograd graph, so gradients reach the selector through
 the SparseK weights (``log p`` is added to the logit by the attention paths).
@@ -39,6 +43,7 @@ from .api import warn_once
 from .geometry import RowGeometry
 from .patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
+from .page_selection import page_summaries, quest_layout, top_indices as _top_indices, top_pages
 from .sparsek import sparsek
 from .token_layout import TokenLayout
 
@@ -46,10 +51,22 @@ __all__ = ["build_selection", "selection_blocks", "selection_from_scores", "trai
 
 #: Upper bound on elements of one (B, Hkv, blocks, keys) score slab (memory of the SparseK sort).
 _CHUNK_ELEMENTS = 1 << 21
+#: The same on a GPU: larger slabs, fewer kernel launches (about 1.5 GiB of temporaries at 128K).
+_CHUNK_ELEMENTS_CUDA = 1 << 26
+
+#: Grid of the prefix top-k scan of a trained ``SparseKScorer`` (``_prefix_topk_layout``), in positions.
+PREFIX_CHUNK = 2048
+#: DSA page pre-selection (``_dsa_preselected_layout``): off by default, since the exact selection already
+#: costs a fraction of attention (H100, 128K, top-2048: docs/selection.md); pages of ``PRESELECT_PAGE``
+#: positions, ``PRESELECT_FACTOR`` times as many pages as ``top_k`` fills.
+DSA_PRESELECT = False
+PRESELECT_PAGE = 64
+PRESELECT_FACTOR = 4
 
 
 def training_free_scores(key: torch.Tensor) -> torch.Tensor:
-    """The documented fallback score ``u (B, Hkv, Skv) = -||k||_2`` (float32) from ``key (B, Hkv, Skv, D)``."""
+    """The key-norm score ``u (B, Hkv, Skv) = -||k||_2`` (float32) from ``key (B, Hkv, Skv, D)`` (the former
+    training-free default; an untrained ``SparseKScorer`` ranks like it)."""
     return -key.float().norm(dim=-1)
 
 
@@ -136,6 +153,7 @@ def build_selection(
     layer_idx: int,
     selector: nn.Module | None = None,
     index_keys: torch.Tensor | None = None,
+    memo: dict | None = None,
 ) -> TokenLayout | None:
     """The learned selection of one attention call (module docstring for the rules).
 
@@ -147,6 +165,9 @@ def build_selection(
         selector: the layer's ``SparseKScorer`` / ``LightningIndexer``, or None (training-free).
         index_keys: DSA only: the indexer keys ``(B, Skv, d_I)`` of ``key`` when the caller caches them
             (decoding computes them for the new keys only); default: computed here.
+        memo: training-free selection only: a dict the caller keeps per layer across the calls of one
+            generation (the first query of the current block, ``sparse_k.page_selection``); None: a call
+            that starts inside a block uses its own first query (one-time warning).
     Returns:
         ``TokenLayout`` with ``indices (B, Hkv, NB, K)`` key tensor indices (ascending, -1 past the
         count), ``counts (B, Hkv, NB)``, ``first_block (B,)``, ``weights`` (SparseK with a scorer:
@@ -173,23 +194,30 @@ def build_selection(
     if selector is None:
         warn_once(
             f"{pattern.name}: no trained selector for layer {layer_idx} (and maybe others); using the training-free "
-            "score -||key|| (see sparse_k.selectors). Train one with scripts/train_selector.py and set "
-            "config.sparse_attention['selector_path'].",
+            "query-aware page selection (Quest-style, see sparse_k.page_selection); trained selectors do better: "
+            "train one with scripts/train_selector.py and set config.sparse_attention['selector_path'].",
             key=f"{pattern.name}: training-free selection",
         )
-        u = training_free_scores(key)[:, :, None, :]  # (B, Hkv, 1, Skv)
-        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+        return quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
     if isinstance(selector, SparseKScorer):
-        u = selector(value, kpos, key)[:, :, None, :]
-        return _topk_layout(u, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=True)
+        u = selector(value, kpos, key)
+        if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
+            return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
+        return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
+                            weighted=True)
     if index_keys is None:
         index_keys = selector.index_keys(key)
     elif tuple(index_keys.shape) != (B, Skv, selector.key_width):
         raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.key_width}), got {tuple(index_keys.shape)}")
-    scores = _dsa_block_scores(selector, query, index_keys, geometry, host, pattern.query_block, first, block_start,
-                               block_ok)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
-    scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
-    lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+    qb, wb = _dsa_block_queries(selector, query, geometry, host, pattern.query_block, first, block_start, block_ok)
+    n_pre = PRESELECT_FACTOR * -(-pattern.top_k // PRESELECT_PAGE)
+    if DSA_PRESELECT and not selector.per_kv_head and pattern.window >= PRESELECT_PAGE and max_c > n_pre * PRESELECT_PAGE:
+        lay = _dsa_preselected_layout(selector, qb, wb, index_keys, pattern, geometry, host, first, block_start,
+                                      block_ok, K, span, n_pre)
+    else:
+        scores = selector.scores(qb, wb, index_keys)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
+        scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
+        lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
     if selector.per_kv_head:
         return lay
     shape = (B, Hkv, *lay.indices.shape[2:])
@@ -238,7 +266,8 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
     B, H, S = u.shape[0], u.shape[1], u.shape[-1]
     NB = cand.shape[2]
     u, cand = u[..., :span], cand[..., :span]
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, B * H * span))
+    limit = _CHUNK_ELEMENTS_CUDA if u.is_cuda else _CHUNK_ELEMENTS
+    chunk = max(1, limit // max(1, B * H * span))
     idx_out, w_out, cnt_out = [], [], []
     for c0 in range(0, NB, chunk):
         c1 = min(NB, c0 + chunk)
@@ -246,7 +275,7 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
         uc = u[:, :, c0:c1] if u.shape[2] > 1 else u
         uc = uc.expand(B, H, c1 - c0, span)
         neg_inf = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
-        order = torch.sort(torch.where(m, uc.detach(), neg_inf), dim=-1, descending=True, stable=True).indices[..., :K]
+        order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
         cnt = m.sum(-1).clamp_max(K)  # (B, H, c)
         keep = torch.arange(K, device=u.device) < cnt[..., None]
         idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
@@ -264,9 +293,61 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
     )
 
 
-def _dsa_block_scores(indexer: LightningIndexer, query, index_keys, geometry, host, query_block, first, block_start,
-                      block_ok) -> torch.Tensor:
-    """Indexer scores ``(B, NB, Skv)`` (per KV head: ``(B, NB, Hkv, Skv)``) of every block's first query
+def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span) -> TokenLayout:
+    """Exact SparseK selection from query-independent scores ``u (B, H, Skv)`` without sorting whole rows.
+
+    The candidates of a block are a prefix of positions, so with a grid of ``PREFIX_CHUNK`` positions:
+    ``L_c`` = the ``M = 2 * top_k`` best keys of positions ``[0, c * PREFIX_CHUNK)`` (a scan over the
+    grid: ``L_{c+1}`` = best ``M`` of ``L_c`` and the next chunk), and a block whose candidates end in
+    chunk ``c`` takes its top ``K`` from ``L_c`` and its own chunk's candidates: at most
+    ``M + PREFIX_CHUNK`` entries per block instead of every candidate. The top ``K`` is exact (ties to
+    the earlier key); the SparseK threshold is computed over those entries, exact whenever the SparseK
+    support (``u > tau``) of the block has at most ``M`` keys before its chunk.
+    """
+    B, H, S = u.shape
+    Z, M = PREFIX_CHUNK, 2 * pattern.top_k
+    n_chunks = max(1, -(-span // Z))
+    n = n_chunks * Z
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    pos = torch.arange(n, device=u.device)
+    idx = k_start[:, None] + pos  # (B, n) tensor index of each position
+    ok = (pos >= pattern.sinks) & (idx < k_end[:, None]) & (idx < S)
+    neg = torch.full((), float("-inf"), dtype=u.dtype, device=u.device)
+    u_pos = torch.where(ok[:, None], u.gather(2, idx.clamp(0, S - 1)[:, None].expand(B, H, n)), neg)  # (B, H, n)
+    lo, hi = pattern.candidate_range(block_start)  # (B, NB)
+    c_blk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)  # chunk of each block's last candidate
+    # The scan: L_c as positions (B, H, M) ascending, -1 for empty slots.
+    lists = [torch.full((B, H, M), -1, dtype=torch.int64, device=u.device)]
+    for c in range(n_chunks - 1):
+        prev = lists[-1]
+        cand = torch.cat([prev, (c * Z + torch.arange(Z, device=u.device)).expand(B, H, Z)], -1)
+        val = torch.where(cand >= 0, u_pos.detach().gather(2, cand.clamp_min(0)), neg)
+        top = torch.sort(_top_indices(val, M), dim=-1).values
+        keep = val.gather(-1, top) > neg
+        lists.append(torch.where(keep, cand.gather(-1, top), -1))
+    L = torch.stack(lists, 2)  # (B, H, n_chunks, M)
+    NB = block_start.shape[1]
+    prev = L.gather(2, c_blk[:, None, :, None].expand(B, H, NB, M))  # (B, H, NB, M)
+    tail = (c_blk * Z)[..., None] + torch.arange(Z, device=u.device)  # (B, NB, Z)
+    cand = torch.cat([prev, tail[:, None].expand(B, H, NB, Z)], -1)  # positions, ascending
+    m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None]
+    m = m & ok.gather(1, cand.clamp_min(0).flatten(1)).view(cand.shape)
+    uc = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
+    top = _top_indices(torch.where(m, uc.detach(), neg), K)
+    keep = m.gather(-1, top)
+    big = cand.shape[-1]
+    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
+    keep = top < big
+    sel_pos = cand.gather(-1, top.clamp_max(big - 1))
+    p = sparsek(uc, pattern.top_k, m)
+    w = torch.where(keep, p.gather(-1, top.clamp_max(big - 1)), torch.zeros((), dtype=p.dtype, device=p.device))
+    ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
+    return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=w)
+
+
+def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_block, first, block_start, block_ok):
+    """Indexer queries ``(B, NB, H, d_I)`` and head weights ``(B, NB, H)`` of every block's first query
     (design §7; module docstring).
 
     Reads the device only when a row starts inside a block and the offsets are host-known (to check
@@ -311,4 +392,55 @@ def _dsa_block_scores(indexer: LightningIndexer, query, index_keys, geometry, ho
             "w": torch.where(seen[:, None], new["w"], memo["w"].to(new["w"].dtype)),
         }
     indexer._block_memo = new
-    return indexer.scores(qb, wb, index_keys)
+    return qb, wb
+
+
+def _dsa_preselected_layout(indexer, qb, wb, index_keys, pattern, geometry, host, first, block_start, block_ok, K, span,
+                            n_pre) -> TokenLayout:
+    """DSA selection with page pre-selection (shared indexer keys ``(B, Skv, d_I)``).
+
+    Stage 1: per block, the ``n_pre`` candidate pages with the largest upper bound of the indexer score
+    over the page (per indexer head: ``relu`` of the Quest bound of ``q . k`` from the channel-wise
+    min/max of the page's indexer keys, times the head weight; a negative weight takes the lower bound).
+    Stage 2: exact indexer scores of the candidates in those pages, top ``K``. Pages must be complete
+    when the block starts (``window >= PRESELECT_PAGE``, checked by the caller). Equal to the full
+    selection whenever the chosen pages hold its top ``K``.
+    """
+    B, S, dI = index_keys.shape
+    page = PRESELECT_PAGE
+    n_pages = max(1, -(-span // page))
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    aligned = host is not None and all(x == 0 for x in host[1])
+    kmin, kmax, ok = page_summaries(index_keys[:, None], k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+    kmin, kmax = kmin[:, 0], kmax[:, 0]  # (B, P, d_I)
+    okf = ok[:, 0, :, None]
+    kmin, kmax = torch.where(okf, kmin, 0.0), torch.where(okf, kmax, 0.0)
+    q = qb.to(kmin.dtype)  # (B, NB, H, d_I)
+    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).flatten(1, 2)  # (B, NB*H, 2 d_I)
+    ub = torch.matmul(qq, torch.cat([kmax, kmin], -1).transpose(1, 2)).view(*q.shape[:3], -1)  # (B, NB, H, P)
+    lb = torch.matmul(qq, torch.cat([kmin, kmax], -1).transpose(1, 2)).view(*q.shape[:3], -1)
+    w = wb.to(kmin.dtype)[..., None]
+    bound = torch.where(w >= 0, w * ub.relu(), w * lb.relu()).sum(2) / (indexer.indexer_dim ** 0.5)  # (B, NB, P)
+    lo, hi = pattern.candidate_range(block_start)
+    p_idx = torch.arange(n_pages, device=q.device)
+    cand_pages = ok & (p_idx * page <= hi[..., None]) & block_ok[..., None]  # (B, NB, P)
+    pages, chosen = top_pages(bound[:, None], cand_pages[:, None], n_pre)  # (B, 1, NB, n_pre)
+    tok = (pages[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)[:, 0]  # (B, NB, L) positions
+    n_keys = (k_end - k_start)[:, None, None]
+    m = chosen[:, 0].repeat_interleave(page, -1) & (tok >= lo[..., None]) & (tok <= hi[..., None]) & (tok < n_keys)
+    kidx = (tok + k_start[:, None, None]).clamp(0, S - 1)
+    kt = index_keys.gather(1, kidx.flatten(1)[..., None].expand(-1, -1, dI)).view(*tok.shape, dI)  # (B, NB, L, d_I)
+    dots = torch.einsum("bnhd,bnld->bnhl", qb.to(kt.dtype), kt) / (indexer.indexer_dim ** 0.5)
+    sc = torch.einsum("bnh,bnhl->bnl", wb.to(kt.dtype), dots.relu())
+    neg = torch.full((), float("-inf"), dtype=sc.dtype, device=sc.device)
+    Kp = min(K, tok.shape[-1])
+    top = _top_indices(torch.where(m, sc, neg), Kp)
+    keep = m.gather(-1, top)
+    big = tok.shape[-1]
+    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
+    keep = top < big
+    ind = torch.where(keep, kidx.gather(-1, top.clamp_max(big - 1)), torch.full_like(top, -1))
+    if Kp < K:
+        ind = torch.nn.functional.pad(ind, (0, K - Kp), value=-1)
+    return TokenLayout(indices=ind[:, None].to(torch.int32), counts=m.sum(-1).clamp_max(Kp)[:, None].to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=None)

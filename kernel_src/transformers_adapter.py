@@ -45,6 +45,8 @@ __all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern
 #: Attribute of an attention module holding a weak reference to the cache layer that last updated it
 #: (``hf_sparse_attention.SparseCache``'s ``SelectionLayer``: it keeps the learned layers' decode state).
 CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
+#: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.page_selection``).
+SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
 
 
 def _cache_layer(module, key):
@@ -277,9 +279,10 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
         )
         return None
     geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
-    return build_selection(
-        pattern, query, key, value, geometry, layer_idx=layer_idx, selector=getattr(module, "_sparse_k_selector", None)
-    )
+    selector = getattr(module, "_sparse_k_selector", None)
+    # The training-free selection's decode memo (the current block's first query) lives on the module.
+    memo = module.__dict__.setdefault(SELECTION_MEMO_ATTR, {}) if selector is None and hasattr(module, "__dict__") else None
+    return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo)
 
 
 def attention_forward(
@@ -303,7 +306,8 @@ def attention_forward(
 
     Args:
         module: the attention module (its ``config``, ``layer_idx``, ``training`` and optional
-            ``_sparse_k_selector`` are read; nothing is stored on it).
+            ``_sparse_k_selector`` are read; without a selector the training-free selection keeps its decode memo
+            in ``module._sparse_k_selection_memo``).
         query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``.
         key_mask: ``(B, L)`` bool/int (True = key takes part) over absolute cache slots, a 4-D SDPA
             mask (reduced to key validity), or None (every key, queries bottom-right). Also taken

@@ -9,7 +9,7 @@ import torch
 from helpers import sparse_tiny_llama
 from sparse_k.decode_selection import SparseKDecodeState
 from sparse_k.scorers import LightningIndexer, SparseKScorer
-from sparse_k.selectors import build_selection, training_free_scores
+from sparse_k.selectors import build_selection, selection_from_scores, training_free_scores
 
 
 def _random_scorer(hkv, d, seed):
@@ -28,6 +28,8 @@ def _recomputed(pattern, k, v, pos, selector):
     q = torch.zeros(B, H, 1, D, dtype=k.dtype)
     geo = sparse_k.row_geometry(B, 1, pos + 1)
     with torch.no_grad():
+        if selector is None:  # the key-norm score the unweighted state is tested with
+            return selection_from_scores(pattern, training_free_scores(k[:, :, : pos + 1])[:, :, None], geo, 1, pos + 1)
         lay = build_selection(pattern, q, k[:, :, : pos + 1], v[:, :, : pos + 1], geo, layer_idx=0, selector=selector)
     return lay
 
@@ -99,7 +101,8 @@ def _step_logits(model, seq, prefill, cache):
 @pytest.mark.parametrize("trained", [True, False])
 def test_sparse_cache_evicts_and_equals_recompute(trained):
     """sparse_k through the Transformers integration: SparseCache with eviction == without eviction ==
-    recomputing the prefix at every step, and the evicting cache stays bounded."""
+    recomputing the prefix at every step, and the evicting cache stays bounded (trained scorer; the
+    training-free default keeps every key and still equals the recompute)."""
     from hf_sparse_attention import SparseCache
 
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
@@ -114,6 +117,9 @@ def test_sparse_cache_evicts_and_equals_recompute(trained):
     # float32 forwards of different lengths and slot orders: summation order only.
     torch.testing.assert_close(keeping, recomputed, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(evicting, keeping, atol=1e-4, rtol=1e-4)
+    if not trained:  # the query-aware training-free selection evicts nothing
+        assert lengths[-1] == [70] * len(lengths[-1])
+        return
     bound = params["sinks"] + params["top_k"] + params["window"] + params["query_block"] - 2
     assert max(max(x) for x in lengths[20:]) <= bound
     assert min(min(x) for x in lengths[20:]) >= params["sinks"] + params["top_k"] + params["window"] - 1
