@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prefill-lens", type=_positive_ints, default=[32768, 131072])
     p.add_argument("--decode-lens", type=_positive_ints, default=[32768, 131072])
+    p.add_argument("--phases", default="prefill,decode", help="comma list of prefill, decode (default both)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per length")
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps per warm-up round")
     p.add_argument("--max-warmup-rounds", type=int, default=6)
@@ -138,6 +139,10 @@ def _validate(args) -> None:
             raise SystemExit(f"benchmark_e2e: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.heads % args.kv_heads:
         raise SystemExit(f"benchmark_e2e: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    if not phases or any(x not in ("prefill", "decode") for x in phases):
+        raise SystemExit(f"benchmark_e2e: --phases takes prefill and/or decode, got {args.phases!r}")
+    args.phases = phases
     if args.sinks < 0:
         raise SystemExit(f"benchmark_e2e: --sinks must be >= 0, got {args.sinks}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -513,6 +518,8 @@ def main(argv=None) -> int:
             continue
         print(f"[e2e] {name}: check rel err {check['check_rel_err']:.2e} (bound {check['check_bound']:.2e})", flush=True)
         for phase, lengths, fn in (("prefill", args.prefill_lens, measure_prefill), ("decode", args.decode_lens, measure_decode)):
+            if phase not in args.phases:
+                continue
             for length in lengths:
                 row = {"variant": name, "phase": phase, "length": length, **check}
                 if check["check_ok"]:
