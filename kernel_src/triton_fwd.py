@@ -26,6 +26,8 @@ Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -831,9 +833,34 @@ def split_counters(device, n: int) -> torch.Tensor | None:
         return None
     if buf is not None:
         _RETIRED.append(buf)
-    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    buf = _outside_graph_pool(device, lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
     _COUNTERS[key] = buf
     return buf
+
+
+def _outside_graph_pool(device, make):
+    """``make()`` for a buffer kept across calls, allocated where no CUDA-graph memory pool takes it.
+
+    ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) sends every allocation of the thread
+    that warms up or records a graph into the graph's pool, and refuses pool memory that outlives the
+    graph's outputs; so the buffer is made on a helper thread (then synchronised: a one-time cost)."""
+    if torch.device(device).type != "cuda":
+        return make()
+    box: list = []
+
+    def work():
+        try:
+            box.append(make())
+            torch.cuda.synchronize(device)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            box.append(e)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 _PLACEHOLDERS: dict = {}
@@ -841,11 +868,15 @@ _PLACEHOLDERS: dict = {}
 
 def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
     """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
-    (no allocation or fill kernel per call: decode launches are short)."""
+    (no allocation or fill kernel per call: decode launches are short). Made outside any CUDA-graph
+    pool (``_outside_graph_pool``); while tracing or capturing, an uncached empty tensor instead."""
     key = (str(dev), dtype, ndim)
     t = _PLACEHOLDERS.get(key)
-    if t is None:
-        t = _PLACEHOLDERS[key] = torch.zeros((1,) * ndim, dtype=dtype, device=dev)
+    if t is not None:
+        return t
+    if torch.compiler.is_compiling() or (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
+    t = _PLACEHOLDERS[key] = _outside_graph_pool(dev, lambda: torch.zeros((1,) * ndim, dtype=dtype, device=dev))
     return t
 
 
