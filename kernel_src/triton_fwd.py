@@ -870,11 +870,13 @@ def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
     """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
     (no allocation or fill kernel per call: decode launches are short). Made outside any CUDA-graph
     pool (``_outside_graph_pool``); while tracing or capturing, an uncached empty tensor instead."""
+    if torch.compiler.is_compiling():  # traced: a graph op (no guard on the cache's contents)
+        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
     key = (str(dev), dtype, ndim)
     t = _PLACEHOLDERS.get(key)
     if t is not None:
         return t
-    if torch.compiler.is_compiling() or (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.empty((1,) * ndim, dtype=dtype, device=dev)
     t = _PLACEHOLDERS[key] = _outside_graph_pool(dev, lambda: torch.zeros((1,) * ndim, dtype=dtype, device=dev))
     return t

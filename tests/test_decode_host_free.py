@@ -37,7 +37,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 14)
+    run_file_interpreted(__file__, 16)
 
 
 @pytest.fixture(autouse=True)
@@ -350,3 +350,43 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
         step(S, S % 2 == 0)
     torch.cuda.synchronize()
     assert [_variants(kern, DEV) for kern in kernels] == before
+
+
+# ----- CUDA-graph friendly decode: one traced graph, no breaks ---------------------------------------
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name, params", [
+    ("sliding_window", {"window": 11}),
+    ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
+])
+def test_static_cache_decode_traces_as_one_graph(name, params):
+    """A StaticCache decode step of a Llama model compiles with ``fullgraph=True`` (no graph break: no
+    host read, no Python branch on a tensor value, static shapes) and its logits equal recomputing
+    the prefix; later steps reuse the graph (no recompilation as the cache fills)."""
+    transformers = pytest.importorskip("transformers")
+    import hf_sparse_attention
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(DEV)
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, 50, (2, 20), device=DEV)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=48)
+    torch._dynamo.reset()
+    graphs0 = counters["stats"]["unique_graphs"]
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        seq = ids
+        for t in range(4):
+            pos = torch.full((2, 1), 20 + t, device=DEV)
+            logits = step(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
+            seq = torch.cat([seq, nxt], 1)
+            ref = model(seq, use_cache=False).logits[:, -1]
+            assert rel(logits, ref) < TOL, t
+            nxt = logits[:, None].argmax(-1)
+    assert counters["stats"]["unique_graphs"] - graphs0 == 1
