@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from sparse_k.transformers_adapter import attention_forward
+from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
 
 __all__ = ["ATTN_IMPLEMENTATION", "ModelNotSupportedError", "attention_forward", "check_model_support", "key_mask", "register"]
 
@@ -73,12 +73,17 @@ def key_mask(
         attention_mask: Transformers' 2-D padding mask ``(B, seen + q_length)`` (True/1 = real token) or None.
         mask_function: the model's mask rule; the layer's pattern decides (see the adapter), but a rule
             that lets a query see the next token (a bidirectional overlay) raises ValueError.
+    A StaticCache (``q_offset`` a tensor, ``kv_offset == 0``) gets a ``(B, kv_length)`` uint8 mask
+    over all its slots instead (``_static_slots_mask``: no host read, static shape).
+
     Returns:
         None when every slot of the key tensor is a valid key (no padding, nothing dropped, nothing
         unwritten: one answer for every layer of a type even when their caches differ in length),
         else ``(B, L)`` bool with ``L = q_offset + q_length``: True where slot ``j`` holds a key that
         takes part.
     """
+    if isinstance(q_offset, torch.Tensor) and kv_offset == 0:
+        return _static_slots_mask(batch_size, q_length, kv_length, q_offset, attention_mask, device)
     q_offset = _as_int(q_offset)
     if (
         attention_mask is not None
@@ -203,6 +208,25 @@ def _install_load_check() -> None:
     get_correct_attn_implementation._sparse_k_checked = True
     get_correct_attn_implementation.__doc__ = original.__doc__
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
+def _static_slots_mask(batch_size, q_length, kv_length, q_offset, attention_mask, device) -> torch.Tensor:
+    """``(B, kv_length)`` uint8 (``STATIC_SLOTS_DTYPE``) mask over every slot of a static cache layer: 1 where
+    slot ``j < q_offset + q_length`` holds a key that takes part. Built on the device from the tensor
+    ``q_offset`` (nothing read on the host, one shape for every step: CUDA-graph friendly); the adapter
+    places the queries after each row's last valid slot."""
+    written = q_offset.to(device=device).reshape(-1)[:1] + q_length
+    valid = (torch.arange(kv_length, device=device) < written).expand(batch_size, kv_length)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f'attn_implementation="sparse_k" takes a 2-D attention mask (B, keys), got shape {tuple(attention_mask.shape)}'
+            )
+        pad = attention_mask.to(device=device, dtype=torch.bool)
+        if pad.shape[1] < kv_length:
+            pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[1]), value=False)
+        valid = valid & pad[:, :kv_length]
+    return valid.to(STATIC_SLOTS_DTYPE)
 
 
 def register() -> None:

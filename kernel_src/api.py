@@ -258,17 +258,26 @@ def sparse_attention(
         geo = row_geometry(q.shape[0], q.shape[2], k.shape[2], key_mask, q_start, device=q.device)
         call = AttentionCall(
             q=q, k=k, v=v, pattern=p, geometry=geo, scale=scale, softcap=softcap, sink_logits=sink_logits,
-            key_mask=_holes_only(key_mask, geo, k.shape[2]), selection=selection, layer_idx=layer_idx,
+            key_mask=_holes_only(key_mask, geo, k.shape[2], q.shape[2]), selection=selection, layer_idx=layer_idx,
             need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         )
         out, lse = _run_unpacked(call, backend)
     return (out, lse) if return_lse else out
 
 
-def _holes_only(key_mask, geo: RowGeometry, kv_len: int):
-    """The key mask if it has holes inside ``[k_start, k_end)``; None when the geometry already says it all."""
+#: Longest query run for which a key mask is kept as given (no host check whether the geometry covers it).
+_DECODE_QUERIES = 16
+
+
+def _holes_only(key_mask, geo: RowGeometry, kv_len: int, q_len: int):
+    """The key mask if it has holes inside ``[k_start, k_end)``; None when the geometry already says it all.
+
+    Deciding reads the device (one synchronisation), so decode calls (``q_len <= 16``) and traced calls
+    keep the mask as it is: the kernels apply it exactly, at the cost of one mask load per key tile."""
     if key_mask is None:
         return None
+    if q_len <= _DECODE_QUERIES or torch.compiler.is_compiling():
+        return key_mask
     if torch.equal(key_mask, geo.key_valid(kv_len).expand_as(key_mask)):
         return None
     return key_mask

@@ -63,9 +63,9 @@ class RowGeometry:
         ``host``, or from the tensors when they live on the CPU); None when only the device knows them."""
         if self.host is not None:
             return self.host
-        if self.q_start.device.type == "cpu":
+        if self.q_start.device.type == "cpu" and not torch.compiler.is_compiling():
             return self.q_start.tolist(), self.k_start.tolist(), self.k_end.tolist()
-        return None
+        return None  # (traced CPU tensors too: their values are not known while tracing)
 
 
 def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:

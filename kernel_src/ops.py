@@ -28,8 +28,13 @@ from .memory_order import new_output
 __all__ = ["block_attn", "layout_args"]
 
 
+_KERNELS: list = []  # (triton_fwd, triton_bwd) after the first import (a traced call then imports nothing)
+
+
 def _kernels():
-    return importlib.import_module(".triton_fwd", __package__), importlib.import_module(".triton_bwd", __package__)
+    if not _KERNELS:
+        _KERNELS.extend((importlib.import_module(".triton_fwd", __package__), importlib.import_module(".triton_bwd", __package__)))
+    return _KERNELS[0], _KERNELS[1]
 
 
 class _PatternCode:
@@ -41,10 +46,12 @@ class _PatternCode:
         self.pid, self.causal, self.params = pid, causal, tuple(params)
 
 
-def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False):
+def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False,
+               struct_tiles=0):
     # ``plain``: the caller's geometry had host offsets q_start == kv_len - q_len, k_start == 0,
     # k_end == kv_len (``cuda_dispatch.bottom_right_geometry``: plain self-attention or a decode step);
-    # the device tensors alone cannot say so without a sync.
+    # the device tensors alone cannot say so without a sync. ``struct_tiles > 0``: a
+    # ``decode_layout.DecodeLayout`` with that ``max_tiles`` (the index tensors are placeholders).
     host = ([kv_len - q_len], [0], [kv_len]) if plain else None
     geo = SimpleNamespace(q_start=qs, k_start=ks, k_end=ke, rows=qs.shape[0], host=host)
     return SimpleNamespace(
@@ -52,6 +59,7 @@ def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_l
         block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, geometry=geo,
         pattern=_PatternCode(pid, causal, params),
         num_q_blocks=-(-q_len // block_q), num_k_blocks=-(-kv_len // block_k),
+        structured_decode=struct_tiles > 0, max_tiles=struct_tiles,
     )
 
 
@@ -65,14 +73,14 @@ def block_attn_fwd(
     pattern_id: int, causal: bool, params: list[int], block_q: int, block_k: int, pack: int, num_splits: int,
     scale: float, softcap: float, full_contig: bool,
     sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
-    sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False,
+    sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False, struct_tiles: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _ = _kernels()
     sel = None
     if sel_idx is not None:
         sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
     lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id,
-                     causal, params, plain_geo)
+                     causal, params, plain_geo, struct_tiles)
     return fwd.attention_forward(
         q, k, v, lay, scale=scale, softcap=softcap if softcap > 0 else None, sink_logits=sink_logits,
         key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern, full_contig=full_contig,
@@ -83,7 +91,7 @@ def block_attn_fwd(
 @block_attn_fwd.register_fake
 def _(q, k, v, fnum, fidx, pnum, pidx, t_fnum, t_fidx, t_pnum, t_pidx, q_start, k_start, k_end, sink_logits, key_mask,
       pattern_id, causal, params, block_q, block_k, pack, num_splits, scale, softcap, full_contig,
-      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1, plain_geo=False):
+      sel_idx=None, sel_cnt=None, sel_w=None, sel_first=None, sel_qb=1, plain_geo=False, struct_tiles=0):
     B, Hq, Sq, D = q.shape
     return new_output(q, v.shape[-1]), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
@@ -129,7 +137,7 @@ _FWD_ARGS = (
     "q", "k", "v", "fnum", "fidx", "pnum", "pidx", "t_fnum", "t_fidx", "t_pnum", "t_pidx",
     "q_start", "k_start", "k_end", "sink_logits", "key_mask",
     "pattern_id", "causal", "params", "block_q", "block_k", "pack", "num_splits", "scale", "softcap", "full_contig",
-    "sel_idx", "sel_cnt", "sel_w", "sel_first", "sel_qb", "plain_geo",
+    "sel_idx", "sel_cnt", "sel_w", "sel_first", "sel_qb", "plain_geo", "struct_tiles",
 )
 
 
@@ -147,7 +155,7 @@ def _setup_context(ctx, inputs, output):
     ctx.meta = (a["pattern_id"], a["causal"], a["params"], a["block_q"], a["block_k"], a["scale"], a["softcap"])
     ctx.sel = (a["sel_idx"], a["sel_cnt"], a["sel_w"], a["sel_first"], a["sel_qb"])
     ctx.plain_geo = bool(a.get("plain_geo", False))
-    if a["pack"] != 1 or a["num_splits"] != 1:
+    if a["pack"] != 1 or a["num_splits"] != 1 or a.get("struct_tiles", 0):
         ctx.meta = None  # decode-style launches are inference only
 
 
@@ -167,7 +175,7 @@ def _backward(ctx, d_out, d_lse):
     )
     grads = [dq, dk, dv] + [None] * 11 + [dsink.to(sink.dtype) if ctx.has_sink else None] + [None] * 11
     grads += [None, None, dw.to(sel_w.dtype) if sel_w is not None else None, None, None]
-    grads.append(None)  # plain_geo
+    grads += [None, None]  # plain_geo, struct_tiles
     return tuple(grads)
 
 
@@ -230,4 +238,5 @@ def block_attn(
         pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
         fwd.full_tiles_contiguous(layout), *(sel or (None, None, None, None, 1)),
         bottom_right_geometry(geo, q.shape[2], k.shape[2]),
+        int(layout.max_tiles) if getattr(layout, "structured_decode", False) else 0,
     )

@@ -15,7 +15,10 @@ What the layer runs:
 The key mask (Transformers' 2-D convention, True = key takes part) describes *absolute cache
 slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
 
-* ``L == Skv``: the key tensor holds slots ``0 .. Skv-1`` (prefill, DynamicCache);
+* ``L == Skv``: the key tensor holds slots ``0 .. Skv-1`` (prefill, DynamicCache); a ``uint8``
+  mask of this width (``STATIC_SLOTS_DTYPE``, a StaticCache) also says that the queries are the
+  last ``Sq`` valid slots of each row (``q_start`` computed on the device: nothing is read on the
+  host, shapes stay static, so the step can be captured in a CUDA graph);
 * ``L < Skv``: a StaticCache whose first ``L`` slots are written; K/V are sliced to ``L``
   (a view, no copy) and the queries are the last ``Sq`` of them;
 * ``L > Skv``: a sliding-window cache dropped the first ``L - Skv`` slots. Patterns whose rule
@@ -29,7 +32,9 @@ from ``position_ids`` that restart at 0 inside one row without a mask.
 
 from __future__ import annotations
 
+import copy
 import json
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -249,6 +254,30 @@ def _shared_layer_idx(config, layer_idx: int) -> int:
     return 0
 
 
+#: Attribute of an attention module holding its resolved ``(pattern, backend)`` and what they came from.
+_SETUP_ATTR = "_sparse_k_layer_setup"
+
+
+def _layer_setup(module, config, layer_idx: int, sliding_window) -> tuple[Pattern, str]:
+    """``(pattern, backend)`` of this layer, resolved once and kept on the module.
+
+    Kept while the config's ``sparse_attention`` is the same object with the same content (compared to
+    a copy: a dict comparison, no JSON encoding per call). Under ``torch.compile`` the identity alone
+    is checked (the compiled graph guards on the objects it reads), so a traced decode step runs no
+    config parsing; its first call must have run eagerly (``generate``'s prefill does)."""
+    raw = getattr(config, "sparse_attention", None) if config is not None else None
+    store = getattr(module, "__dict__", None)
+    memo = store.get(_SETUP_ATTR) if store is not None else None
+    if (memo is not None and memo[0] is config and memo[1] is raw and memo[2] == (layer_idx, sliding_window)
+            and (_tracing() or memo[3] == raw)):
+        return memo[4], memo[5]
+    pattern = layer_pattern(config, layer_idx, sliding_window)
+    backend = _sparse_config(config).get("backend", "auto")
+    if store is not None:
+        store[_SETUP_ATTR] = (config, raw, (layer_idx, sliding_window), copy.deepcopy(raw), pattern, backend)
+    return pattern, backend
+
+
 def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
     """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
@@ -256,6 +285,38 @@ def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
     j = torch.arange(valid.shape[-1], device=valid.device)
     written = int(torch.where(valid, j, -1).amax().item()) + 1
     return valid[:, : max(written, 1)]
+
+
+#: dtype of a key mask that covers every slot of a static cache (``hf_sparse_attention``'s mask function
+#: returns it for a StaticCache): the valid slots of a row end at its last written slot and the queries
+#: are the last ``Sq`` of them, so ``q_start = (last True + 1) - Sq`` is computed on the device and the
+#: key tensors keep their static size (no slicing by a length read on the host: CUDA-graph friendly).
+STATIC_SLOTS_DTYPE = torch.uint8
+
+
+_ALL_VALID_MEMO: list = [None, -1, False]  # weak reference to the last mask asked about, its version, the answer
+
+
+def _all_valid(mask: torch.Tensor) -> bool:
+    """``bool(mask.all())``, read on the host once per mask tensor: the mask function builds one mask per
+    forward and every layer receives that same tensor, so a forward pays one synchronisation, not one
+    per layer (a padded batch, or a mask a cache reports wider than its keys)."""
+    ref, version, answer = _ALL_VALID_MEMO
+    if ref is not None and ref() is mask and version == mask._version:
+        return answer
+    answer = bool(mask.all())
+    _ALL_VALID_MEMO[:] = [weakref.ref(mask), mask._version, answer]
+    return answer
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _after_last_valid(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` int64: one past each row's last True slot of ``mask (B, L)`` bool (0 for an empty row)."""
+    j = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return torch.where(mask, j, 0).amax(-1)
 
 
 def _packed_from_position_ids(position_ids: torch.Tensor):
@@ -347,8 +408,7 @@ def attention_forward(
         sliding_window = _own_window(module, config, layer_idx)
     if layer_idx < 0:
         layer_idx = _shared_layer_idx(config, layer_idx)
-    pattern = layer_pattern(config, layer_idx, sliding_window)
-    backend = _sparse_config(config).get("backend", "auto")
+    pattern, backend = _layer_setup(module, config, layer_idx, sliding_window)
     sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -383,12 +443,18 @@ def attention_forward(
             key_mask = _reduce_4d(key_mask, key.shape[2])
         if key_mask.dim() != 2 or key_mask.shape[0] != query.shape[0]:
             raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
+        static_slots = key_mask.dtype == STATIC_SLOTS_DTYPE and key_mask.shape[1] == key.shape[2]
         key_mask = key_mask.to(torch.bool)
-        cache_layer = _cache_layer(module, key)  # a SparseCache layer refuses padded batches
-        if cache_layer is not None:
-            cache_layer.check_key_mask(key_mask)
+        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
+        if not (all_valid or static_slots or _tracing()):
+            cache_layer = _cache_layer(module, key)  # a SparseCache layer refuses padded batches
+            if cache_layer is not None:
+                cache_layer.check_key_mask(key_mask)
         L, skv = key_mask.shape[1], key.shape[2]
-        if L < skv:
+        if static_slots:
+            if q_start is None:
+                q_start = _after_last_valid(key_mask) - query.shape[2]
+        elif L < skv:
             key, value = key[:, :, :L], value[:, :, :L]
         elif L > skv:
             dropped = L - skv
@@ -397,7 +463,7 @@ def attention_forward(
             else:
                 key = torch.nn.functional.pad(key, (0, 0, dropped, 0))
                 value = torch.nn.functional.pad(value, (0, 0, dropped, 0))
-        if q_start is None and bool(key_mask.all()):
+        if all_valid:
             key_mask = None
 
     selection = None

@@ -11,10 +11,17 @@ back to the PyTorch path with a one-time warning); ``run(call)`` picks tile size
 * prefill with a token layout and no gradient: the query heads of a KV group packed as in decode
   (``selection_prefill_config``).
 
-Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id,
-causal, tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0``) and on
-Triton's integer specialisation of the sizes (``== 1`` and divisibility by 16), never on the
-sequence lengths themselves, so 30 different lengths compile at most two variants per flag set.
+A decode step of a causal dense / sliding_window / streaming pattern (or a learned pattern's static
+part) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout`` and the kernel computes
+its key tiles from the row geometry, so nothing on the host depends on ``kv_len`` but a few ints.
+
+Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
+tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
+layouts, the split count's power of two) and never on the lengths, strides or layout widths, which
+are declared ``do_not_specialize`` (``triton_fwd.ATTN_FWD_RUNTIME_ARGS``: Triton would otherwise
+compile a new variant whenever ``kv_len``'s divisibility by 16 changed). Decode steps over a growing
+cache compile nothing new once the split count settles (the cache holds more key tiles than one
+wave of programs takes, or than the window spans).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
 from .api import AttentionCall, register_backend
+from .decode_layout import DecodeLayout, decode_layout
 from .patterns import BigBird
 from .triton_fwd import PATTERN_IDS
 
@@ -180,13 +188,23 @@ def run(call: AttentionCall):
     from .ops import block_attn
 
     bq, bk, pack, decode = _plan(call)
-    layout = call.layout(bq, bk)
+    layout = None
+    if decode:  # dense / sliding_window / streaming (or a learned static part): tiles computed in the kernel
+        layout = decode_layout(call.pattern, call.q.shape[2], call.k.shape[2], call.geometry, block_q=bq, block_k=bk,
+                               layer_idx=call.layer_idx, num_kv_heads=call.k.shape[1])
+    if layout is None:
+        layout = call.layout(bq, bk)
     need_grad = _want_grad(call)
     splits = 1
     if decode:
         B, Hkv = call.k.shape[:2]
         G = call.q.shape[1] // Hkv
-        max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
+        if isinstance(layout, DecodeLayout):
+            # Splits by the wave alone (splits past a row's tiles are empty): the split count, a
+            # compile-time constant of the kernel, then stays the same as the cache grows.
+            max_tiles = 1 << 30
+        else:
+            max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
         if call.selection is not None:
             max_tiles += -(-call.selection.indices.shape[-1] // bk)
         splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device,

@@ -26,6 +26,8 @@ Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -324,6 +326,44 @@ def _selection_loop(
 
 
 @triton.jit
+def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Causal dense (0) / sliding_window (1) / streaming (2) key-tile runs of the queries at key indices
+    ``qlo..qhi`` (``triton_structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with sink
+    tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` and its full (unmasked) middle ``[f_lo, f_hi)``,
+    every full tile inside ``[k_start, k_end)``. All from the row geometry: no layout."""
+    a_lo = k_start
+    w_lo = k_start
+    a_hi = tl.minimum(k_end, qhi + 1)
+    w_hi = tl.minimum(k_end, qlo + 1)
+    if PATTERN != 0:
+        a_lo = tl.maximum(k_start, qlo - P0 + 1)
+        w_lo = tl.maximum(k_start, qhi - P0 + 1)
+    a_hi = tl.maximum(a_hi, a_lo)
+    n_lo = a_lo // BLOCK_N
+    n_hi = tl.maximum((a_hi + BLOCK_N - 1) // BLOCK_N, n_lo)
+    f_lo = tl.minimum(tl.maximum((w_lo + BLOCK_N - 1) // BLOCK_N, n_lo), n_hi)
+    f_hi = tl.minimum(tl.maximum(w_hi // BLOCK_N, f_lo), n_hi)
+    s_lo = n_lo
+    s_hi = n_lo
+    if PATTERN == 2:
+        s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)
+        s_lo = tl.minimum(k_start // BLOCK_N, n_lo)
+        s_hi = tl.maximum(tl.minimum((tl.maximum(s_end, k_start) + BLOCK_N - 1) // BLOCK_N, n_lo), s_lo)
+    return s_lo, s_hi, n_lo, f_lo, f_hi, n_hi
+
+
+#: Integer arguments of ``_attn_fwd`` that change from one decode step to the next (lengths, split
+#: sizes, strides of a growing cache or key mask, layout widths): passed as plain run-time values, so
+#: Triton does not compile a new variant when their divisibility by 16 (or equality to 1) changes.
+ATTN_FWD_RUNTIME_ARGS = (
+    "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
+    "stride_nb", "stride_nh", "stride_nm", "stride_fb", "stride_fh", "stride_fm", "stride_pb", "stride_ph", "stride_pm",
+    "stride_kmb", "stride_sib", "stride_sih", "stride_sin", "stride_scb", "stride_sch", "stride_scn",
+    "stride_swb", "stride_swh", "stride_swn", "NB", "QB", "SEL_K", "Sq", "Skv", "tiles_per_split",
+)
+
+
+@triton.jit(do_not_specialize=ATTN_FWD_RUNTIME_ARGS)
 def _attn_fwd(
     Q, K, V, O, LSE, SINK, KMASK, QSTART, KSTART, KEND,
     FNUM, FIDX, PNUM, PIDX,
@@ -342,7 +382,7 @@ def _attn_fwd(
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
     SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
-    DIL_SCALES: tl.constexpr = 0,
+    DIL_SCALES: tl.constexpr = 0, STRUCT: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -388,12 +428,25 @@ def _attn_fwd(
         Vb = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
     kmask_row = KMASK + b64 * stride_kmb
 
-    lb = b64 * LAYOUT_B
-    lh = hkv.to(tl.int64) * LAYOUT_H
-    n_full = tl.load(FNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
-    n_part = tl.load(PNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
-    fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
-    pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
+    if STRUCT:
+        # Tile runs by arithmetic (``_struct_runs``): full tiles [f_lo, f_hi), partial tiles the sinks
+        # [s_lo, s_hi), the left edge [n_lo, f_lo) and the right edge [f_hi, n_hi), in this order.
+        qlo = q_start + pid_m * ROWS
+        qhi = q_start + tl.minimum(pid_m * ROWS + ROWS, Sq) - 1
+        s_lo, s_hi, n_lo, f_lo_t, f_hi_t, n_hi = _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN, BLOCK_N)
+        n_full = f_hi_t - f_lo_t
+        n_sink = s_hi - s_lo
+        n_left = f_lo_t - n_lo
+        n_part = n_sink + n_left + (n_hi - f_hi_t)
+        fidx = FIDX
+        pidx = PIDX
+    else:
+        lb = b64 * LAYOUT_B
+        lh = hkv.to(tl.int64) * LAYOUT_H
+        n_full = tl.load(FNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
+        n_part = tl.load(PNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
+        fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
+        pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
 
     if SPLIT:
         t_lo = pid_s * tiles_per_split
@@ -413,12 +466,14 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Tile indices are loaded one iteration ahead (as the selection loop's SEL_PREFETCH does): an index
     # loaded in the iteration that uses it holds the next tiles' K/V copies behind its own round trip.
-    if FULL_CONTIG:
+    if STRUCT:
+        n_first = f_lo_t
+    elif FULL_CONTIG:
         n_first = tl.load(fidx)  # full tiles form one run: no index load inside the loop
     else:
         n_next = tl.load(fidx + f_lo, mask=f_lo < f_hi, other=0)
     for t in range(f_lo, f_hi):
-        if FULL_CONTIG:
+        if STRUCT or FULL_CONTIG:
             n = n_first + t
         else:
             n = n_next
@@ -428,10 +483,14 @@ def _attn_fwd(
             qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
             PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
         )
-    n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
+    if not STRUCT:
+        n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
     for t in range(p_lo, p_hi):
-        n = n_next
-        n_next = tl.load(pidx + t + 1, mask=t + 1 < p_hi, other=0)
+        if STRUCT:
+            n = tl.where(t < n_sink, s_lo + t, tl.where(t < n_sink + n_left, n_lo + (t - n_sink), f_hi_t + (t - n_sink - n_left)))
+        else:
+            n = n_next
+            n_next = tl.load(pidx + t + 1, mask=t + 1 < p_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
@@ -531,7 +590,7 @@ def _combine_last(
         tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Sq", "num_splits"))
 def _combine(
     OP, LP, O, LSE, SINK,
     stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
@@ -681,7 +740,14 @@ def attention_forward(
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
     kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)
-    max_tiles = fidx.shape[-1] + pidx.shape[-1]
+    struct = bool(getattr(layout, "structured_decode", False))
+    if struct:  # a ``decode_layout.DecodeLayout``: the kernel computes the tile runs (no index lists)
+        if pid not in (0, 1, 2) or not is_causal:
+            raise ValueError(f"a DecodeLayout runs causal dense / sliding_window / streaming, got pattern id {pid}")
+        max_tiles = int(layout.max_tiles)
+        lay_b = lay_h = 0
+    else:
+        max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
         max_tiles += -(-selection.indices.shape[-1] // block_n)
     split = num_splits > 1
@@ -714,7 +780,9 @@ def attention_forward(
     fast = 0
     if selection is not None and bool(is_causal) and pid in (1, 2):
         fast = int(2 if sel_fast is None and not split else (sel_fast or 0))
-    if full_contig is None:
+    if struct:
+        full_contig = False
+    elif full_contig is None:
         full_contig = full_tiles_contiguous(layout)
     k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
     sem = split_counters(dev, grid[0] * grid[1]) if split and fuse_combine is not False else None
@@ -732,7 +800,7 @@ def attention_forward(
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
         out, lse, sem, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
-        EVEN_N=(Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
+        EVEN_N=struct or (Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
         HAS_KMASK=key_mask is not None, SPLIT=split, LAYOUT_B=lay_b, LAYOUT_H=lay_h, USE_TMA=use_tma,
         FULL_CONTIG=bool(full_contig), HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
@@ -740,7 +808,7 @@ def attention_forward(
         SEL_FAST=fast, SEL_SCAN=max(16, min(2048, triton.next_power_of_2(sel_k))),
         SEL_PREFETCH=bool(sel_prefetch) and selection is not None,
         SEL_LEAN=bool(sel_lean) and selection is not None,
-        DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0,
+        DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0, STRUCT=struct,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:
@@ -768,9 +836,34 @@ def split_counters(device, n: int) -> torch.Tensor | None:
         return None
     if buf is not None:
         _RETIRED.append(buf)
-    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    buf = _outside_graph_pool(device, lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
     _COUNTERS[key] = buf
     return buf
+
+
+def _outside_graph_pool(device, make):
+    """``make()`` for a buffer kept across calls, allocated where no CUDA-graph memory pool takes it.
+
+    ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) sends every allocation of the thread
+    that warms up or records a graph into the graph's pool, and refuses pool memory that outlives the
+    graph's outputs; so the buffer is made on a helper thread (then synchronised: a one-time cost)."""
+    if torch.device(device).type != "cuda":
+        return make()
+    box: list = []
+
+    def work():
+        try:
+            box.append(make())
+            torch.cuda.synchronize(device)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            box.append(e)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 _PLACEHOLDERS: dict = {}
@@ -778,11 +871,17 @@ _PLACEHOLDERS: dict = {}
 
 def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
     """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
-    (no allocation or fill kernel per call: decode launches are short)."""
+    (no allocation or fill kernel per call: decode launches are short). Made outside any CUDA-graph
+    pool (``_outside_graph_pool``); while tracing or capturing, an uncached empty tensor instead."""
+    if torch.compiler.is_compiling():  # traced: a graph op (no guard on the cache's contents)
+        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
     key = (str(dev), dtype, ndim)
     t = _PLACEHOLDERS.get(key)
-    if t is None:
-        t = _PLACEHOLDERS[key] = torch.zeros((1,) * ndim, dtype=dtype, device=dev)
+    if t is not None:
+        return t
+    if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
+    t = _PLACEHOLDERS[key] = _outside_graph_pool(dev, lambda: torch.zeros((1,) * ndim, dtype=dtype, device=dev))
     return t
 
 

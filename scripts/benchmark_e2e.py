@@ -412,7 +412,6 @@ def measure_decode(model, name: str, length: int, args) -> dict:
         gpu_ms, top, attention = _profile_kernels(step, device, steps=4)
         row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=attention,
                    decode_host_bound_ratio=ms / gpu_ms if gpu_ms else None)
-    del cache
     return row
 
 

@@ -182,11 +182,16 @@ def test_mask_function_returns_2d_or_none():
     # Padding: the 2-D mask itself.
     out = key_mask(2, 4, 4, 0, 0, attention_mask=mask)
     assert out.dtype == torch.bool and torch.equal(out, mask.bool())
-    # StaticCache of 10 slots, 4 written + 1 new: only the written slots.
+    # StaticCache of 10 slots (a tensor q_offset), 4 written + 1 new: every slot, as a uint8 slot mask
+    # (built on the device, static shape), 1 where a slot is written and not padding.
     grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
     out = key_mask(2, 1, 10, torch.tensor(4), 0, attention_mask=grown)
-    assert out.shape == (2, 5) and torch.equal(out, grown.bool())
-    assert key_mask(2, 1, 10, torch.tensor(4), 0, attention_mask=None).shape == (2, 5)
+    expect = torch.cat([grown.bool(), torch.zeros(2, 5, dtype=torch.bool)], 1)
+    assert out.dtype == torch.uint8 and torch.equal(out.bool(), expect)
+    out = key_mask(2, 1, 10, torch.tensor(4), 0, attention_mask=None)
+    assert out.dtype == torch.uint8 and torch.equal(out.bool(), (torch.arange(10) < 5).expand(2, 10))
+    # An int q_offset (no tensor) keeps the written slots only.
+    assert key_mask(2, 1, 10, 4, 0, attention_mask=None).shape == (2, 5)
     # Sliding cache that dropped 3 slots: the mask covers the absolute slots.
     out = key_mask(2, 1, 5, 7, 3, attention_mask=torch.ones(2, 8))
     assert out.shape == (2, 8)

@@ -1,0 +1,392 @@
+"""Decode without per-step host work: no layout builds, no host reads, no new Triton variants.
+
+A decode step (``Sq <= 16``) of a causal dense / sliding_window / streaming pattern (or a learned
+pattern's static part) runs on a ``DecodeLayout``: the kernel computes its key tiles from the row
+geometry (``triton_fwd._struct_runs``). These tests check it against the exact reference for plain,
+left-padded and static-cache geometries, that a run of decode steps builds no ``BlockLayout`` and
+reads nothing from the device on the host (a spy on ``Tensor.item`` & co. and ``torch.equal``), and
+that the integer launch arguments that change from step to step are all ``do_not_specialize``
+(on a GPU: that 200 steps compile no new variant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from triton_interp import KERNEL_TEST, ON_GPU, import_kernels, run_file_interpreted
+
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd")
+if HAVE_TRITON:
+    (triton_fwd,) = _kernels
+
+import sparse_k
+from sparse_k import TokenLayout, block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k.decode_layout import DecodeLayout, decode_layout, decode_tile_bound
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+_SUBPROCESS_ONLY = KERNEL_TEST  # not collected where IN_PROCESS is False (conftest): the subprocess runs them
+
+DEV = "cuda" if ON_GPU else "cpu"
+TOL = 2e-3 if ON_GPU else 1e-5
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
+def test_interpreter_suite_in_subprocess():
+    run_file_interpreted(__file__, 16)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+PATTERNS = {
+    "dense": get_pattern("dense"),
+    "sliding_window": get_pattern("sliding_window", window=11),
+    "streaming": get_pattern("streaming", sinks=3, window=10),
+    "streaming_many_sinks": get_pattern("streaming", sinks=20, window=5),
+}
+
+
+def rand(*shape, gen):
+    return torch.randn(*shape, generator=gen).to(DEV)
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _geometries(B, q_len, S, gen):
+    """(name, key mask or None, q_start or None): plain, left-padded, and a static cache whose rows
+    hold fewer keys than the tensor (queries right after each row's last valid key)."""
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, : min(7, S - q_len)] = False
+    tail = torch.ones(B, S, dtype=torch.bool)
+    written = torch.tensor([S - 5, max(q_len, S - 19)])
+    tail &= torch.arange(S)[None] < written[:, None]
+    tail[0, :2] = False
+    return [
+        ("plain", None, None),
+        ("left_padded", pad.to(DEV), None),
+        ("static_tail", tail.to(DEV), (written - q_len).to(DEV)),
+    ]
+
+
+@contextlib.contextmanager
+def count_layout_builds():
+    calls = [0]
+    orig = block_layout._build
+
+    def spy(*a, **kw):
+        calls[0] += 1
+        return orig(*a, **kw)
+
+    block_layout._build = spy
+    try:
+        yield calls
+    finally:
+        block_layout._build = orig
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_decode_layout_matches_reference(name):
+    """Every query length 1..16 (some), odd lengths, GQA, three geometries, splits 1 / 2 / 5, packed
+    heads, sink logits, NaN-poisoned outputs; through the kernel launcher and through ``sparse_attention``
+    (which must build no ``BlockLayout``)."""
+    p = PATTERNS[name]
+    g = torch.Generator().manual_seed(len(name))
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    for S, q_len in ((70, 1), (23, 3), (61, 16)):
+        if True:
+            q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+            sink = rand(Hq, gen=g)
+            for geo_name, mask, q_start in _geometries(B, q_len, S, g):
+                ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=mask, q_start=q_start,
+                                                sink_logits=sink)
+                with count_layout_builds() as builds:
+                    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", attention_mask=mask, q_start=q_start,
+                                                    sink_logits=sink)
+                assert builds[0] == 0, (geo_name, q_len)
+                assert rel(out, ref) < TOL, (geo_name, S, q_len)
+                geo = row_geometry(B, q_len, S, mask, q_start, device=DEV)
+                for pack, splits in ((1, 1), (2, 5)):
+                    lay = decode_layout(p, q_len, S, geo, block_q=16 // pack, block_k=16, num_kv_heads=Hkv)
+                    assert isinstance(lay, DecodeLayout)
+                    o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
+                    triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
+                                                 sink_logits=sink, key_mask=mask, out=o, structured=False)
+                    assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
+
+
+@_SUBPROCESS_ONLY
+def test_decode_layout_with_selection():
+    """A learned pattern's decode step: static part by arithmetic, selected keys from the token layout."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, S, D, K = 2, 8, 2, 77, 16, 12
+    p = get_pattern("sparse_k", sinks=2, window=9, top_k=K, query_block=16)
+    for q_len in (1, 4):
+        geo = row_geometry(B, q_len, S, None, device=DEV)
+        first = torch.div(geo.q_positions(q_len)[:, 0], 16, rounding_mode="floor").expand(B)
+        idx = torch.stack([torch.randperm(S - 12, generator=g)[:K].sort().values for _ in range(B * Hkv)])
+        sel = TokenLayout(idx.view(B, Hkv, 1, K).int().to(DEV), torch.tensor([[[K], [7]], [[3], [0]]], dtype=torch.int32).to(DEV),
+                          16, first.to(DEV), torch.rand(B, Hkv, 1, K, generator=g).to(DEV))
+        q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+        with count_layout_builds() as builds:
+            out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", selection=sel)
+        assert builds[0] == 0 and rel(out, ref) < TOL
+
+
+def test_decode_layout_declines_other_patterns():
+    geo = row_geometry(1, 1, 50, None)
+    for p in (get_pattern("block_diagonal", block=8), get_pattern("dilated", window=3, scales=2),
+              get_pattern("sliding_window", window=5, causal=False)):
+        assert decode_layout(p, 1, 50, geo, block_q=16, block_k=16) is None
+    assert decode_layout(PATTERNS["dense"], 17, 50, geo, block_q=16, block_k=16) is None  # not a decode step
+
+
+def test_decode_tile_bound_covers_every_query_tile():
+    """The host bound on tiles (it sizes the split ranges) holds for every query tile position."""
+    for p in PATTERNS.values():
+        for S in (1, 9, 16, 33, 64, 90):
+            allowed = p.allowed(torch.arange(S)[:, None], torch.arange(S)[None], 0, 0, S)  # (query, key)
+            for bq, bk in ((1, 16), (4, 16), (16, 64)):
+                bound = decode_tile_bound(p, bq, S, bk)
+                for q0 in range(S):
+                    keys = allowed[q0 : q0 + bq].any(0).nonzero().flatten()
+                    assert torch.unique(keys // bk).numel() <= bound, (p, S, bq, bk, q0)
+
+
+# ----- no host reads on the decode path ------------------------------------------------------------
+
+_OURS = (os.sep + "kernel_src" + os.sep, os.sep + "hf_sparse_attention" + os.sep, os.sep + "sparse_k" + os.sep)
+#: ``RowGeometry.host_offsets`` reads offsets that live on the CPU (on a GPU it returns None instead).
+_CPU_ONLY = ("host_offsets",)
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Record every ``Tensor.item / tolist / __bool__ / __int__ / __index__ / __float__`` and ``torch.equal``
+    called from the package's own code (on a GPU each is a device synchronisation)."""
+    hits, saved = [], []
+
+    def wrap(owner, name):
+        orig = getattr(owner, name)
+        saved.append((owner, name, orig))
+
+        def spy(*a, **kw):
+            frame = sys._getframe(1)
+            path = frame.f_code.co_filename
+            if any(r in path for r in _OURS) and frame.f_code.co_name not in _CPU_ONLY:
+                hits.append(f"{name} at {os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})")
+            return orig(*a, **kw)
+
+        setattr(owner, name, spy)
+
+    for n in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+        wrap(torch.Tensor, n)
+    wrap(torch, "equal")
+    try:
+        yield hits
+    finally:
+        for owner, name, orig in saved:
+            setattr(owner, name, orig)
+
+
+def _module(pattern: dict):
+    cfg = SimpleNamespace(sparse_attention=pattern)
+    return SimpleNamespace(config=cfg, layer_idx=0, training=False, is_causal=True)
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("pattern", [
+    {"pattern": "sliding_window", "window": 11},
+    {"pattern": "streaming", "sinks": 3, "window": 10},
+    {"pattern": "dense"},
+    {"pattern": "sparse_k", "sinks": 2, "window": 9, "top_k": 4, "query_block": 16},
+])
+def test_adapter_decode_steps_read_nothing_on_the_host(pattern):
+    """``attention_forward`` decode steps (plain, left-padded, static-cache slots) read nothing from the
+    device and build no layout; the padded mask is checked for holes once per mask tensor, not per layer."""
+    from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+
+    mod = _module(pattern)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    for S in (40, 41, 57):
+        q, k, v = rand(B, Hq, 1, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+        static = (torch.arange(S)[None] < torch.tensor([[S - 3], [S - 9]])).to(DEV)
+        for mask in (None, static.to(STATIC_SLOTS_DTYPE)):
+            with host_reads() as hits, count_layout_builds() as builds:
+                out, _ = attention_forward(mod, q, k, v, mask)
+            assert hits == [] and builds[0] == 0, (S, mask is None, hits)
+            assert not out.isnan().any()
+        padded = torch.ones(B, S, dtype=torch.bool, device=DEV)
+        padded[1, :5] = False
+        attention_forward(mod, q, k, v, padded)  # first layer of the forward: one host read
+        with host_reads() as hits, count_layout_builds() as builds:
+            for _ in range(3):  # the other layers of the same forward
+                attention_forward(mod, q, k, v, padded)
+        assert hits == [] and builds[0] == 0, hits
+
+
+@_SUBPROCESS_ONLY
+def test_static_slots_mask_places_queries_after_the_last_written_slot():
+    """A StaticCache's uint8 slot mask: the adapter's result equals attention over the written prefix."""
+    from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+
+    g = torch.Generator().manual_seed(8)
+    B, Hq, Hkv, D, S = 2, 4, 2, 16, 64
+    for pattern in ({"pattern": "streaming", "sinks": 3, "window": 10}, {"pattern": "dense"}):
+        mod = _module(pattern)
+        for q_len in (1, 5):
+            q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+            written = 37
+            slots = (torch.arange(S) < written).expand(B, S).clone()
+            slots[1, :4] = False  # left padding in row 1
+            out, _ = attention_forward(mod, q, k, v, slots.to(STATIC_SLOTS_DTYPE).to(DEV))
+            ref, _ = attention_forward(mod, q, k[:, :, :written], v[:, :, :written], slots[:, :written].to(DEV))
+            assert rel(out, ref) < TOL
+
+
+# ----- no recompiles -------------------------------------------------------------------------------
+
+
+def _declared_runtime_args(kernel) -> set:
+    dns = getattr(kernel, "do_not_specialize", None)
+    if dns is None:  # the interpreter keeps the decorator's keyword arguments
+        dns = getattr(kernel, "kwargs", {}).get("do_not_specialize", ())
+    names = kernel.arg_names
+    return {names[a] if isinstance(a, int) else a for a in dns}
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("pattern", [PATTERNS["sliding_window"], PATTERNS["streaming"], PATTERNS["dense"],
+                                     get_pattern("sparse_k", sinks=2, window=9, top_k=4, query_block=16)])
+def test_decode_launch_arguments_that_change_are_runtime_values(pattern, monkeypatch):
+    """Over 40 consecutive decode steps (a growing cache read through views of one buffer, and a key mask)
+    the split-KV kernel's constexpr flags stay the same, and every integer argument that changes is
+    declared ``do_not_specialize`` (Triton would otherwise compile a variant per divisibility class)."""
+    orig = triton_fwd._attn_fwd
+    declared = _declared_runtime_args(orig)
+    assert set(triton_fwd.ATTN_FWD_RUNTIME_ARGS) <= declared <= set(orig.arg_names)
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((args, kwargs))
+                return orig[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_fwd, "_attn_fwd", Spy())
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D, S_max = 2, 8, 2, 16, 140
+    cache_k, cache_v = rand(B, Hkv, S_max, D, gen=g), rand(B, Hkv, S_max, D, gen=g)
+    sel = None
+    for S in range(100, 140):
+        q = rand(B, Hq, 1, D, gen=g)
+        if pattern.learned:
+            idx = torch.arange(0, 8, dtype=torch.int32).expand(B, Hkv, 1, 4 * 2)[..., :4].contiguous()
+            sel = TokenLayout(idx.to(DEV), torch.full((B, Hkv, 1), 4, dtype=torch.int32, device=DEV), 1 << 30,
+                              torch.zeros(B, dtype=torch.int64, device=DEV))
+        mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
+        mask[1, :3] = False
+        sparse_k.sparse_attention(q, cache_k[:, :, :S], cache_v[:, :, :S], pattern, backend="triton", selection=sel,
+                                  attention_mask=mask)
+    assert len(launches) == 40
+    names = orig.arg_names
+    first_args, first_kw = launches[0]
+    for args, kw in launches[1:]:
+        assert kw == first_kw  # constexpr flags, warps, stages
+        for i, (a, b) in enumerate(zip(args, first_args)):
+            if isinstance(a, int) and not isinstance(a, bool) and a != b:
+                assert names[i] in declared, f"{names[i]} changes ({b} -> {a}) but is specialised"
+
+
+def _variants(kernel, device) -> int:
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (counts compiled Triton variants)")
+@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense"])
+def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
+    """After a few warm-up steps, 200 decode steps over a growing cache (kv_len through every residue
+    mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel."""
+    monkeypatch.setenv("SPARSE_K_CUDA", "0")  # the Triton kernels, whatever the CUDA gate would take
+    from sparse_k import triton_structured
+
+    p = {"sliding_window": get_pattern("sliding_window", window=256), "streaming": get_pattern("streaming", sinks=4, window=256),
+         "dense": get_pattern("dense")}[name]
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, D, S0 = 8, 32, 8, 128, 3000
+    cache_k = rand(B, Hkv, S0 + 210, D, gen=g).to(torch.bfloat16)
+    cache_v = rand(B, Hkv, S0 + 210, D, gen=g).to(torch.bfloat16)
+    kernels = (triton_fwd._attn_fwd, triton_fwd._combine, triton_structured._st_fwd)
+
+    def step(S, padded):
+        q = rand(B, Hq, 1, D, gen=g).to(torch.bfloat16)
+        mask = None
+        if padded:
+            mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
+            mask[1, :9] = False
+        return sparse_k.sparse_attention(q, cache_k[:, :, :S], cache_v[:, :, :S], p, backend="triton", attention_mask=mask)
+
+    for S in range(S0 - 20, S0):
+        step(S, False)
+        step(S, True)
+    before = [_variants(kern, DEV) for kern in kernels]
+    for S in range(S0, S0 + 200):
+        step(S, S % 2 == 0)
+    torch.cuda.synchronize()
+    assert [_variants(kern, DEV) for kern in kernels] == before
+
+
+# ----- CUDA-graph friendly decode: one traced graph, no breaks ---------------------------------------
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name, params", [
+    ("sliding_window", {"window": 11}),
+    ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
+])
+def test_static_cache_decode_traces_as_one_graph(name, params):
+    """A StaticCache decode step of a Llama model compiles with ``fullgraph=True`` (no graph break: no
+    host read, no Python branch on a tensor value, static shapes) and its logits equal recomputing
+    the prefix; later steps reuse the graph (no recompilation as the cache fills)."""
+    transformers = pytest.importorskip("transformers")
+    import hf_sparse_attention
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(DEV)
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, 50, (2, 20), device=DEV)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=48)
+    torch._dynamo.reset()
+    graphs0 = counters["stats"]["unique_graphs"]
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        seq = ids
+        for t in range(4):
+            pos = torch.full((2, 1), 20 + t, device=DEV)
+            logits = step(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
+            seq = torch.cat([seq, nxt], 1)
+            ref = model(seq, use_cache=False).logits[:, -1]
+            assert rel(logits, ref) < TOL, t
+            nxt = logits[:, None].argmax(-1)
+    assert counters["stats"]["unique_graphs"] - graphs0 == 1
