@@ -40,9 +40,10 @@ def _sees_the_next_token(mask_function, batch_size: int, q_length: int, q_offset
 
     if mask_function is None or mask_function is bidirectional_mask_function or q_length < 2:
         return False  # no rule, or an encoder / cross-attention mask (the adapter refuses bidirectional self-attention)
-    q = torch.arange(q_offset, min(end, q_offset + q_length) - 1, device=device)
-    if q.numel() == 0:
+    upper = min(end, q_offset + q_length) - 1
+    if upper <= q_offset:  # no pair inside the key slots (e.g. a bounded cache whose slots lie before q_offset)
         return False
+    q = torch.arange(q_offset, upper, device=device)
     batch = torch.arange(batch_size, device=device)[:, None]
     head = torch.zeros((), dtype=torch.long, device=device)
     try:

@@ -302,10 +302,11 @@ def _all_valid(mask: torch.Tensor) -> bool:
     forward and every layer receives that same tensor, so a forward pays one synchronisation, not one
     per layer (a padded batch, or a mask a cache reports wider than its keys)."""
     ref, version, answer = _ALL_VALID_MEMO
-    if ref is not None and ref() is mask and version == mask._version:
+    current = None if mask.is_inference() else mask._version  # inference tensors have no version counter
+    if ref is not None and ref() is mask and current is not None and version == current:
         return answer
     answer = bool(mask.all())
-    _ALL_VALID_MEMO[:] = [weakref.ref(mask), mask._version, answer]
+    _ALL_VALID_MEMO[:] = [weakref.ref(mask), current, answer]
     return answer
 
 

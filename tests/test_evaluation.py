@@ -600,12 +600,16 @@ def test_budget_fraction_matches_brute_force_count():
         b = attention_budget(pattern, S, chunk=37)
         assert (b["pairs"], b["keys_per_query"]) == (pairs, most), name
         assert b["fraction"] == pytest.approx(pairs / (S * (S + 1) / 2)) and b["causal_pairs"] == S * (S + 1) // 2
-    # Learned pattern: count the real selection of the training-free selector on random keys.
+    # Learned pattern: count the real selection of a (random) SparseK scorer on random keys; it takes
+    # min(top_k, candidates) keys per block, as the budget states. (The training-free selection takes
+    # whole pages of 16 candidates, so it may take fewer than top_k while a block has few candidates.)
+    from sparse_k.scorers import SparseKScorer
+
     pat = sparse_k.SparseK(sinks=4, window=24, top_k=16, query_block=16)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, S, 8) for _ in range(3))
     geo = sparse_k.row_geometry(1, S, S)
-    sel = build_selection(pat, q, k, v, geo, layer_idx=0)
+    sel = build_selection(pat, q, k, v, geo, layer_idx=0, selector=SparseKScorer(2, 8))
     mask, _ = pattern_mask(pat, geo, S, S, num_kv_heads=2, selection=sel)
     for h in range(2):
         rows = mask[0, min(h, mask.shape[1] - 1)].sum(-1)
