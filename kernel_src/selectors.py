@@ -297,8 +297,8 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     """Exact SparseK selection from query-independent scores ``u (B, H, Skv)`` without sorting whole rows.
 
     The candidates of a block are a prefix of positions, so with a grid of ``PREFIX_CHUNK`` positions:
-    ``L_c`` = the ``M = 2 * top_k`` best keys of positions ``[0, c * PREFIX_CHUNK)`` (a scan over the
-    grid: ``L_{c+1}`` = best ``M`` of ``L_c`` and the next chunk), and a block whose candidates end in
+    ``L_c`` = the ``M = 2 * top_k`` best keys of positions ``[0, c * PREFIX_CHUNK)`` (``_prefix_best_lists``:
+    a parallel prefix scan over the grid), and a block whose candidates end in
     chunk ``c`` takes its top ``K`` from ``L_c`` and its own chunk's candidates: at most
     ``M + PREFIX_CHUNK`` entries per block instead of every candidate. The top ``K`` is exact (ties to
     the earlier key); the SparseK threshold is computed over those entries, exact whenever the SparseK
@@ -316,16 +316,7 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     u_pos = torch.where(ok[:, None], u.gather(2, idx.clamp(0, S - 1)[:, None].expand(B, H, n)), neg)  # (B, H, n)
     lo, hi = pattern.candidate_range(block_start)  # (B, NB)
     c_blk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)  # chunk of each block's last candidate
-    # The scan: L_c as positions (B, H, M) ascending, -1 for empty slots.
-    lists = [torch.full((B, H, M), -1, dtype=torch.int64, device=u.device)]
-    for c in range(n_chunks - 1):
-        prev = lists[-1]
-        cand = torch.cat([prev, (c * Z + torch.arange(Z, device=u.device)).expand(B, H, Z)], -1)
-        val = torch.where(cand >= 0, u_pos.detach().gather(2, cand.clamp_min(0)), neg)
-        top = torch.sort(_top_indices(val, M), dim=-1).values
-        keep = val.gather(-1, top) > neg
-        lists.append(torch.where(keep, cand.gather(-1, top), -1))
-    L = torch.stack(lists, 2)  # (B, H, n_chunks, M)
+    L = _prefix_best_lists(u_pos.detach(), n_chunks, Z, M)  # (B, H, n_chunks, M)
     NB = block_start.shape[1]
     prev = L.gather(2, c_blk[:, None, :, None].expand(B, H, NB, M))  # (B, H, NB, M)
     tail = (c_blk * Z)[..., None] + torch.arange(Z, device=u.device)  # (B, NB, Z)
@@ -344,6 +335,42 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
     return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
                        query_block=pattern.query_block, first_block=first, weights=w)
+
+
+def _best_positions(cand: torch.Tensor, u_pos: torch.Tensor, M: int) -> torch.Tensor:
+    """The ``M`` best of the positions ``cand (B, H, C, W)`` (-1 = empty) by score ``u_pos (B, H, n)``, ties to
+    the earlier position: ``(B, H, C, M)`` positions, ascending among the valid ones, -1 for empty slots.
+
+    Valid entries of ``cand`` must be in ascending position order along the last axis (ties then go to the
+    smaller index, which is the earlier position); entries with score -inf count as empty.
+    """
+    if cand.shape[-1] < M:
+        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], M - cand.shape[-1]), -1)], -1)
+    neg = torch.full((), float("-inf"), dtype=u_pos.dtype, device=u_pos.device)
+    val = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
+    val = torch.where(cand >= 0, val, neg)
+    top = torch.sort(_top_indices(val, M), dim=-1).values
+    keep = val.gather(-1, top) > neg
+    return torch.where(keep, cand.gather(-1, top), -1)
+
+
+def _prefix_best_lists(u_pos: torch.Tensor, n_chunks: int, Z: int, M: int) -> torch.Tensor:
+    """``L (B, H, n_chunks, M)``: ``L[..., c, :]`` = the ``M`` best positions of ``[0, c * Z)`` by ``u_pos (B, H, n)``
+    (``n >= n_chunks * Z``; ascending, -1 empty; ties to the earlier position).
+
+    A Hillis-Steele scan: each chunk's own best ``M``, then ``log2(n_chunks)`` rounds that merge every list
+    with the list ``2**r`` chunks before it. "Best ``M`` of a union" is associative with the tie rule, so
+    the result equals the sequential scan, in O(log n_chunks) batched steps instead of n_chunks small ones.
+    """
+    B, H = u_pos.shape[:2]
+    grid = torch.arange(n_chunks, device=u_pos.device)[:, None] * Z + torch.arange(Z, device=u_pos.device)
+    best = _best_positions(grid.expand(B, H, n_chunks, Z), u_pos, M)  # best of chunk c alone
+    step = 1
+    while step < n_chunks:
+        before = torch.cat([best.new_full((B, H, step, M), -1), best[:, :, : n_chunks - step]], 2)
+        best = _best_positions(torch.cat([before, best], -1), u_pos, M)  # chunks (c - 2 * step, c]
+        step *= 2
+    return torch.cat([best.new_full((B, H, 1, M), -1), best[:, :, : n_chunks - 1]], 2)  # exclusive prefix
 
 
 def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_block, first, block_start, block_ok):

@@ -294,20 +294,30 @@ def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
 STATIC_SLOTS_DTYPE = torch.uint8
 
 
-_ALL_VALID_MEMO: list = [None, -1, False]  # weak reference to the last mask asked about, its version, the answer
+class _OneReadPerTensor:
+    """A host answer about a tensor, read once per tensor: the model builds one mask (and one
+    ``position_ids``) per forward and every layer receives that same tensor, so a forward pays one
+    synchronisation, not one per layer. Keyed by identity and version counter (inference tensors have
+    none: asked every time)."""
 
+    def __init__(self, read):
+        self._read, self._ref, self._version, self._answer = read, None, -1, None
 
-def _all_valid(mask: torch.Tensor) -> bool:
-    """``bool(mask.all())``, read on the host once per mask tensor: the mask function builds one mask per
-    forward and every layer receives that same tensor, so a forward pays one synchronisation, not one
-    per layer (a padded batch, or a mask a cache reports wider than its keys)."""
-    ref, version, answer = _ALL_VALID_MEMO
-    current = None if mask.is_inference() else mask._version  # inference tensors have no version counter
-    if ref is not None and ref() is mask and current is not None and version == current:
+    def __call__(self, tensor: torch.Tensor):
+        current = None if tensor.is_inference() else tensor._version
+        if self._ref is not None and self._ref() is tensor and current is not None and self._version == current:
+            return self._answer
+        answer = self._read(tensor)
+        self._ref, self._version, self._answer = weakref.ref(tensor), current, answer
         return answer
-    answer = bool(mask.all())
-    _ALL_VALID_MEMO[:] = [weakref.ref(mask), current, answer]
-    return answer
+
+
+def _read_all_valid(mask: torch.Tensor) -> bool:
+    return bool(mask.all())
+
+
+#: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys).
+_all_valid = _OneReadPerTensor(_read_all_valid)
 
 
 def _tracing() -> bool:
@@ -320,16 +330,24 @@ def _after_last_valid(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, j, 0).amax(-1)
 
 
-def _packed_from_position_ids(position_ids: torch.Tensor):
-    """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return None
+def _read_packed_starts(position_ids: torch.Tensor):
     pos = position_ids[0]
     starts = torch.nonzero(pos == 0).flatten()
     if starts.numel() <= 1 or int(starts[0]) != 0:
         return None
     total = torch.tensor([pos.numel()], device=pos.device)
     return torch.cat([starts, total]).to(torch.int32)
+
+
+_packed_starts = _OneReadPerTensor(_read_packed_starts)
+
+
+def _packed_from_position_ids(position_ids: torch.Tensor):
+    """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None (one host
+    read per ``position_ids`` tensor: every layer of a forward gets the same one)."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    return _packed_starts(position_ids)
 
 
 def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module):

@@ -107,6 +107,34 @@ def test_packed_batch_equals_sequences_one_by_one():
     assert (from_positions - singles).abs().max() < 1e-4
 
 
+def test_packing_is_read_from_position_ids_once_per_forward(monkeypatch):
+    """Every layer gets the forward's one ``position_ids`` tensor: the packed-sequence starts are read on the
+    host once per forward (a synchronisation per layer would stall the GPU queue), and a new or modified
+    tensor is read again."""
+    from sparse_k import transformers_adapter as adapter
+
+    model = tiny_model("llama", seed=16)
+    assert model.config.num_hidden_layers > 1
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+    model.set_attn_implementation("sparse_k")
+    reads = []
+    read = adapter._packed_starts._read
+    monkeypatch.setattr(adapter._packed_starts, "_read", lambda t: reads.append(1) or read(t))
+    ids = torch.randint(1, VOCAB, (1, 20))
+    position_ids = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids).logits[0]
+        assert len(reads) == 1
+        model(ids, position_ids=position_ids.clone())
+        assert len(reads) == 2
+        position_ids[0, 12:] = torch.arange(12, 20)  # one sequence now: the modified tensor is read again
+        whole = model(ids, position_ids=position_ids).logits[0]
+        assert len(reads) == 3
+        singles = torch.cat([model(ids[:, :12]).logits[0], model(ids[:, 12:]).logits[0]])
+    assert (packed - singles).abs().max() < 1e-4
+    assert (whole - model(ids).logits[0]).abs().max() < 1e-4
+
+
 def test_configuration_round_trips_and_is_settable_before_loading(tmp_path):
     model = tiny_model("llama", seed=15)
     written = hf_sparse_attention.configure(
