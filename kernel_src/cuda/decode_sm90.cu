@@ -33,7 +33,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <type_traits>
+
+#include "sm90_common.cuh"
+
 namespace sk90d {
+
+// PTX wrappers shared with the other Hopper kernels (pack2, smem_u32, cp.async): sm90_common.cuh.
+using namespace sk90c;
 
 constexpr int kD = 128;
 constexpr int kWarps = 8;
@@ -66,6 +73,9 @@ struct Params {
 };
 
 template <typename T>
+constexpr bool kBF16 = std::is_same<T, __nv_bfloat16>::value;  // sk90c::pack2's flag
+
+template <typename T>
 __device__ __forceinline__ float to_f(T x);
 template <>
 __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -77,28 +87,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <>
 __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
-
-// Two floats as one register of two 16-bit values (lo in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -248,7 +236,7 @@ __device__ __forceinline__ void issue_tile(Smem& sm, int warp, int lane, const T
   const int k0 = (warp + kWarps * st) * kTile;
   if (k0 < n) {
     uint8_t* slot = sm.ring[warp][st % kStages][0];
-    const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(slot));
+    const uint32_t sk = smem_u32(slot);
     const uint32_t sv = sk + kTileBytes;
 #pragma unroll
     for (int i = 0; i < kTile * 16 / 32; ++i) {
@@ -301,8 +289,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     for (int kk = 0; kk < kD / 16; ++kk) {
       const int c = kk * 16 + quad * 2;
       const bool live = row < G;
-      qa[kk][0] = live ? pack2<T>(to_f<T>(qrow[c]), to_f<T>(qrow[c + 1])) : 0u;
-      qa[kk][1] = live ? pack2<T>(to_f<T>(qrow[c + 8]), to_f<T>(qrow[c + 9])) : 0u;
+      qa[kk][0] = live ? pack2<kBF16<T>>(to_f<T>(qrow[c]), to_f<T>(qrow[c + 1])) : 0u;
+      qa[kk][1] = live ? pack2<kBF16<T>>(to_f<T>(qrow[c + 8]), to_f<T>(qrow[c + 9])) : 0u;
     }
   }
   // The query's selection block sb = qpos / QB - first[b]. With one block (a decode step's layout) its
@@ -355,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
       cp_async_wait<kStages - 2>();
       __syncwarp();  // tile st landed for every lane; the slot of tile st - 1 is free again
       issue_tile<T>(sm, warp, lane, kbase, vbase, p, st + kStages - 1, nb);
-      const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ring[warp][st % kStages][0]));
+      const uint32_t sk = smem_u32(sm.ring[warp][st % kStages][0]);
       const uint32_t sv = sk + kTileBytes;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S: keys 0-7 and 8-15 of the tile
@@ -401,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
       ls += __shfl_xor_sync(0xffffffffu, ls, 2);
       l_run = l_run * alpha + ls;
       m_run = m_new;
-      const uint32_t pa0 = pack2<T>(pr[0][0], pr[0][1]), pa2 = pack2<T>(pr[1][0], pr[1][1]);
+      const uint32_t pa0 = pack2<kBF16<T>>(pr[0][0], pr[0][1]), pa2 = pack2<kBF16<T>>(pr[1][0], pr[1][1]);
       {
         const int key = (lane & 7) + (((lane >> 3) & 1) << 3), half = lane >> 4;
 #pragma unroll
@@ -469,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   if (CLUSTER) {
     cluster_sync();  // every CTA's partial is in its shared memory
     if (split == 0) {
-      const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(cpart));
+      const uint32_t base = smem_u32(cpart);
       for (int e = t; e < G * kD; e += kThreads) {
         const int g = e / kD, d = e % kD;
         float lr[kMaxCluster], orr[kMaxCluster];  // every CTA's values loaded before any is used
