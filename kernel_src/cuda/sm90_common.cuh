@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 
 namespace sk90c {
 
@@ -267,5 +268,24 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 }
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Host: kern<<<grid, threads, smem, stream>>>(args...) after raising its dynamic shared-memory limit to
+// smem bytes. Returns 0, else 1 with a message in err.
+template <class... KernelArgs, class... Args>
+int launch_kernel(void (*kern)(KernelArgs...), dim3 grid, int threads, int smem, void* stream, char* err, int errlen,
+                  const Args&... args) {
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
+    return 1;
+  }
+  kern<<<grid, threads, smem, static_cast<cudaStream_t>(stream)>>>(args...);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}
 
 }  // namespace sk90c

@@ -463,23 +463,4 @@ inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensor
   return true;
 }
 
-// Launch kern(tq, tk, tv, p) with `smem` bytes of dynamic shared memory; 0, else 1 and a message in err.
-template <class P>
-int launch_fwd(void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, P), int smem, const CUtensorMap& tq,
-               const CUtensorMap& tk, const CUtensorMap& tv, const P& p, int grid, void* stream, char* err,
-               int errlen) {
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
-    return 1;
-  }
-  kern<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(tq, tk, tv, p);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
-}
-
 }  // namespace sk90f

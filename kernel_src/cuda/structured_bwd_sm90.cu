@@ -418,26 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ------------------------------------------------------------------ host side
-template <bool BF16>
-static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv,
-                  const CUtensorMap& tdq, const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
-  // 1024 bytes of alignment slack; exactly the 227 KB a block may have
-  const int smem = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
-  auto kern = structured_bwd_kernel<BF16>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
-    return 1;
-  }
-  kern<<<grid, kThreads, smem, stream>>>(tq, tdo, tk, tv, tdq, p);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
-}
+// 1024 bytes of alignment slack; exactly the 227 KB a block may have
+constexpr int kSmemBytes = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
 
 }  // namespace sk90b
 
@@ -497,7 +479,6 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return bf16 ? launch<true>(tq, tdo, tk, tv, tdq, p, grid, st, err, errlen)
-              : launch<false>(tq, tdo, tk, tv, tdq, p, grid, st, err, errlen);
+  return launch_kernel(bf16 ? structured_bwd_kernel<true> : structured_bwd_kernel<false>, grid, kThreads, kSmemBytes,
+                       stream, err, errlen, tq, tdo, tk, tv, tdq, p);
 }

@@ -101,6 +101,6 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale,
                    err, errlen))
     return 1;
-  return launch_fwd(bf16 ? structured_fwd_kernel<true> : structured_fwd_kernel<false>, Smem::kBytes, tq, tk, tv, p,
-                    grid, stream, err, errlen);
+  return launch_kernel(bf16 ? structured_fwd_kernel<true> : structured_fwd_kernel<false>, grid, kThreads,
+                       Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
 }

@@ -241,6 +241,6 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
   p.NB = NB;
   p.K = K;
   p.QB = QB;
-  return launch_fwd(bf16 ? token_fwd_kernel<true> : token_fwd_kernel<false>, Smem::kBytes, tq, tk, tv, p, grid, stream,
-                    err, errlen);
+  return launch_kernel(bf16 ? token_fwd_kernel<true> : token_fwd_kernel<false>, grid, kThreads, Smem::kBytes, stream,
+                       err, errlen, tq, tk, tv, p);
 }
