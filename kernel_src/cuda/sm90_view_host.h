@@ -3,7 +3,7 @@
 // (cuda_contract.tma_view_ok) validate; these guard the raw pointers.
 #pragma once
 
-#include <torch/extension.h>
+#include "sm90_torch.h"
 
 namespace sk90h {
 

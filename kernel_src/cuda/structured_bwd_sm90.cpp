@@ -1,6 +1,6 @@
-// torch binding of sk90_structured_bwd (structured_bwd_sm90.cu). CPU-only torch headers: the CUDA
+// torch binding of sk90_structured_bwd (structured_bwd_sm90.cu). CPU-only torch headers (sm90_torch.h): the CUDA
 // stream comes from Python as an integer, so this file compiles without CUDA torch.
-#include <torch/extension.h>
+#include "sm90_torch.h"
 
 #include "sm90_view_host.h"
 
