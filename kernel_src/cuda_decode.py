@@ -33,7 +33,7 @@ from .cuda_contract import selection_ok
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 
-_SOURCES = ("decode_sm90.cpp", "decode_sm90.cu")
+_SOURCES = ("decode_sm90.cpp", "decode_sm90.cu", "decode_sm90_bf16.cu", "decode_sm90_fp16.cu")
 #: Static-part pattern ids (``triton_fwd.PATTERN_IDS``) the kernel fuses: sliding_window, streaming.
 DECODE_STATIC_PATTERNS = (1, 2)
 #: Query heads per KV head the kernel is compiled for.
