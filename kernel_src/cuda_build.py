@@ -2,8 +2,11 @@
 
 Each extension is compiled on first use with nvcc for ``sm_90a`` (wgmma and setmaxnreg need the
 ``a`` target) into ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``, in a folder named by the hash
-of its sources, the shared header and the flags: later processes load the cached build (under a
-second), a changed source builds anew (about 25 s per extension on the H100 machine's 16 cores).
+of its sources, the shared headers and the flags: later processes load the cached build (under a
+second), a changed source builds anew. An extension compiles only the kernels a call can request
+(bf16 and fp16 of each default; no tuning variants), its binding includes only the torch headers it
+needs (``cuda/sm90_torch.h``), and ninja compiles its files in parallel (the decode kernels in one
+file per element type), so the first call waits for its slowest file (timings: docs/history.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ read in place, and the output is written in q's memory order). The contract is t
 of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
 sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
-``sm_90a``, cached on disk; about 25 s once on the H100 machine). ``triton_fwd.attention_forward``
+``sm_90a``, cached on disk). ``triton_fwd.attention_forward``
 hands it the calls it computes (``cuda_dispatch``).
 
 H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``docs/history.md``, 2026-11-22): sliding_window
