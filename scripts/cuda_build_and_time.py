@@ -17,10 +17,9 @@ import os
 import sys
 import time
 
+import sparse_k
 import torch
 import triton.testing
-
-import sparse_k
 from sparse_k import cuda_decode as cd
 from sparse_k import cuda_structured as cs
 from sparse_k import cuda_structured_bwd as cb
@@ -59,6 +58,14 @@ def graph_us(fn, calls=20):
     return 1e3 * bench_ms(g.replay) / calls
 
 
+def bench_backward(q, k, v, scale):
+    """Backward, sliding window 4096 (the forward's out and lse, random dO)."""
+    out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=1, window=4096, scale=scale)
+    do = torch.randn_like(q)
+    ms = bench_ms(lambda: cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=4096, scale=scale))
+    emit(kind="bwd", row="sliding_window_4096", S=q.shape[2], ms=round(ms, 3))
+
+
 def bench():
     dev, dt, D = "cuda", torch.bfloat16, 128
     B, Hq, Hkv = 1, 32, 8
@@ -71,7 +78,8 @@ def bench():
     S = 65536
     q, k, v = qkv(S)
     for name, pid, W, sinks in (("sliding_window_4096", 1, 4096, 0), ("streaming_4096_128", 2, 4096, 128)):
-        ms = bench_ms(lambda: cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W, sinks=sinks, scale=scale))
+        ms = bench_ms(lambda pid=pid, W=W, sinks=sinks: cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W,
+                                                                                  sinks=sinks, scale=scale))
         emit(kind="fwd", row=name, S=S, ms=round(ms, 3))
     # token layout: top-2048 spread over [0, block_start - 1024], window 1024, query_block 128
     QB, K, W = 128, 2048, 1024
@@ -85,12 +93,8 @@ def bench():
                                torch.zeros(B, dtype=torch.int64, device=dev))
     ms = bench_ms(lambda: ct.cuda_token_forward(q, k, v, sel, pattern_id=1, window=W, scale=scale))
     emit(kind="fwd", row="token_top2048_w1024", S=S, ms=round(ms, 3))
-    # backward, sliding window 4096
-    out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=1, window=4096, scale=scale)
-    do = torch.randn_like(q)
-    ms = bench_ms(lambda: cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=4096, scale=scale))
-    emit(kind="bwd", row="sliding_window_4096", S=S, ms=round(ms, 3))
-    del q, k, v, out, lse, do
+    bench_backward(q, k, v, scale)
+    del q, k, v
     # dense causal forward, S=16K
     q, k, v = qkv(16384)
     ms = bench_ms(lambda: cs.cuda_structured_forward(q, k, v, pattern_id=0, scale=scale))
