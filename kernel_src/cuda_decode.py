@@ -1,4 +1,4 @@
-"""Hopper CUDA decode for a token layout fused with its static part (``cuda/decode_sm90.cu``).
+"""Hopper CUDA decode for a token layout fused with its static part (``cuda/decode_sm90.cuh``).
 
 One query token per row (``Sq == 1``) at the last key (bottom-right, no padding: ``q_start = Skv -
 1``, every key valid). Its keys form one virtual list: the streaming sinks not inside the window, the
@@ -33,12 +33,12 @@ from .cuda_contract import selection_ok
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 
-_SOURCES = ("decode_sm90.cpp", "decode_sm90.cu")
+_SOURCES = ("decode_sm90.cpp", "decode_sm90.cu", "decode_sm90_bf16.cu", "decode_sm90_fp16.cu")
 #: Static-part pattern ids (``triton_fwd.PATTERN_IDS``) the kernel fuses: sliding_window, streaming.
 DECODE_STATIC_PATTERNS = (1, 2)
 #: Query heads per KV head the kernel is compiled for.
 DECODE_GROUPS = (1, 2, 4, 8)
-_STAGE = 64  # keys per pipeline stage (kStage in decode_sm90.cu)
+_STAGE = 64  # at most one split per 64 keys (decode_sm90.cuh)
 _SMS: dict = {}
 
 

@@ -7,7 +7,7 @@ read in place, and the output is written in q's memory order). The contract is t
 of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
 sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
-``sm_90a``, cached on disk; about 25 s once on the H100 machine). ``triton_fwd.attention_forward``
+``sm_90a``, cached on disk). ``triton_fwd.attention_forward``
 hands it the calls it computes (``cuda_dispatch``).
 
 H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``docs/history.md``, 2026-11-22): sliding_window
@@ -57,8 +57,7 @@ def cuda_structured_ok(
     return tensors_ok(q, k, v)
 
 
-def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
-                            variant: int = 0):
+def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float):
     """Causal structured attention forward on an sm_90 GPU.
 
     Args:
@@ -69,15 +68,10 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: tuning only: 0 the default; 2 no ping-pong; 8 without the loop rotation that lets the softmax overlap
-            the same warpgroup's P V; 16 that and O rescaled on every tile; + 4 one CTA per 128-row
-            work tile instead of a persistent grid.
     Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``: a view
     of ``(B, S, Hq, 128)`` storage when q is one) and ``lse (B, Hq, S)`` float32 (natural log).
     """
     check_pattern_args(pattern_id, window, sinks, scale)
-    if variant not in (0, 2, 4, 6, 8, 12, 16, 20):
-        raise ValueError(f"variant={variant!r}: 0, 2, 4, 6, 8, 12, 16 or 20 allowed")
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
@@ -88,15 +82,14 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
     B, Hq, S, _ = q.shape
     out = new_output(q)
     lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
-    _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant)
+    _launch(q, k, v, out, lse, pattern_id, window, sinks, scale)
     return out, lse
 
 
-def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale, variant):
+def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale):
     """Write ``out`` and ``lse`` (allocated by the caller, shapes as returned by ``cuda_structured_forward``)."""
     mod = load_extension()
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(variant),
-                           int(stream))
+        mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(stream))
 

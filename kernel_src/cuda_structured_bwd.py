@@ -64,8 +64,7 @@ def cuda_structured_bwd_ok(
         lse.shape) == (B, Hq, S)
 
 
-def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
-                             variant: int = 0):
+def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float):
     """Gradients of causal structured attention on an sm_90 GPU.
 
     Args:
@@ -77,19 +76,10 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: tuning only; 0 is the configuration timed fastest (H100, sliding window 4096,
-            S=64K, bf16, 2026-11-22: kernel 20.4 ms against 21.7..28.7 for the others; dense causal at 16K
-            ran 11.9 ms, two stages 10.6). Bit 0: two Q/dO
-            pipeline stages instead of three; bit 1: no software pipelining (the next tile's ``S^T`` is
-            not computed during this tile's dQ reduce-adds); bit 2: dQ by ``red.global.add`` from the
-            consumers' registers instead of through shared memory and TMA reduce-adds issued by a
-            producer-side warp.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v`` and laid out like them where
     they are dense (``torch.empty_like``), else contiguous.
     """
     check_pattern_args(pattern_id, window, sinks, scale)
-    if not isinstance(variant, int) or not 0 <= variant <= 7:
-        raise ValueError(f"variant={variant!r}: 0..7 allowed")
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
@@ -100,7 +90,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dq_acc = _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, variant)
+    dq_acc = _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale)
     dq = torch.empty_like(q).copy_(dq_acc[:, :, : q.shape[2]])  # cast and layout in one pass
     return dq, dk, dv
 
@@ -117,7 +107,7 @@ def padded_stats(do, out, lse):
     return lse2.contiguous(), delta.contiguous()
 
 
-def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, variant):
+def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale):
     """Write ``dk`` and ``dv`` (allocated by the caller) and return the float32 ``dq_acc``
     ``(B, Hq, S_pad, 128)`` (scale applied; rows past S are zero)."""
     mod = load_extension()
@@ -127,5 +117,5 @@ def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, var
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.structured_bwd(q, k, v, do, lse2, delta, dq_acc, dk, dv, int(pattern_id), int(window), int(sinks),
-                           float(scale), int(variant), int(stream))
+                           float(scale), int(stream))
     return dq_acc

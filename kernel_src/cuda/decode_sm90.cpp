@@ -1,6 +1,6 @@
-// torch binding of sk90_decode_fwd (decode_sm90.cu). CPU-only torch headers: the CUDA stream comes
+// torch binding of sk90_decode_fwd (decode_sm90.cu). CPU-only torch headers (sm90_torch.h): the CUDA stream comes
 // from Python as an integer, so this file compiles without CUDA torch.
-#include <torch/extension.h>
+#include "sm90_torch.h"
 
 #include "sm90_selection_host.h"
 

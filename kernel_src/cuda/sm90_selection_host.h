@@ -2,7 +2,7 @@
 // decode): the Python wrappers validate; these guard the raw pointers.
 #pragma once
 
-#include <torch/extension.h>
+#include "sm90_torch.h"
 
 namespace sk90h {
 

@@ -1,13 +1,13 @@
-// torch binding of sk90_structured_bwd (structured_bwd_sm90.cu). CPU-only torch headers: the CUDA
+// torch binding of sk90_structured_bwd (structured_bwd_sm90.cu). CPU-only torch headers (sm90_torch.h): the CUDA
 // stream comes from Python as an integer, so this file compiles without CUDA torch.
-#include <torch/extension.h>
+#include "sm90_torch.h"
 
 #include "sm90_view_host.h"
 
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
                                    const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
-                                   int pattern, int window, int sinks, float scale, int variant, void* stream,
+                                   int pattern, int window, int sinks, float scale, void* stream,
                                    char* err, int errlen);
 
 // q, dout (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16 views on one CUDA device (unit last stride,
@@ -17,7 +17,7 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
 static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                            const at::Tensor& lse2, const at::Tensor& delta, at::Tensor& dq_acc, at::Tensor& dk,
                            at::Tensor& dv, int64_t pattern, int64_t window, int64_t sinks, double scale,
-                           int64_t variant, int64_t stream) {
+                           int64_t stream) {
   const at::Tensor* fp32[] = {&lse2, &delta, &dq_acc};
   for (const at::Tensor* t : fp32) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "lse2, delta, dq_acc must be contiguous CUDA tensors");
@@ -55,7 +55,7 @@ static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::T
       dq_acc.data_ptr<float>(), dk.data_ptr(), dv.data_ptr(), strides, static_cast<int>(B), static_cast<int>(Hq),
       static_cast<int>(k.size(1)), static_cast<int>(S), static_cast<int>(S_pad), dt == at::kBFloat16 ? 1 : 0,
       static_cast<int>(pattern), static_cast<int>(window), static_cast<int>(sinks), static_cast<float>(scale),
-      static_cast<int>(variant), reinterpret_cast<void*>(stream), err, sizeof(err));
+      reinterpret_cast<void*>(stream), err, sizeof(err));
   TORCH_CHECK(rc == 0, "sk90_structured_bwd: ", err);
 }
 

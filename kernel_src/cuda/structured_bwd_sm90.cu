@@ -17,8 +17,8 @@
 //   warpgroup 0  producer. Warp 0 (one thread) loads the K and V tiles once (TMA, 128-byte swizzle),
 //                then for every (query head of the group, 64-row query tile that sees the keys) the Q
 //                and dO tiles (TMA) and the 64 lse2 / delta values (1-D bulk copies) into a
-//                STAGES-deep ring ("full" mbarrier with transaction bytes, "empty" mbarrier released by
-//                the consumers). Warp 1 (one thread, DQT) reduce-adds each consumer's dQ block from
+//                kStages-deep ring ("full" mbarrier with transaction bytes, "empty" mbarrier released by
+//                the consumers). Warp 1 (one thread) reduce-adds each consumer's dQ block from
 //                shared memory into dq_acc (TMA cp.reduce.async.bulk.tensor, float32 add).
 //   warpgroups 1, 2  consumers, 64 keys each, dK and dV (64 x 128 each) accumulated in registers:
 //                S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands in shared memory),
@@ -27,10 +27,9 @@
 //                A); dS^T is also stored to shared memory (rows = keys, 64 queries per 128-byte
 //                swizzled row, double-buffered); after a named barrier over both consumers each
 //                computes dQ[:, 64 c .. 64 c + 63] = dS K[:, 64 c ..] for the whole 128-key tile
-//                (wgmma, A and B both MN-major from shared memory). scale * dQ goes either to shared
-//                memory for the TMA reduce-add (DQT, the default) or straight to dq_acc by
-//                red.global.add.v2.f32 from registers.
-//   PIPE: the next tile's S^T is issued right after this tile's dQ product, so the tensor cores run
+//                (wgmma, A and B both MN-major from shared memory). scale * dQ goes to shared memory
+//                for the TMA reduce-add.
+//   Pipelining: the next tile's S^T is issued right after this tile's dQ product, so the tensor cores run
 //                it while the consumer hands dQ over; dP^T is issued at the top of the iteration and
 //                runs during the exponentials. Nothing is in flight across the loop's back edge (ptxas
 //                serialises the wgmma pipeline otherwise).
@@ -59,6 +58,7 @@ constexpr int kBlockN = 128;  // keys per CTA
 constexpr int kBlockM = 64;   // query rows per step
 constexpr int kHeadDim = 128;
 constexpr int kThreads = 384;
+constexpr int kStages = 3;  // Q/dO ring depth (two stages measured slower on the H100: docs/history.md)
 constexpr int kKVHalf = 128 * 64 * 2;   // one K/V TMA box: 128 rows x 64 columns
 constexpr int kKVTile = 2 * kKVHalf;    // 32 KB
 constexpr int kQHalf = 64 * 64 * 2;     // one Q/dO TMA box: 64 rows x 64 columns
@@ -116,7 +116,7 @@ __device__ __forceinline__ QRange q_range(const Params& p, int n) {
   return r;
 }
 
-template <bool BF16, int STAGES, bool PIPE, bool DQT>
+template <bool BF16>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -125,17 +125,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t bar_kv = base;
-  const uint32_t bar_full = base + 8;                   // [STAGES]
-  const uint32_t bar_empty = bar_full + 8 * STAGES;     // [STAGES]
-  const uint32_t bar_dqfull = bar_empty + 8 * STAGES;   // [2] (DQT) dQ block of warpgroup c written
-  const uint32_t bar_dqempty = bar_dqfull + 16;         // [2] (DQT) dQ block of warpgroup c read by TMA
-  const uint32_t sstat = base + 256;                    // [STAGES] x (lse2[64], delta[64])
+  const uint32_t bar_full = base + 8;                   // [kStages]
+  const uint32_t bar_empty = bar_full + 8 * kStages;     // [kStages]
+  const uint32_t bar_dqfull = bar_empty + 8 * kStages;   // [2] dQ block of warpgroup c written
+  const uint32_t bar_dqempty = bar_dqfull + 16;         // [2] dQ block of warpgroup c read by TMA
+  const uint32_t sstat = base + 256;                    // [kStages] x (lse2[64], delta[64])
   const uint32_t sk = base + kHeadBytes;
   const uint32_t sv = sk + kKVTile;
-  const uint32_t sq = sv + kKVTile;                     // [STAGES]
-  const uint32_t sdo = sq + STAGES * kQTile;            // [STAGES]
-  const uint32_t sds = sdo + STAGES * kQTile;           // [2]
-  const uint32_t sdq = sds + 2 * kDSTile;              // (DQT) 4 boxes of float32 dQ
+  const uint32_t sq = sv + kKVTile;                     // [kStages]
+  const uint32_t sdo = sq + kStages * kQTile;            // [kStages]
+  const uint32_t sds = sdo + kStages * kQTile;           // [2]
+  const uint32_t sdq = sds + 2 * kDSTile;              // 4 boxes of float32 dQ
   const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sstat - raw));
 
   const int warp = threadIdx.x / 32;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(bar_kv, 1);
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_full + 8 * s, 1);
       mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
     }
@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_load_4d(sv, &tm_v, bar_kv, 0, krow, kvh, b);
       tma_load_4d(sv + kKVHalf, &tm_v, bar_kv, 64, krow, kvh, b);
       for (int it = 0; it < count; ++it) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(bar_empty + 8 * s, ((it / STAGES) & 1) ^ 1);
+        const int s = it % kStages;
+        if (it >= kStages) mbar_wait(bar_empty + 8 * s, ((it / kStages) & 1) ^ 1);
         const int gi = it / nm;
         const int m = r.m_lo + (it - gi * nm);
         const int h = kvh * G + gi;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_load(sstat + s * kStatBytes, p.lse2 + srow, kBlockM * 4, fb);
         bulk_load(sstat + s * kStatBytes + kBlockM * 4, p.delta + srow, kBlockM * 4, fb);
       }
-    } else if (DQT && warp == 1 && lane == 0) {
+    } else if (warp == 1 && lane == 0) {
       // dQ writer: each consumer warpgroup's 64 x 64 float32 block -> dq_acc by TMA reduce-adds
       for (int it = 0; it < count; ++it) {
         const int gi = it / nm;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_ss64<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024), 1);
     }
   };
-  if (PIPE && count > 0) {
+  if (count > 0) {
     mbar_wait(bar_full, 0);
     wg_fence();
     issue_s(0);
@@ -266,27 +266,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   for (int it = 0; it < count; ++it) {
-    const int s = it % STAGES;
+    const int s = it % kStages;
     const int gi = it / nm;
     const int m = r.m_lo + (it - gi * nm);
     const bool masked = m < r.fm_lo || m >= r.fm_hi;
     const uint32_t qs = sq + s * kQTile, dos = sdo + s * kQTile;
     const uint32_t dsb = sds + (it & 1) * kDSTile;
 
-    if (PIPE) {  // S^T of this tile done (previous iteration); dP^T runs during the exponentials
-      wg_fence();
-      issue_dp(s);
-      wg_commit();
-    } else {
-      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
-      wg_fence();
-      issue_s(s);
-      wg_commit();
-      issue_dp(s);
-      wg_commit();
-      wg_wait<1>();
-      reg_fence(sacc);
-    }
+    // S^T of this tile done (previous iteration); dP^T runs during the exponentials
+    wg_fence();
+    issue_dp(s);
+    wg_commit();
 
     const float* lse_s = stat_ptr + s * (kStatBytes / 4);
     const float* del_s = lse_s + kBlockM;
@@ -364,66 +354,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_ss64<BF16, 1, 1>(dq, a, bd, 1);
     }
     wg_commit();
-    const bool next = PIPE && it + 1 < count;
-    const int s2 = (it + 1) % STAGES;
-    if (PIPE) {
-      wg_wait<1>();  // dV and dK done: P^T and dS^T registers free
-      reg_fence(dk);
-      reg_fence(dv);
-      reg_fence(pa);
-      reg_fence(da);
-      // The next tile's S^T runs on the tensor cores during this tile's dQ reduce-adds. After the last
-      // tile it reads the slot's stale contents (no load is pending there) and its result is never
-      // used: the same wgmma sequence on every path keeps ptxas from serialising the pipeline.
-      if (next) mbar_wait(bar_full + 8 * s2, ((it + 1) / STAGES) & 1);
-      wg_fence();
-      issue_s(s2);
-      wg_commit();
-      wg_wait<1>();
-      reg_fence(dq);
-    } else {
-      wg_wait<0>();
-      reg_fence(dq);
-      reg_fence(dk);
-      reg_fence(dv);
-      reg_fence(pa);
-      reg_fence(da);
-    }
+    const bool next = it + 1 < count;
+    const int s2 = (it + 1) % kStages;
+    wg_wait<1>();  // dV and dK done: P^T and dS^T registers free
+    reg_fence(dk);
+    reg_fence(dv);
+    reg_fence(pa);
+    reg_fence(da);
+    // The next tile's S^T runs on the tensor cores during this tile's dQ reduce-adds. After the last
+    // tile it reads the slot's stale contents (no load is pending there) and its result is never
+    // used: the same wgmma sequence on every path keeps ptxas from serialising the pipeline.
+    if (next) mbar_wait(bar_full + 8 * s2, ((it + 1) / kStages) & 1);
+    wg_fence();
+    issue_s(s2);
+    wg_commit();
+    wg_wait<1>();
+    reg_fence(dq);
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
     const float sc = p.scale;
-    if (DQT) {
-      // scale * dQ to the warpgroup's two 64 x 32 boxes (128-byte swizzle: 16-byte chunk c of row r at
-      // (c ^ (r & 7))), then the writer thread reduce-adds them into dq_acc
-      if (it > 0) mbar_wait(bar_dqempty + 8 * cw, (it - 1) & 1);
-      float* dqs = reinterpret_cast<float*>(smem_raw + (sdq - raw));
-      const int r0 = wq * 16 + g;  // rows r0 and r0 + 8: the same swizzle phase
+    // scale * dQ to the warpgroup's two 64 x 32 boxes (128-byte swizzle: 16-byte chunk c of row r at
+    // (c ^ (r & 7))), then the writer thread reduce-adds them into dq_acc
+    if (it > 0) mbar_wait(bar_dqempty + 8 * cw, (it - 1) & 1);
+    float* dqs = reinterpret_cast<float*>(smem_raw + (sdq - raw));
+    const int r0 = wq * 16 + g;  // rows r0 and r0 + 8: the same swizzle phase
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int box = 2 * cw + (j >> 2);
-        const int chunk = 2 * (j & 3) + (qd >> 1);
-        const int off = box * (kDQBox / 4) + (((chunk ^ (r0 & 7)) << 4) + (qd & 1) * 8) / 4;
-        *reinterpret_cast<float2*>(dqs + off + r0 * 32) = make_float2(dq[4 * j] * sc, dq[4 * j + 1] * sc);
-        *reinterpret_cast<float2*>(dqs + off + (r0 + 8) * 32) = make_float2(dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
-      }
-      fence_proxy_async();
-      mbar_arrive(bar_dqfull + 8 * cw);
+    for (int j = 0; j < 8; ++j) {
+      const int box = 2 * cw + (j >> 2);
+      const int chunk = 2 * (j & 3) + (qd >> 1);
+      const int off = box * (kDQBox / 4) + (((chunk ^ (r0 & 7)) << 4) + (qd & 1) * 8) / 4;
+      *reinterpret_cast<float2*>(dqs + off + r0 * 32) = make_float2(dq[4 * j] * sc, dq[4 * j + 1] * sc);
+      *reinterpret_cast<float2*>(dqs + off + (r0 + 8) * 32) = make_float2(dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
     }
-    const int bh = b * p.Hq + kvh * G + gi;
-    const int qrow = m * kBlockM + wq * 16 + g;
-    float* dst = p.dq_acc + (static_cast<size_t>(bh) * p.S_pad + qrow) * kHeadDim + cw * 64 + 2 * qd;
-    if (!DQT && qrow < p.S) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) red_add_v2(dst + 8 * j, dq[4 * j] * sc, dq[4 * j + 1] * sc);
-    }
-    if (!DQT && qrow + 8 < p.S) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) red_add_v2(dst + 8 * kHeadDim + 8 * j, dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
-    }
-    if (PIPE) {  // nothing in flight across the loop's back edge
-      wg_wait<0>();
-      reg_fence(sacc);
-    }
+    fence_proxy_async();
+    mbar_arrive(bar_dqfull + 8 * cw);
+    wg_wait<0>();  // nothing in flight across the loop's back edge
+    reg_fence(sacc);
   }
 
   // ---------------- epilogue: dK * scale, dV
@@ -452,46 +418,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ------------------------------------------------------------------ host side
-template <bool BF16, int STAGES, bool PIPE, bool DQT>
-static int launch(const CUtensorMap& tq, const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv,
-                  const CUtensorMap& tdq, const Params& p, dim3 grid, cudaStream_t stream, char* err, int errlen) {
-  // 1024 bytes of alignment slack; with DQT and 3 stages exactly the 227 KB a block may have
-  const int smem = 1024 + kHeadBytes + 2 * kKVTile + 2 * STAGES * kQTile + 2 * kDSTile + (DQT ? kDQTile : 0);
-  auto kern = structured_bwd_kernel<BF16, STAGES, PIPE, DQT>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "cudaFuncSetAttribute(%d bytes): %s", smem, cudaGetErrorString(e));
-    return 1;
-  }
-  kern<<<grid, kThreads, smem, stream>>>(tq, tdo, tk, tv, tdq, p);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "kernel launch: %s", cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
-}
+// 1024 bytes of alignment slack; exactly the 227 KB a block may have
+constexpr int kSmemBytes = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
 
 }  // namespace sk90b
 
-// Host entry point. variant (tuning only; 0 is the tuned default): bit 0 = 2 Q/dO pipeline stages
-// instead of 3; bit 1 = no software pipelining of the next tile's S^T across this tile's dQ; bit 2 = dQ
-// by red.global.add from the consumers' registers instead of shared memory + TMA reduce-adds issued by a
-// producer-side warp. Returns 0 on success, else writes a message to err.
+// Host entry point. Returns 0 on success, else writes a message to err.
 // strides: the element strides (b, h, s) of q, k, v, dout, dk and dv, 18 values.
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
                                    const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
-                                   int pattern, int window, int sinks, float scale, int variant, void* stream,
+                                   int pattern, int window, int sinks, float scale, void* stream,
                                    char* err, int errlen) {
   using namespace sk90b;
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 || pattern < 0 ||
-      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f) || variant < 0 ||
-      variant > 7) {
-    snprintf(err, errlen,
-             "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g variant=%d", B, Hq,
-             Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale), variant);
+      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
+    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g", B,
+             Hq, Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale));
     return 1;
   }
   const long long nk = (S + kBlockN - 1) / kBlockN;
@@ -536,30 +479,6 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  // variant 0 (3 stages, pipelined, dQ by TMA) timed fastest: H100, sliding window 4096, S=64K, 2026-11-22
-  switch ((bf16 ? 8 : 0) | (variant & 7)) {
-#define SK90B_CASE(V, BF, ST, PI, DQ) \
-  case V:                            \
-    return launch<BF, ST, PI, DQ>(tq, tdo, tk, tv, tdq, p, grid, st, err, errlen);
-    SK90B_CASE(0, false, 3, true, true)
-    SK90B_CASE(1, false, 2, true, true)
-    SK90B_CASE(2, false, 3, false, true)
-    SK90B_CASE(3, false, 2, false, true)
-    SK90B_CASE(4, false, 3, true, false)
-    SK90B_CASE(5, false, 2, true, false)
-    SK90B_CASE(6, false, 3, false, false)
-    SK90B_CASE(7, false, 2, false, false)
-    SK90B_CASE(8, true, 3, true, true)
-    SK90B_CASE(9, true, 2, true, true)
-    SK90B_CASE(10, true, 3, false, true)
-    SK90B_CASE(11, true, 2, false, true)
-    SK90B_CASE(12, true, 3, true, false)
-    SK90B_CASE(13, true, 2, true, false)
-    SK90B_CASE(14, true, 3, false, false)
-    SK90B_CASE(15, true, 2, false, false)
-#undef SK90B_CASE
-  }
-  snprintf(err, errlen, "bad variant %d", variant);
-  return 1;
+  return launch_kernel(bf16 ? structured_bwd_kernel<true> : structured_bwd_kernel<false>, grid, kThreads, kSmemBytes,
+                       stream, err, errlen, tq, tdo, tk, tv, tdq, p);
 }
