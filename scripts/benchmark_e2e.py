@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-lens", type=_positive_ints, default=[32768, 131072])
     p.add_argument("--decode-lens", type=_positive_ints, default=[32768, 131072])
     p.add_argument("--phases", default="prefill,decode", help="comma list of prefill, decode (default both)")
+    p.add_argument("--decode-batch", type=int, default=1,
+                   help="sequences decoded together (each with the full context; default 1)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per length")
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps per warm-up round")
     p.add_argument("--max-warmup-rounds", type=int, default=6)
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    for name in ("chunk", "window", "learned_window", "top_k", "query_block", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "decode_steps",
+    for name in ("chunk", "window", "learned_window", "top_k", "query_block", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "decode_batch", "decode_steps",
                  "warmup_steps", "max_warmup_rounds", "repeats", "check_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"benchmark_e2e: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -363,7 +365,7 @@ def _new_cache(model, name: str, args, length: int):
 def measure_decode(model, name: str, length: int, args) -> dict:
     device = args.device
     gen = torch.Generator().manual_seed(args.seed + 7 * length)
-    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (args.decode_batch, length), generator=gen).to(device)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -407,7 +409,7 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
     row = {"decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms, "decode_peak_gb": peak / 1e9 if peak is not None else None,
            "warmup_rounds": rounds, "compiles_in_warmup": compiled_in_warmup, "compiles_in_timed_steps": compiled_in_timed,
-           "decode_mode": args.decode_mode}
+           "decode_mode": args.decode_mode, "batch": args.decode_batch}
     if not args.no_profile:
         gpu_ms, top, attention = _profile_kernels(step, device, steps=4)
         row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=attention,
@@ -493,7 +495,8 @@ def print_table(rows: list[dict]) -> None:
         extra = ""
         if r["phase"] == "decode" and "compiles_in_timed_steps" in r:
             extra = f" [compiles in timed steps: {r['compiles_in_timed_steps']}]"
-        print(f"| {r['variant']} | {r['phase']} | {r['length']} | {_fmt(ms, '.2f')} | {ratio} | {_fmt(gpu, '.2f')} | {_fmt(peak, '.2f')} | {check}{extra} | {kern or '-'} |")
+        length = f"{r['length']} (B={r['batch']})" if r.get("batch", 1) > 1 else r["length"]
+        print(f"| {r['variant']} | {r['phase']} | {length} | {_fmt(ms, '.2f')} | {ratio} | {_fmt(gpu, '.2f')} | {_fmt(peak, '.2f')} | {check}{extra} | {kern or '-'} |")
 
 
 def main(argv=None) -> int:

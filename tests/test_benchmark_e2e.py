@@ -45,11 +45,23 @@ def test_tiny_model_rows_are_checked_and_complete(tmp_path):
     assert data["environment"]["torch"] and "| variant | phase |" in proc.stdout
 
 
+def test_batched_decode_rows(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = _run([*TINY, "--variants", "streaming,sparse_k", "--phases", "decode", "--decode-lens", "100",
+                 "--decode-batch", "3", "--no-profile", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["phase"], r["batch"]) for r in rows] == [("streaming", "decode", 3), ("sparse_k", "decode", 3)]
+    assert all(r["check_ok"] and r["decode_ms_per_token"] > 0 for r in rows)
+    assert "| 100 (B=3) |" in proc.stdout
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--variants", "sdpa,dense2"], "unknown variant"),
     (["--prefill-lens", "0"], "positive ints"),
     (["--heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
     (["--top-k", "0"], "--top-k must be >= 1"),
+    (["--decode-batch", "0"], "--decode-batch must be >= 1"),
 ])
 def test_bad_flags_fail_with_one_line(tmp_path, bad, message):
     proc = _run([*TINY, *bad], tmp_path, timeout=120)
