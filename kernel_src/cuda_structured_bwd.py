@@ -8,12 +8,8 @@ into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while t
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
 ``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
 use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``triton_bwd.attention_backward`` hands it the
-calls it computes (``cuda_dispatch``).
-
-H100 (2026-11-22 16:05 UTC, B=1, Hq=32, Hkv=8, D=128, bf16, S=65536, whole backward including the
-preparation pass, the dq_acc zeroing and the final cast; do_bench medians): sliding window 4096 21.4 ms
-against 28.4 for FlexAttention's backward and 28.5 for ``triton_structured_bwd``; streaming (4096 + 128
-sinks) 22.3 ms against 32.7 and 38.8.
+calls it computes (``cuda_dispatch``). Its speed against FlexAttention's backward and
+``triton_structured_bwd``: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -77,9 +73,8 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-        variant: tuning only; 0 is the configuration timed fastest (H100, sliding window 4096,
-            S=64K, bf16, 2026-11-22: kernel 20.4 ms against 21.7..28.7 for the others; dense causal at 16K
-            ran 11.9 ms, two stages 10.6). Bit 0: two Q/dO
+        variant: tuning only; 0 is the configuration timed fastest on the H100 at long sliding-window
+            lengths (docs/history.md; at dense causal 16K two stages were faster). Bit 0: two Q/dO
             pipeline stages instead of three; bit 1: no software pipelining (the next tile's ``S^T`` is
             not computed during this tile's dQ reduce-adds); bit 2: dQ by ``red.global.add`` from the
             consumers' registers instead of through shared memory and TMA reduce-adds issued by a

@@ -473,7 +473,7 @@ def test_warnings_do_not_break_the_progress_bar():
     assert any("work items: 100%" in seg and "4/4" in seg for seg in lines), res.stderr
 
 
-# ----- unseen formats, multi-key retrieval, key budgets, perplexity windows (issue 16 item 4) -----
+# ----- unseen formats, multi-key retrieval, key budgets, perplexity windows -----
 
 def _haystack(tok, tokens: int) -> list[int]:
     from hf_sparse_attention.evaluation import load_documents, tokenize_corpus

@@ -1,4 +1,4 @@
-"""Kernel-hub packaging (issue 7): build.toml, scripts/build_kernel.py, loading through ``kernels``,
+"""Kernel-hub packaging: build.toml, scripts/build_kernel.py, loading through ``kernels``,
 and ``attn_implementation="<org>/sparse-k"`` against ``attn_implementation="sparse_k"``.
 
 Everything is built into pytest's temporary directories and loaded offline (``LOCAL_KERNELS``,

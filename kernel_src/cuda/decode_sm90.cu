@@ -22,10 +22,7 @@
 // thread-block cluster and CTA 0 merges the others' partials through distributed shared memory;
 // otherwise the partials (normalised o, log2-sum-exp) go to a workspace that the last CTA of (b, h)
 // to arrive merges (atomic counter, reset by it), or a second kernel when no counter buffer is given.
-// H100, B=8, Hkv=8, G=4, top-2048, per call in a 10-call graph (the Triton split-KV kernel 34.6-35):
-// this kernel 33.3-33.4 us; earlier versions: one CTA per 64 keys on CUDA cores (2112 CTAs) 39-50 us,
-// one CTA an SM on CUDA cores with a CTA-wide 64-key ring 38.9 (per-stage compute and barriers), one
-// 256-byte bulk copy (TMA) a row instead of cp.async 37.6, the merge through global memory 34.9.
+// Timings against the Triton split-KV kernel and the earlier designs: docs/history.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

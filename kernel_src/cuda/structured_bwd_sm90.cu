@@ -537,7 +537,7 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  // variant 0 (3 stages, pipelined, dQ by TMA) timed fastest: H100, sliding window 4096, S=64K, 2026-11-22
+  // variant 0 (3 stages, pipelined, dQ by TMA) timed fastest on the H100 (docs/history.md)
   switch ((bf16 ? 8 : 0) | (variant & 7)) {
 #define SK90B_CASE(V, BF, ST, PI, DQ) \
   case V:                            \
