@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 DESIGN = ROOT / "docs" / "design.md"
 
 #: Longest README allowed: a user's guide, not a lab notebook.
-README_MAX_LINES = 320
+README_MAX_LINES = 300
 
 #: Markers of dated session logs, which belong in docs/ (case-insensitive).
 DATED_MARKERS = {
