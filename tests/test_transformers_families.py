@@ -13,21 +13,13 @@ Marker ``families`` (about 3 minutes on 2 cores): ``pytest -m families``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-import model_families as mf  # noqa: E402  (tests/ is on sys.path under pytest)
+import model_families as mf  # (tests/ is on sys.path under pytest)
+from helpers import one_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.families
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("model_type", mf.causal_lm_types())

@@ -13,20 +13,12 @@ import pytest
 import torch
 
 import hf_sparse_attention
+from helpers import one_thread  # noqa: F401  (autouse fixture; re-exported to the other test_transformers_* files)
 from sparse_k import get_pattern, masked_attention
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster than two and immune to a busy CI machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 #: Fixed patterns with parameters small enough to be non-trivial at ~40-64 tokens.
 FIXED_PATTERNS = {
