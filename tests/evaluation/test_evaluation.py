@@ -32,7 +32,7 @@ from hf_sparse_attention.evaluation.distributed import run_items
 from hf_sparse_attention.evaluation.models import load_model
 from hf_sparse_attention.evaluation.retrieval import KEY_LINE
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--random-weights", "tiny", "--contexts", "256", "--no-progress", "--seed", "0"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

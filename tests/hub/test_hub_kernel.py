@@ -31,7 +31,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: Keys of kernel-builder's edition-5 build.toml schema, from huggingface/kernels
 #: kernels-data/src/config/v5.rs (commit 8ac69fc542a4306eade0759ef7c45b4f2ae57df0): the structs
