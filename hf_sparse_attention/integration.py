@@ -111,14 +111,7 @@ def key_mask(
         if kv_offset == 0 and L == kv_length:
             return None
         return torch.ones(batch_size, L, dtype=torch.bool, device=device)
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f'attn_implementation="sparse_k" takes a 2-D attention mask (B, keys), got shape {tuple(attention_mask.shape)}'
-        )
-    mask = attention_mask.to(device=device, dtype=torch.bool)
-    if mask.shape[1] < L:
-        mask = torch.nn.functional.pad(mask, (0, L - mask.shape[1]), value=False)
-    mask = mask[:, :L]
+    mask = _bool_key_mask(attention_mask, L, device)
     if kv_offset == 0 and L == kv_length and bool(mask.all()):
         return None
     return mask
@@ -219,15 +212,23 @@ def _static_slots_mask(batch_size, q_length, kv_length, q_offset, attention_mask
     written = q_offset.to(device=device).reshape(-1)[:1] + q_length
     valid = (torch.arange(kv_length, device=device) < written).expand(batch_size, kv_length)
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f'attn_implementation="sparse_k" takes a 2-D attention mask (B, keys), got shape {tuple(attention_mask.shape)}'
-            )
-        pad = attention_mask.to(device=device, dtype=torch.bool)
-        if pad.shape[1] < kv_length:
-            pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[1]), value=False)
-        valid = valid & pad[:, :kv_length]
+        valid = valid & _bool_key_mask(attention_mask, kv_length, device)
     return valid.to(STATIC_SLOTS_DTYPE)
+
+
+def _bool_key_mask(attention_mask: torch.Tensor, length: int, device) -> torch.Tensor:
+    """The model's 2-D ``(B, keys)`` mask as a ``(B, length)`` bool tensor on ``device``: cut to ``length``
+    keys, or padded with False (keys the mask does not cover take no part). Raises ValueError for any
+    other rank."""
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" takes a 2-D attention mask (B, keys), '
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(device=device, dtype=torch.bool)
+    if mask.shape[1] < length:
+        mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
+    return mask[:, :length]
 
 
 def register() -> None:

@@ -15,13 +15,8 @@ in shared memory; two to eight splits merge in a thread-block cluster through di
 memory, more through a workspace (the last CTA to arrive, ``triton_fwd.split_counters``, or a second
 small kernel when there are no counters). ``triton_fwd.attention_forward`` hands it every decode
 call it computes (``cuda_dispatch.try_cuda_decode``); the caller's ``num_splits`` / ``pack`` do not
-apply.
-
-H100, B=8, Hq=32, Hkv=8, D=128, bf16, Skv=128K, top-2048, window 1, per call in a 10-call CUDA graph
-(2026-11-22, session 6 probes beside the Triton split-KV kernel in the same process): 33.4 us against
-34.6; top-1024 15.4 against 18.5; B=1 11.1 against 17.9. Earlier versions: one CTA per 64 keys on
-CUDA cores 50 / 39 us, one CTA an SM on CUDA cores 38.9, tensor cores with a global-memory merge
-34.9 (35.5 before the selection block's loads stopped waiting for ``first_block``).
+apply. Its speed against the Triton split-KV kernel, and the earlier designs it replaced:
+docs/benchmarks.md (decode rows) and docs/history.md (token-layout decode).
 """
 
 from __future__ import annotations

@@ -8,12 +8,8 @@ of ``triton_structured.structured_forward`` with a plain geometry (no padding, `
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
 sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
 ``sm_90a``, cached on disk). ``triton_fwd.attention_forward``
-hands it the calls it computes (``cuda_dispatch``).
-
-H100, B=1, Hq=32, Hkv=8, D=128, bf16, S=128K, window 4096 (``docs/history.md``, 2026-11-22): sliding_window
-15.1 ms (574 TF/s; 16.9 ms timed again later in the same process), streaming 15.5 ms (16.6); Triton's
-structured kernel 16.8 / 17.8 ms, FlexAttention 21.7 / 21.9 ms. Dense causal S=16K: 3.65 ms, equal to
-SDPA's cuDNN backend.
+hands it the calls it computes (``cuda_dispatch``). Its speed against Triton's structured kernel,
+FlexAttention and SDPA: docs/benchmarks.md; how it got there: docs/history.md.
 """
 
 from __future__ import annotations

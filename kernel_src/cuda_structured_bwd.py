@@ -8,12 +8,8 @@ into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while t
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
 ``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
 use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``triton_bwd.attention_backward`` hands it the
-calls it computes (``cuda_dispatch``).
-
-H100 (2026-11-22 16:05 UTC, B=1, Hq=32, Hkv=8, D=128, bf16, S=65536, whole backward including the
-preparation pass, the dq_acc zeroing and the final cast; do_bench medians): sliding window 4096 21.4 ms
-against 28.4 for FlexAttention's backward and 28.5 for ``triton_structured_bwd``; streaming (4096 + 128
-sinks) 22.3 ms against 32.7 and 38.8.
+calls it computes (``cuda_dispatch``). Its speed against FlexAttention's backward and
+``triton_structured_bwd``: docs/benchmarks.md.
 """
 
 from __future__ import annotations

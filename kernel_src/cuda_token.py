@@ -12,12 +12,8 @@ static rule does not already allow it (``i - j >= window`` and ``j >= sinks``, h
 128, bf16/fp16, ``query_block`` a multiple of 128; ``triton_fwd.attention_forward`` hands it the
 calls it computes (``cuda_dispatch.try_cuda_token``), everything else stays on the Triton path.
 
-H100, B=1, Hq=32, Hkv=8, D=128, bf16, top-2048 + window 1024, query_block 128 (the benchmark's token
-row, ``scripts/benchmark_kernels.py --section fwd --patterns token``, 2026-11-22 16:33 UTC): S=64K
-8.14 ms (395 TF/s; 8.06 in the run before), the Triton token kernel 10.37 ms; 0.71x the TF/s of the
-CUDA sliding_window 3072 forward (5.82 ms), 0.81x Triton's (6.62 ms). S=128K 17.60 ms (370 TF/s),
-Triton token 21.11 ms, 0.70x / 0.80x. A first version whose producer threads each copied one row
-(a warp touching 32 rows per instruction) took 9.38 ms.
+Its speed against the Triton token kernel and the structured forward: docs/benchmarks.md (token
+layout row) and docs/history.md (Hopper CUDA kernels for the structured patterns).
 """
 
 from __future__ import annotations

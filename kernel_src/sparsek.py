@@ -33,10 +33,9 @@ __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
-#: Whether ``backend="auto"`` takes the Triton kernel for CUDA tensors. On: on an H100 (2026-11-22,
-#: ``scripts/benchmark_kernels.py --section sparsek``) the kernel ran 3.3x (4,096 candidates, 192 rows)
-#: and 21x (32,768 candidates, 4,096 rows) faster than the PyTorch path forward, 3.0x and 17x forward
-#: plus backward, with identical outputs.
+#: Whether ``backend="auto"`` takes the Triton kernel for CUDA tensors. On: the kernel is several times
+#: faster than the PyTorch path, forward and backward, with identical outputs
+#: (``scripts/benchmark_kernels.py --section sparsek``; docs/benchmarks.md, SparseK operator kernel).
 AUTO_TRITON_ON_CUDA = True
 
 

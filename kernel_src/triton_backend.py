@@ -69,9 +69,9 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tu
         pack *= 2
     if rows * pack < min_m:
         rows = min_m // pack
-    # 64-key tiles (H100, B=8, 128K cache, scripts/tune_decode.py, 2026-11-22): with 4 warps and 3 stages
-    # a program needs 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token
-    # layout ran 47 us (graph replay) against 48-54 us with 128-key tiles, a window 64.5 vs 63-65 us.
+    # 64-key tiles (scripts/tune_decode.py; docs/history.md): with 4 warps and 3 stages a program needs
+    # 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token layout run faster
+    # than with 128-key tiles, a window about as fast.
     block_n = 16 if device_type != "cuda" else 64
     return rows, pack, block_n
 
@@ -81,10 +81,9 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
 
     ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
     (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
-    run ahead too (H100, S=64K, top-2048 + window 1024: 16.8 ms vs 20.8 ms with one head per program
-    and 128-key tiles, 2 stages; with the session-4 selection loop 10.5 ms; scripts/tune_decode.py,
-    2026-11-22)."""
-    if device_type != "cuda" or head_dim != 128:  # measured at D=128 only; other head dims keep the prefill tiles
+    run ahead too (faster on the H100 than one head per program with 128-key tiles and 2 stages;
+    ``scripts/tune_decode.py --part token``; docs/history.md)."""
+    if device_type != "cuda" or head_dim != 128:  # tuned at D=128 only; other head dims keep the prefill tiles
         bm, bn = tile_config(head_dim, device_type, False)
         return bm, 1, bn
     pack = 1
@@ -96,9 +95,9 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
 def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)`` of bigbird on the layout path: tiles that divide the block (a tile then
     lies in one block pair, allowed or not as a whole). Prefill without gradients on the GPU with blocks
-    of 128 or more runs 64x64 tiles (two programs per SM; H100, block 128, S=64K, 2026-11-22: 2.65 ms
-    against 2.70 ms with 128x128 tiles; 2.40 ms since the tile indices are prefetched; the query heads
-    of a KV group packed in one program, 2 or 4 of them, 2.95-3.19 ms); otherwise the block itself."""
+    of 128 or more runs 64x64 tiles (two programs per SM; on the H100 at least as fast as 128x128 tiles
+    and faster than packing the query heads of a KV group in one program; docs/history.md); otherwise
+    the block itself."""
     if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
         return 64, 64
     return block, block
@@ -174,9 +173,8 @@ def _num_splits(programs: int, max_tiles: int, device, gathered: bool = False) -
 
     One wave: ``SMs // programs`` splits for contiguous key tiles (longer runs per program win), twice
     that when selected keys are gathered (each gathered tile waits on its index load; more programs
-    hide it). H100, B=8 (64 programs), 128K cache: window 4096 best at 2 splits (64.5 us graph replay;
-    5 splits, the old rule, 66-67), top-2048 at 4 (47.3 us; 6: 47.2-48.6, 8: 52-55; with the
-    session-4 selection loop 44.5 us, 3 splits 44.2-45.0, 5 splits 45.1-45.9)."""
+    hide it). Swept on the H100 with ``scripts/tune_decode.py --part decode`` (B=8, 128K cache; numbers
+    in docs/history.md)."""
     if device.type != "cuda":
         return max(1, min(max_tiles, 3))
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -389,9 +389,8 @@ def attention_backward(
         ``selection``: the forward's ``TokenLayout``, if any.
         ``structured``: dense / sliding_window / streaming through ``triton_structured_bwd`` (arithmetic
         tile ranges, its own tile shapes); default: whenever the pattern allows it (no token layout;
-        streaming causal only). On the H100 (2026-11-22, sliding window 4096, S=64K) it ran 28.8 ms
-        against 34.4 ms for this layout-path backward (``scripts/benchmark_kernels.py --section
-        tune_structured_bwd``).
+        streaming causal only), timed faster on the H100 than this layout-path backward
+        (``scripts/benchmark_kernels.py --section tune_structured_bwd``; docs/history.md).
         ``cuda_structured``: for a structured launch, let the Hopper CUDA backward take it where
         ``cuda_dispatch`` allows (default None: yes, unless ``num_warps`` / ``num_stages`` are given);
         False: always the Triton kernels.

@@ -216,8 +216,8 @@ def _selection_loop(
     3 stages) keeps two K/V buffers and waits for every copy in flight at the top of each iteration,
     so the gathered rows were not fetched while the previous tile computed; with the index one
     iteration ahead the K/V copies run two tiles ahead behind a partial wait, as in the
-    contiguous-tile loops (triton 3.9's sm_90 compile; on the H100 with triton 3.6 the token
-    prefill at S=64K took 14.4 instead of 16.8 ms).
+    contiguous-tile loops (seen in triton 3.9's sm_90 compile; the token prefill is faster with it on
+    the H100, docs/history.md).
     With ``SEL_LEAN`` the K and V tiles are loaded row-major through one index vector without a
     mask (invalid slots read key row 0 and are masked in the scores), and a far tile's key mask is
     an additive bias: fewer integer and predicate instructions per gathered tile (sm_90 SASS of the
@@ -663,9 +663,8 @@ def attention_forward(
         sel_fast: skip the element rule on selected-key tiles that lie wholly behind every row's window
             (causal sliding_window / streaming static parts; see ``_selection_loop``): ``1`` (or True)
             checks each tile, ``2`` first checks all of a block's slots at once and each tile only when
-            that fails, ``0`` (or False) never. Default: 2 without splits (H100, S=64K token prefill,
-            ``scripts/tune_decode.py --part token``: 10.5 ms; per tile 11.5; never 13.8), 0 for split-KV
-            decode (B=8, 128K: 44.2 us graph replay; 2: 45.5).
+            that fails, ``0`` (or False) never. Default: 2 without splits, 0 for split-KV decode (the
+            faster setting of each on the H100: ``scripts/tune_decode.py``; docs/history.md).
         sel_prefetch: load the key indices of the next selected tile one iteration ahead, into
             registers (see ``_selection_loop``); ``False`` keeps the index load inside the iteration
             that uses it (kept for A/B timing in ``scripts/tune_decode.py``).
@@ -761,8 +760,8 @@ def attention_forward(
         o_w, l_w = out, lse
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
-    # Defaults from the benchmark's tune section (H100, SW 4096, S=128K): D=128 with 128x128 tiles,
-    # 8 warps, 2 stages (19.7 ms; 3 stages 20.0); D=64 with 128x128, 4 warps, 3 stages (11.0 ms; 8 warps 13.1).
+    # Defaults from the benchmark's tune section (docs/history.md, Triton tuning): D=128 with 128x128
+    # tiles, 8 warps, 2 stages; D=64 with 128x128, 4 warps, 3 stages.
     if num_warps is None:
         num_warps = 4 if block_m * block_n <= 64 * 64 or D != 128 else 8
     if num_stages is None:

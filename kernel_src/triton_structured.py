@@ -29,23 +29,15 @@ inside the full run holds only allowed pairs, and every other visited tile appli
 element rule in registers, so the result equals the layout path for any geometry.
 
 One pipelined loop per run, so the software pipeline fills and drains up to four times per program.
-Timed alternatives, all slower or no faster on the H100 (S=128K, W=4096, 2026-11-22) and removed:
-two loops over concatenated runs (full tiles then all masked tiles: sliding_window 17.18 ms against
-16.82, streaming 18.76 against 17.58; masked first: 19.08 / 17.70), the fully visible sink tiles
-unmasked in a loop of their own (streaming 17.75 / 17.67 against 17.85 / 17.71, same runs) or at the
-head of the full loop (20.38), the sink tiles and the left edge in one loop (17.85 and 20.90 against
-17.73 and 17.71), and Triton's automatic warp specialisation of the full loop (sliding_window 17.03
-against 16.87; streaming 19.27 against 17.73; 4 warps fail to compile). The sink tile and the left
-edge in one two-step loop with an affine tile index does not fit: every loop gets its own pipeline
-buffers, and five loops at 128x128, 3 stages, D=128 need 427 KB of shared memory (232 KB exist).
-Session 5 (15:25-15:33 UTC, same process as Flex, two interleaved rounds, ms sliding_window / streaming):
-this kernel 17.04, 17.00 / 17.79, 17.95; a persistent grid (one program per SM walking the same tile
-order) 16.84, 17.26 / 17.93, 18.10 (no gain beyond the run-to-run spread); pointer loads instead of
-TMA 18.54 / 20.16; one-warpgroup programs (two per SM) 64x64 3 stages 17.98 / 18.76, 64x64 4 stages
-22.70 / 24.10, 64x128 2 stages 24.66 / 26.18; 128x64 4 stages 18.29 / 19.45. An sm_90 compile shows
-why the two warpgroups of a program cannot overlap softmax with the other's MMAs here: every loop
-iteration holds six CTA-wide barriers (one after the Q K^T wait, two around each of the K and V TMA
-issues), and ncu (S=16K) puts a third of the stall cycles on them (tensor pipe 56% busy).
+Alternatives that were timed slower or no faster on the H100 and removed (numbers in docs/history.md):
+two loops over concatenated runs, the fully visible sink tiles in a loop of their own or at the head
+of the full loop, the sink tiles and the left edge in one loop, Triton's automatic warp
+specialisation of the full loop, a persistent grid, pointer loads instead of TMA, and one-warpgroup
+programs. The sink tile and the left edge in one two-step loop with an affine tile index does not
+fit: every loop gets its own pipeline buffers, and five loops at 128x128, 3 stages, D=128 need
+427 KB of shared memory (232 KB exist). The two warpgroups of a program cannot overlap softmax with
+the other's MMAs here: every loop iteration holds six CTA-wide barriers (one after the Q K^T wait,
+two around each of the K and V TMA issues), on which ncu puts a third of the stall cycles.
 
 Program order (``ORDER`` constexpr) over the ``(query tile, batch x query head)`` grid:
 0 query tiles fastest, ascending; 1 query tiles fastest, longest first (dense causal: the last
@@ -291,8 +283,8 @@ def structured_forward(
         geometry: a ``RowGeometry`` (or namespace with ``q_start``/``k_start``/``k_end`` int64 ``(B,)`` or ``(1,)``).
         pattern_id, params: from ``triton_fwd.pattern_code`` (``P0`` = window, ``P1`` = sinks).
         order: program order (module docstring); default 1 (longest first) for dense causal, else 3 (the
-            query heads of a KV group adjacent: on the H100 at S=128K, 1% faster than 0 for sliding_window
-            and streaming).
+            query heads of a KV group adjacent: on the H100 at long lengths slightly faster than 0 for
+            sliding_window and streaming).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and
     ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """

@@ -391,7 +391,7 @@ def bwd_config(head_dim: int, device_type: str):
     """``(BLOCK_N1, BLOCK_M1, warps1, stages1, BLOCK_M2, BLOCK_N2, warps2, stages2)`` of the two kernels."""
     if device_type != "cuda":
         return 16, 16, 4, 1, 16, 16, 4, 1
-    if head_dim <= 128:  # H100, sliding window 4096, S=64K, TMA loads: 3 stages 31.2 ms, 2 stages 32.7
+    if head_dim <= 128:  # 3 stages timed faster than 2 on the H100 (docs/history.md, Triton tuning)
         return 128, 64, 8, 3, 128, 64, 8, 3
     return 64, 32, 4, 1, 64, 32, 4, 1
 
@@ -413,13 +413,12 @@ def structured_backward(
         config: ``bwd_config``'s tuple (tile sizes, warps and stages of the dK/dV and dQ kernels).
         use_tma: TMA loads in the dK/dV kernel (its K/V tile, and Q/dO of the full tiles); ``None``: on
             Hopper when Q/dO/K/V are contiguous. Off by default, the configuration timed fastest as a
-            whole on the H100 (sliding window 4096, S=64K, 2026-11-22, ``--section tune_structured_bwd``):
-            28.8 ms without TMA, 31.2 ms with TMA in both kernels. Per kernel (profiler, same run) TMA sped
-            up the dK/dV kernel (16.45 ms against 18.28) and slowed down the dQ kernel (12.75 against
-            10.63), so ``use_tma=None`` with ``dq_tma=False`` should reach ~27.5 ms; not yet timed as a whole.
+            whole on the H100 (``scripts/benchmark_kernels.py --section tune_structured_bwd``; numbers in
+            docs/history.md): TMA speeds up the dK/dV kernel and slows down the dQ kernel, so
+            ``use_tma=None`` with ``dq_tma=False`` may be faster still (not timed as a whole).
         kv_tma: the dK/dV kernel's own K/V tile by TMA straight into shared memory (``None``: as
             ``use_tma``; only when ``Skv`` is a multiple of ``BLOCK_N1``). With pointer loads for Q/dO this
-            compiles for sm_90 with a 120-byte spill stack instead of 360 (untimed).
+            compiles for sm_90 with a smaller spill stack (untimed).
         dq_tma: TMA loads of K/V in the dQ kernel's full tiles (only with ``use_tma``).
         atomic_dq: dQ by float32 atomic adds from the dK/dV kernel (``_st_dq`` does not run): True per
             element, ``"tma"`` by TMA reduce-adds of whole tiles (with ``use_tma``; else per element).

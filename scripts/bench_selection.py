@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Selection cost vs attention cost on one GPU (issue 15, build item 2).
+"""Selection cost vs attention cost on one GPU.
 
 For each context length: dense causal SDPA, then for each selector (``sparse_k`` with a random
 ``SparseKScorer``, ``dsa`` with a random ``LightningIndexer``, the training-free default) the time of

@@ -37,7 +37,7 @@ Sections (each fits in a few minutes on an H100):
 * ``--compile-only --shard i/n`` (the two tune_structured sections): launch every n-th variant once, no
   checks, no timing — run n shards in parallel before a timed run to fill Triton's and Inductor's
   caches (compiling is then not paid on the GPU clock one variant after another).
-* ``--section layouts``: issue 15 item 1 — the sliding_window forward (``--window``) at each ``--seqlens``
+* ``--section layouts``: the sliding_window forward (``--window``) at each ``--seqlens``
   through the entry points a model uses, same inputs, same process: ``sparse_attention`` on contiguous
   ``(B, H, S, D)`` tensors, ``flash_api.flash_attn_func`` on ``(B, S, H, D)`` tensors, ``sparse_attention``
   on transposed views of ``(B, S, H, D)`` storage (what a Transformers layer passes), and that call

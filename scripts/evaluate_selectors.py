@@ -41,6 +41,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from hf_sparse_attention.evaluation.cli import bounded_int, depth
 from hf_sparse_attention.evaluation.retrieval import TASK_COLUMNS
 
 
@@ -65,43 +66,18 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
 
 
-def _bounded_int(low: int, high: int | None, what: str):
-    """An argparse type: an int in ``[low, high]`` (``what`` names the flag's values in the error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse
-
-
-def _depth(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a depth in [0, 1], got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_setting_arguments(p)
-    p.add_argument("--ppl-tokens", type=_bounded_int(2, None, "an integer >= 2"), default=16384,
+    p.add_argument("--ppl-tokens", type=bounded_int(2, None, "an integer >= 2"), default=16384,
                    help="tokens per perplexity text window")
-    p.add_argument("--ppl-seeds", type=_bounded_int(1, None, "a positive integer"), default=3,
+    p.add_argument("--ppl-seeds", type=bounded_int(1, None, "a positive integer"), default=3,
                    help="disjoint text windows (the first at the corpus start, the others at seeded offsets)")
     p.add_argument("--tasks", nargs="+", default=["passkey", "unseen", "multikey"], choices=list(TASK_COLUMNS),
                    help="retrieval tasks, one column each")
-    p.add_argument("--multikey-needles", type=_bounded_int(2, 8, "an integer from 2 to 8"), default=4)
-    p.add_argument("--depths", type=_depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--trials-per-depth", type=_bounded_int(1, None, "a positive integer"), default=4)
+    p.add_argument("--multikey-needles", type=bounded_int(2, 8, "an integer from 2 to 8"), default=4)
+    p.add_argument("--depths", type=depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--trials-per-depth", type=bounded_int(1, None, "a positive integer"), default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON file for the results (the table is printed either way)")
     return p

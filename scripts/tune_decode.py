@@ -1,5 +1,5 @@
-"""Tuning sweeps behind the decode and token-layout defaults (issue #4, acceptance items on decode
-and on the token layout), on an H100; the official rows come from ``benchmark_kernels.py``.
+"""Tuning sweeps behind the decode and token-layout defaults, on an H100; the official rows come from
+``benchmark_kernels.py``, the sweeps' results are in docs/history.md (Triton tuning).
 
 * ``--part decode``: B=8, one query token, KV length ``--kv-len`` (131072), Hq=32, Hkv=8, D=128, bf16;
   sliding window 4096 and a top-2048 token layout. For each kernel variant (key tile ``BLOCK_N``,
@@ -39,29 +39,11 @@ DECODE_VARIANTS = [  # (BLOCK_N, warps, stages, merge in the last split program 
     (32, 4, 3, True, True, True, 0),
 ]
 DECODE_SPLITS = (3, 4, 5)
-# 2026-11-22 11:05 UTC, H100 (us, single-call graph replay; every row checked, rel. err 2.2-2.5e-3):
-#   window 4096:  128/4w/3st splits 1: 63.3, 2: 65.6, 5 (old rule): ~68; 64/4w/3st fused 2: 64.5, 4: 65.7
-#   top-2048:     128/4w/3st splits 2: 48.0, 4: 52.5; 64/4w/3st fused 4: 47.3, combine kernel 4: 47.1
-#   baselines:    SDPA on the pre-sliced window 66.5; torch gather + SDPA 154.3
-#   torch.profiler kernel time: window _attn_fwd 51 us; top-2048 _attn_fwd 34 us + _combine 2 us (fused: 36)
-# Session 4, top-2048, 64/4w/3st fused (us, graph replay, splits 3 / 4 / 5; graph10 = 10 calls per graph):
-#   12:59 no prefetch 49.9 / 47.2 / -, prefetch 47.7 / 46.3 / - (graph10 at 4: 37.9 -> 37.2)
-#   13:06 up-front L2 prefetch of every gathered row (PTX prefetch.global.L2, dropped): 56.4 / 55.0 / -
-#   13:16 prefetch 46.9 / 46.0 / 46.1; + lean 45.0 / 44.6 / 45.9; 32-key tiles + lean 46.0 / 44.5 / 44.5
-#         (graph10 35.0); the same 2048 keys as one contiguous run (probe): 43.7 / 44.3 / 45.3 (graph10 34.2)
-#   13:25 lean 44.2 / 44.9 / 45.1, + block-wide far check (sel_fast=2) 45.5 / 46.2 / 48.0
-#   13:29 lean + first block loaded at the start 44.2 / 44.5 / 45.6 (graph10 at 3: 34.9; kernel 33 us)
 TOKEN_VARIANTS = [  # (BLOCK_M, BLOCK_N, warps, stages, pack, sel_fast, sel_prefetch, sel_lean); rows per head BLOCK_M // pack
     (128, 64, 8, 3, 4, 2, True, True), (128, 64, 8, 3, 4, 1, True, True), (128, 64, 8, 3, 4, 0, True, True),
     (128, 64, 8, 3, 4, 2, True, False), (128, 64, 8, 3, 4, 2, False, True), (128, 64, 8, 4, 4, 2, True, True),
 ]
-# swept on 2026-11-22 11:08 UTC (H100, S=64K; ms; SW 3072 structured forward 6.77 ms = 476 TF/s): 128x128 8w 2st pack 1: 20.78; 128x128 3st: 19.99; 128x64 3st: 17.22;
-# 128x64 4st: 17.28; 128x128 3st pack 4: 19.26; 128x64 3st pack 4: 16.79; 128x64 4st pack 4: 16.89; 128x64 3st pack 2: 17.00
-# Session 4 (128x64 8w pack 4; ms; SW 3072 6.57-6.80 ms in the same process):
-#   12:59 3st: no prefetch 16.77, prefetch 14.43, + per-tile far check 13.91, 4st 13.06; 64x64 4w 3st 13.67
-#   13:06 4st + far: 13.04, 5st 13.31; up-front L2 prefetch (dropped) 13.52 (512 slots) / 14.19 (2048)
-#   13:16 4st + far: not lean 12.37, lean 11.34; lean 3st 11.24, 5st 11.23; 64x64 4w lean 11.37; lean without far 13.77
-#   13:25 lean 3st: block-wide far check (sel_fast=2) 10.49, per-tile 11.46; 4st block-wide 10.87
+
 
 def gbench(fn) -> float:
     """CUDA-graph replay median in ms with a shorter do_bench budget than the benchmark's (many rows)."""

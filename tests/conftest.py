@@ -1,6 +1,13 @@
 """Shared test configuration: the `gpu` marker skips cleanly without CUDA; Triton kernel tests that
 cannot run in this process are left out of it (they run in a fresh interpreter, see
-``tests/triton_interp.py``) and a summary line says so."""
+``tests/triton_interp.py``) and a summary line says so.
+
+Test files sit in one folder per feature (``core``, ``attention_kernels``, ``decode``, ``selection``,
+``integration``, ``hub``, ``evaluation``, ``docs``), without ``__init__.py``: pytest's default import
+mode puts each file's folder and ``tests/`` (this file's) on ``sys.path``, so file names must stay
+unique across folders and shared code lives in ``helpers.py``, ``triton_interp.py`` or a folder's
+non-test module (``integration/tiny_models.py``, ``selection/selection_reference.py``), never in
+another test file."""
 
 from collections import Counter
 

@@ -179,3 +179,13 @@ def nan_bshd(B: int, H: int, S: int, dtype, D: int = 128) -> torch.Tensor:
 
 #: Marks the tests of the Hopper CUDA kernels: they build the extensions, so they need an sm_90 GPU and nvcc.
 needs_sm90 = pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU and nvcc")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two and immune to a busy CI machine (autouse in
+    the modules that import it)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

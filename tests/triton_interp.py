@@ -25,6 +25,8 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
+#: The repository root (the subprocess runs there, as pytest does in CI).
+ROOT = Path(__file__).resolve().parents[1]
 #: Marks a file's kernel tests. Where its module's ``IN_PROCESS`` is False they cannot run in this
 #: process, and ``tests/conftest.py`` takes them out of the collection (reported as deselected, with a
 #: summary line saying where they run) instead of reporting them as skipped: the file's
@@ -72,7 +74,7 @@ def run_file_interpreted(path: str, min_passed: int, *pytest_args: str, timeout:
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
         [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-x", *pytest_args],
-        check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(Path(path).resolve().parents[1]),
+        check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
     )
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     passed = re.search(r"(\d+) passed", res.stdout.strip().splitlines()[-1])

@@ -46,26 +46,29 @@ DESCRIPTIONS = {
 }
 
 
-def _int_at_least(low: int, what: str):
-    """An argparse type: an int >= ``low`` (``what`` names the allowed values in the error)."""
+def bounded_int(low: int, high: int | None, what: str):
+    """An argparse type: an int in ``[low, high]`` (``high=None``: no upper bound; ``what`` names the
+    allowed values in the error). Shared with ``scripts/evaluate_selectors.py``."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low:
+        if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
     return parse
 
 
-_positive_int = _int_at_least(1, "a positive integer")
-_nonneg_int = _int_at_least(0, "a non-negative integer")
+_positive_int = bounded_int(1, None, "a positive integer")
+_nonneg_int = bounded_int(0, None, "a non-negative integer")
+_multikey_needles = bounded_int(2, 8, "an integer from 2 to 8 (one colour per needle)")
 
 
-def _depth(text: str) -> float:
+def depth(text: str) -> float:
+    """An argparse type: a needle depth, a float in [0, 1]."""
     try:
         value = float(text)
     except ValueError:
@@ -80,16 +83,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the flags.\n")
-
-
-def _multikey_needles(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer from 2 to 8, got {text!r}") from None
-    if not 2 <= value <= 8:
-        raise argparse.ArgumentTypeError(f"expected an integer from 2 to 8 (one colour per needle), got {value}")
-    return value
 
 
 def build_parser(tool: str) -> argparse.ArgumentParser:
@@ -135,9 +128,9 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
                             "(unseen and multikey use --depths and --trials-per-depth)")
         g.add_argument("--multikey-needles", type=_multikey_needles, default=4,
                        help="needles per multikey trial (2 to 8), each with its own label")
-        g.add_argument("--depths", nargs="+", type=_depth, default=None)
+        g.add_argument("--depths", nargs="+", type=depth, default=None)
         g.add_argument("--trials-per-depth", type=_positive_int, default=None)
-        g.add_argument("--needle-depths", nargs="+", type=_depth, default=None)
+        g.add_argument("--needle-depths", nargs="+", type=depth, default=None)
         g.add_argument("--needle-trials-per-depth", type=_positive_int, default=None)
         g.add_argument("--baseline-context", type=_nonneg_int, default=None,
                        help="extra passkey context run by dense only (0: none)")

@@ -32,7 +32,7 @@ from hf_sparse_attention.evaluation.distributed import run_items
 from hf_sparse_attention.evaluation.models import load_model
 from hf_sparse_attention.evaluation.retrieval import KEY_LINE
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--random-weights", "tiny", "--contexts", "256", "--no-progress", "--seed", "0"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -473,7 +473,7 @@ def test_warnings_do_not_break_the_progress_bar():
     assert any("work items: 100%" in seg and "4/4" in seg for seg in lines), res.stderr
 
 
-# ----- unseen formats, multi-key retrieval, key budgets, perplexity windows (issue 16 item 4) -----
+# ----- unseen formats, multi-key retrieval, key budgets, perplexity windows -----
 
 def _haystack(tok, tokens: int) -> list[int]:
     from hf_sparse_attention.evaluation import load_documents, tokenize_corpus

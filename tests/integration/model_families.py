@@ -3,7 +3,7 @@
 ``tiny_config(model_type)`` starts from the type's own config class defaults and shrinks every size
 field it knows (also inside sub-configs: text/vision towers), keeping at least one layer of every
 distinct ``layer_types`` entry. ``check_family(model_type)`` runs the family checks of
-``tests/test_transformers_families.py`` and returns what it found. Run as a script for a table.
+``tests/integration/test_transformers_families.py`` and returns what it found. Run as a script for a table.
 """
 
 from __future__ import annotations

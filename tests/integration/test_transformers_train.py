@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_sparse_attention
-from test_transformers_models import VOCAB, one_thread, tiny_model  # noqa: F401
+from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 

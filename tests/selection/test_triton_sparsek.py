@@ -248,7 +248,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=str(Path(__file__).resolve().parents[1]))
+                         cwd=str(Path(__file__).resolve().parents[2]))
     assert res.returncode == 0 and "compiled" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -188,7 +188,7 @@ def test_build_without_host_offsets_equals_host_build(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("masked", [False, True])
 def test_build_selection_does_not_synchronise_on_the_gpu(masked):
-    """Issue #4 item 5: top-k over scores into the token layout with no host synchronisation
+    """Top-k over scores into the token layout with no host synchronisation
     (torch.cuda.set_sync_debug_mode('error') raises on any), prefill and decode, SparseK and DSA."""
     dev = torch.device("cuda")
     B, Hq, Hkv, S, D = 2, 8, 2, 1000, 64

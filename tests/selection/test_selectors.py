@@ -6,9 +6,13 @@ import pytest
 import sparse_k
 import torch
 from helpers import sparse_tiny_llama, tiny_llama
+from selection_reference import (
+    assert_same_selection,
+    brute_force_topk,
+    layout_selection,
+)
 from sparse_k.scorers import LightningIndexer, SparseKScorer
 from sparse_k.selectors import build_selection, training_free_scores
-from sparse_k.sparsek import sparsek
 
 
 def _inputs(B, Hq, Hkv, Sq, Skv, D, seed, dtype=torch.float32):
@@ -28,58 +32,6 @@ def _random_scorer(num_kv_heads, head_dim, seed=0):
     return scorer
 
 
-def _brute_force(pattern, u_rows, geometry, Sq, Skv, B, H, weighted):
-    """Per row/head/block: candidates from the definition, top-k by score (earlier key wins ties),
-    SparseK weights from the plain operator on the candidates only. Returns {(b, h, qpos_block): (idx, w)}."""
-    out = {}
-    qpos = geometry.q_positions(Sq).expand(B, Sq)
-    kpos = geometry.k_positions(Skv).expand(B, Skv)
-    valid = geometry.key_valid(Skv).expand(B, Skv)
-    for b in range(B):
-        blocks = sorted({int(p) // pattern.query_block for p in qpos[b].clamp_min(0).tolist()})
-        for blk in blocks:
-            b0 = blk * pattern.query_block
-            cand = [j for j in range(Skv) if valid[b, j] and pattern.sinks <= kpos[b, j] <= b0 - pattern.window]
-            for h in range(H):
-                u = u_rows[b, h if u_rows.shape[1] > 1 else 0]
-                if u.dim() == 2:  # per-block scores (DSA)
-                    u = u[blk - blocks[0]]
-                order = sorted(cand, key=lambda j: (-float(u[j]), j))[: pattern.top_k]
-                idx = sorted(order)
-                w = None
-                if weighted and cand:
-                    p = sparsek(u[cand].double(), pattern.top_k)
-                    pj = dict(zip(cand, p.tolist()))
-                    w = [pj[j] for j in idx]
-                out[(b, h, blk)] = (idx, w)
-    return out
-
-
-def _layout_dict(lay, geometry, Sq, B, H):
-    out = {}
-    qpos = geometry.q_positions(Sq).expand(B, Sq)
-    for b in range(B):
-        blocks = sorted({int(p) // lay.query_block for p in qpos[b].clamp_min(0).tolist()})
-        for blk in blocks:
-            n = blk - int(lay.first_block[b])
-            for h in range(H):
-                c = int(lay.counts[b, h, n])
-                idx = lay.indices[b, h, n, :c].tolist()
-                w = lay.weights[b, h, n, :c].double().tolist() if lay.weights is not None else None
-                out[(b, h, blk)] = (idx, w)
-    return out
-
-
-def _assert_same(got, want, atol=1e-5):
-    assert got.keys() == want.keys()
-    for key in want:
-        gi, gw = got[key]
-        wi, ww = want[key]
-        assert gi == wi, f"{key}: indices {gi} != {wi}"
-        if ww is not None and wi:
-            torch.testing.assert_close(torch.tensor(gw), torch.tensor(ww), atol=atol, rtol=0)
-
-
 @pytest.mark.parametrize("B,Hq,Hkv,S,pad", [(2, 4, 2, 203, 17), (1, 3, 3, 97, 0)])
 def test_sparsek_selection_matches_definition(B, Hq, Hkv, S, pad):
     pattern = sparse_k.SparseK(sinks=3, window=19, top_k=11, query_block=16)
@@ -93,16 +45,16 @@ def test_sparsek_selection_matches_definition(B, Hq, Hkv, S, pad):
         scorer.weight.normal_()
     lay = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
     u = scorer(v, geo.k_positions(S).expand(B, S), k).detach()
-    want = _brute_force(pattern, u, geo, S, S, B, Hkv, weighted=True)
+    want = brute_force_topk(pattern, u, geo, S, S, B, Hkv, weighted=True)
     # float64 throughout: the prefix-sum threshold and the textbook operator differ by rounding only.
-    _assert_same(_layout_dict(lay, geo, S, B, Hkv), want, atol=1e-9)
+    assert_same_selection(layout_selection(lay, geo, S, B, Hkv), want, atol=1e-9)
     assert lay.indices.dtype == torch.int32 and lay.counts.dtype == torch.int32
     assert int(lay.counts.max()) == pattern.top_k
     assert bool((lay.weights > 0).sum(-1).eq(lay.counts.long()).all())  # kept weights are positive
 
 
 def test_fallback_is_the_page_selection_and_warns_once():
-    """Without a selector: the query-aware page selection (its definition: tests/test_page_selection.py),
+    """Without a selector: the query-aware page selection (its definition: tests/selection/test_page_selection.py),
     unweighted, with one warning that names the trained alternative."""
     from sparse_k.api import _WARNED
 
@@ -129,8 +81,8 @@ def test_dsa_selection_matches_definition_and_is_shared_by_heads():
     torch.testing.assert_close(lay.indices[:, 0], lay.indices[:, 1])
     scores = idx(q, k).detach()  # (B, T, S): block n uses its first query t = n * query_block
     per_block = scores[:, :: pattern.query_block][:, None]  # (B, 1, NB, S)
-    want = _brute_force(pattern, per_block, geo, 75, 75, 2, 2, weighted=False)
-    _assert_same(_layout_dict(lay, geo, 75, 2, 2), want)
+    want = brute_force_topk(pattern, per_block, geo, 75, 75, 2, 2, weighted=False)
+    assert_same_selection(layout_selection(lay, geo, 75, 2, 2), want)
 
 
 def _random_per_head_indexer(Hq, Hkv, D, heads=2, dim=4, seed=0):
@@ -173,8 +125,8 @@ def test_per_kv_head_dsa_selection_matches_definition(B, Hq, Hkv, S, qb, pad):
         per_block.append(want_scores[b][:, first])
     n = max(x.shape[1] for x in per_block)
     per_block = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[1])) for x in per_block])
-    want = _brute_force(pattern, per_block, geo, S, S, B, Hkv, weighted=False)
-    _assert_same(_layout_dict(lay, geo, S, B, Hkv), want)
+    want = brute_force_topk(pattern, per_block, geo, S, S, B, Hkv, weighted=False)
+    assert_same_selection(layout_selection(lay, geo, S, B, Hkv), want)
 
 
 def test_per_kv_head_decode_equals_recompute_with_memo():
@@ -239,7 +191,7 @@ def _decode_vs_recompute(pattern, selector, B=2, Hq=4, Hkv=2, S=90, D=6, prefill
     full_geo = sparse_k.row_geometry(B, S, S, mask)
     with torch.no_grad():
         full = build_selection(pattern, q, k, v, full_geo, layer_idx=0, selector=selector)
-    want = _layout_dict(full, full_geo, S, B, Hkv)
+    want = layout_selection(full, full_geo, S, B, Hkv)
     steps = [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]
     seen = {}
     for t0, t1 in steps:
@@ -247,7 +199,7 @@ def _decode_vs_recompute(pattern, selector, B=2, Hq=4, Hkv=2, S=90, D=6, prefill
         with torch.no_grad():
             lay = build_selection(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, layer_idx=0, selector=selector,
                                   memo=memo)
-        got = _layout_dict(lay, geo, t1 - t0, B, Hkv)
+        got = layout_selection(lay, geo, t1 - t0, B, Hkv)
         for key, val in got.items():
             assert val[0] == want[key][0], f"step {t1}, {key}: {val[0]} != {want[key][0]}"
             if val[1] is not None:

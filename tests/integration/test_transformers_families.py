@@ -1,7 +1,7 @@
 """Every causal-LM model type of the installed Transformers works with sparse_k or is refused at load.
 
 For each type (a tiny random model from its own config class, CPU, float32; see
-``tests/model_families.py``): either loading with ``attn_implementation="sparse_k"`` raises
+``tests/integration/model_families.py``): either loading with ``attn_implementation="sparse_k"`` raises
 ``ModelNotSupportedError`` naming the type, or, with a covering ``sliding_window`` pattern, a
 left-padded batch equals the model's own attention (sdpa, or eager where sdpa is unsupported) on
 every real token, greedy cached decode equals it, and cached decode equals recomputation under a
@@ -13,21 +13,13 @@ Marker ``families`` (about 3 minutes on 2 cores): ``pytest -m families``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-import model_families as mf  # noqa: E402  (tests/ is on sys.path under pytest)
+import model_families as mf  # (tests/ is on sys.path under pytest)
+from helpers import one_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.families
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("model_type", mf.causal_lm_types())
@@ -37,7 +29,7 @@ def test_family_works_or_is_refused(model_type):
     try:
         result = mf.check_family(model_type)
     except mf.NotBuildable as err:
-        pytest.fail(f"{err}\n-> make it build in tests/model_families.py or list it in NOT_BUILDABLE with the reason")
+        pytest.fail(f"{err}\n-> make it build in tests/integration/model_families.py or list it in NOT_BUILDABLE with the reason")
     if result["status"] == "refused":
         assert repr(model_type) in result["reason"] and "sdpa" in result["reason"]
         return

@@ -10,7 +10,7 @@ import torch
 
 import hf_sparse_attention
 from sparse_k import get_pattern
-from test_transformers_models import reference_logits
+from tiny_models import reference_logits
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")

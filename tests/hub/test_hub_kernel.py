@@ -1,4 +1,4 @@
-"""Kernel-hub packaging (issue 7): build.toml, scripts/build_kernel.py, loading through ``kernels``,
+"""Kernel-hub packaging: build.toml, scripts/build_kernel.py, loading through ``kernels``,
 and ``attn_implementation="<org>/sparse-k"`` against ``attn_implementation="sparse_k"``.
 
 Everything is built into pytest's temporary directories and loaded offline (``LOCAL_KERNELS``,
@@ -31,7 +31,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: Keys of kernel-builder's edition-5 build.toml schema, from huggingface/kernels
 #: kernels-data/src/config/v5.rs (commit 8ac69fc542a4306eade0759ef7c45b4f2ae57df0): the structs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_sparse_attention
-from test_transformers_models import FIXED_PATTERNS, VOCAB, one_thread, tiny_model  # noqa: F401
+from tiny_models import FIXED_PATTERNS, VOCAB, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_e2e.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_e2e.py"
 TINY = ["--device", "cpu", "--dtype", "float32", "--layers", "2", "--hidden", "64", "--intermediate", "128",
         "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "256", "--window", "48", "--sinks", "2",
         "--learned-window", "16", "--top-k", "16", "--query-block", "16", "--repeats", "1", "--decode-steps", "3",

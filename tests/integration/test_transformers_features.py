@@ -10,7 +10,7 @@ import hf_sparse_attention
 from hf_sparse_attention.integration import key_mask
 from sparse_k import get_pattern, masked_attention, row_geometry
 from sparse_k.transformers_adapter import WithinChunk, attention_forward, restrict_pattern
-from test_transformers_models import VOCAB, one_thread, reference_logits, sparse_logits, tiny_model  # noqa: F401
+from tiny_models import VOCAB, one_thread, reference_logits, sparse_logits, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import torch
 import hf_sparse_attention
 from hf_sparse_attention import SparseCache
 from hf_sparse_attention.cache import BoundedLayer
-from test_transformers_models import VOCAB, model_windows, one_thread, tiny_model  # noqa: F401
+from tiny_models import VOCAB, model_windows, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 

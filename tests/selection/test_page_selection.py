@@ -194,8 +194,12 @@ def test_sparsek_prefix_scan_matches_definition(chunk, monkeypatch):
     import math
 
     import sparse_k.selectors as sel
+    from selection_reference import (
+        assert_same_selection,
+        brute_force_topk,
+        layout_selection,
+    )
     from sparse_k.scorers import SparseKScorer
-    from test_selectors import _assert_same, _brute_force, _layout_dict
 
     monkeypatch.setattr(sel, "PREFIX_CHUNK", chunk)
     pattern = sparse_k.SparseK(sinks=3, window=13, top_k=6, query_block=8)
@@ -216,8 +220,8 @@ def test_sparsek_prefix_scan_matches_definition(chunk, monkeypatch):
     lay = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
     assert called
     u = scorer(v, geo.k_positions(S).expand(B, S), k).detach()
-    want = _brute_force(pattern, u, geo, S, S, B, Hkv, weighted=True)
-    _assert_same(_layout_dict(lay, geo, S, B, Hkv), want, atol=1e-9)
+    want = brute_force_topk(pattern, u, geo, S, S, B, Hkv, weighted=True)
+    assert_same_selection(layout_selection(lay, geo, S, B, Hkv), want, atol=1e-9)
     _check_layout(lay, pattern, geo, S, S, B)
     lay.weights.sum().backward()
     grad = scorer.weight.grad
