@@ -189,8 +189,12 @@ def build_selection(
     nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
     if max_c == 0:
         return None
-    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
     K = min(pattern.top_k, max_c)
+    reuse_key = _decode_reuse_key(pattern, host, query.shape, Hkv, nb, K, span, query.device) \
+        if selector is None and memo is not None else None
+    if reuse_key is not None and memo.get("layout_key") == reuse_key:
+        return memo["layout"]
+    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
     if selector is None:
         warn_once(
             f"{pattern.name}: no trained selector for layer {layer_idx} (and maybe others); using the training-free "
@@ -198,7 +202,10 @@ def build_selection(
             "train one with scripts/train_selector.py and set config.sparse_attention['selector_path'].",
             key=f"{pattern.name}: training-free selection",
         )
-        return quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
+        layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
+        if memo is not None:
+            memo["layout_key"], memo["layout"] = reuse_key, layout
+        return layout
     if isinstance(selector, SparseKScorer):
         u = selector(value, kpos, key)
         if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
@@ -225,6 +232,24 @@ def build_selection(
         indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
         query_block=pattern.query_block, first_block=first, weights=None,
     )
+
+
+def _decode_reuse_key(pattern, host, q_shape, n_kv_heads: int, nb: int, K: int, span: int, device):
+    """The key under which a training-free decode call may return the layout of the call before it, or None.
+
+    A block's training-free selection depends only on the block's first query and on pages complete when
+    the block starts (``page_selection``), so it is the same for every decode step inside the block. A
+    call qualifies when it has one query per row, the offsets are known on the host (no device read) and
+    nothing is being traced; the key holds every input of the layout's shape and content that can change
+    between such calls (rows' blocks, key offsets, ``K``, ``span``), so a new block, an evicting cache or
+    another batch computes afresh.
+    """
+    if host is None or nb != 1 or q_shape[2] != 1 or torch.compiler.is_compiling():
+        return None
+    rows = max(len(x) for x in host)
+    starts = [tuple(x[r if len(x) > 1 else 0] for x in host) for r in range(rows)]
+    blocks = tuple(max(0, qs - ks) // pattern.query_block for qs, ks, _ in starts)
+    return (pattern, tuple(q_shape), n_kv_heads, K, span, blocks, tuple(ks for _, ks, _ in starts), str(device))
 
 
 def selection_from_scores(pattern: Pattern, scores: torch.Tensor, geometry: RowGeometry, q_len: int,

@@ -122,8 +122,14 @@ def test_dsa_without_indexer_uses_the_same_selection():
 
 
 @pytest.mark.parametrize("prefill", [37, 48])
-def test_decode_equals_recompute(prefill):
-    """A prefill then one token per call, the memo carrying each block's first query, padded row 1."""
+def test_decode_equals_recompute(prefill, monkeypatch):
+    """A prefill then one token per call, the memo carrying each block's first query, padded row 1; a decode
+    call inside the block of the call before it returns that call's layout (one selection per block)."""
+    import sparse_k.selectors as sel
+
+    computed = []
+    quest = sel.quest_layout
+    monkeypatch.setattr(sel, "quest_layout", lambda *a, **kw: computed.append(a[1].shape[2]) or quest(*a, **kw))
     pattern = sparse_k.SparseK(sinks=2, window=9, top_k=16, query_block=8)
     B, S = 2, 121
     q, k, v = _inputs(B, 4, 2, S, 6, seed=prefill)
@@ -144,6 +150,9 @@ def test_decode_equals_recompute(prefill):
                 seen[key] = idx
     assert not any("first query was not seen" in str(w.message) for w in rec)
     assert seen.keys() == want.keys()
+    block_pairs = {(p // 8, (p - 5) // 8) for p in range(prefill, S)}  # (row 0, row 1) blocks of the decode calls
+    decode_selections = sum(1 for sq in computed if sq == 1)
+    assert 0 < decode_selections <= len(block_pairs) < S - prefill
 
 
 def test_decode_without_memo_warns_once():
