@@ -12,7 +12,6 @@ builds (or fetches from cache) the layout, and dispatches to a backend:
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -23,21 +22,11 @@ from .patterns import L2Aligned, Pattern, get_pattern, resolve_l2_segment
 from .reference import reference_attention
 from .token_layout import TokenLayout
 from .torch_path import torch_sparse_attention
+from .warn import warn_once
 
-__all__ = ["sparse_attention", "register_backend", "available_backends", "warn_once"]
+__all__ = ["sparse_attention", "register_backend", "available_backends"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str, key: str | None = None) -> None:
-    """Emit ``message`` as a ``UserWarning`` the first time its ``key`` (default: the message
-    itself) is seen in this process."""
-    key = message if key is None else key
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
-
 
 # name -> (why_unsupported(inputs) -> str | None, run(inputs) -> (out, lse))
 _BACKENDS: dict[str, tuple[Callable, Callable]] = {}
