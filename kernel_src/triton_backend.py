@@ -33,8 +33,8 @@ import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
 from .api import AttentionCall, register_backend
 from .decode_layout import DecodeLayout, decode_layout
+from .pattern_codes import PATTERN_IDS
 from .patterns import BigBird
-from .triton_fwd import PATTERN_IDS
 
 __all__ = ["bigbird_tiles", "decode_config", "run", "selection_prefill_config", "tile_config", "why_unsupported"]
 

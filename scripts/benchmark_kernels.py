@@ -282,7 +282,7 @@ def _forward_kernel_name(q, k, v, layout) -> str:
     from sparse_k.cuda_dispatch import cuda_structured_applies
     from sparse_k.triton_structured import structured_ok
 
-    pid, _ = triton_fwd.pattern_code(layout.pattern)
+    pid, _ = pattern_code(layout.pattern)
     if not structured_ok(pid, bool(layout.pattern.causal), pack=1, num_splits=1, selection=None):
         return "triton_layout"
     if cuda_structured_applies(q, k, v, layout.geometry, pattern_id=pid, causal=layout.pattern.causal):
@@ -318,7 +318,7 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     if ok and row["kernel"] == "cuda_sm90":  # the portable Triton kernel beside it, same inputs
         from sparse_k import triton_fwd
 
-        triton_call = lambda: triton_fwd.attention_forward(q, k, v, layout, scale=scale, cuda_structured=False)
+        triton_call = lambda: dispatch.attention_forward(q, k, v, layout, scale=scale, cuda=False)
         row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
         if row["err_large_triton"] < TOL:
             row["triton_ms"] = bench(triton_call)
@@ -387,11 +387,11 @@ def _token_fwd_rows(args, results):
                 from sparse_k import triton_fwd
                 from sparse_k.cuda_dispatch import cuda_token_applies
 
-                pid_tok, _ = triton_fwd.pattern_code(p_tok)
+                pid_tok, _ = pattern_code(p_tok)
                 if cuda_token_applies(q, k, v, geo, sel, pattern_id=pid_tok, causal=True):
                     row["token_kernel"] = "cuda_sm90"  # the Triton token kernel too, for comparison
-                    row["token_triton_ms"] = bench(lambda: triton_fwd.attention_forward(
-                        q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda_structured=False))
+                    row["token_triton_ms"] = bench(lambda: dispatch.attention_forward(
+                        q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda=False))
                     row["tflops_token_triton"] = 4.0 * pairs * D / row["token_triton_ms"] / 1e9
                 else:
                     row["token_kernel"] = "triton"
@@ -407,7 +407,7 @@ def _token_fwd_rows(args, results):
                 from sparse_k import triton_fwd
 
                 row["sw3072_triton_ms"] = bench(
-                    lambda: triton_fwd.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda_structured=False))
+                    lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda=False))
                 row["sw3072_triton_tflops"] = sw_flops / row["sw3072_triton_ms"] / 1e9
             if row.get("tflops_ours"):
                 row["tflops_ratio_vs_sw3072"] = row["tflops_ours"] / row["sw3072_tflops"]
@@ -450,7 +450,7 @@ def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
     from sparse_k import triton_bwd, triton_fwd
     from sparse_k.cuda_dispatch import cuda_structured_backward_applies
 
-    pid, _ = triton_fwd.pattern_code(p)
+    pid, _ = pattern_code(p)
     with torch.no_grad():
         out, lse = block_attn(q, k, v, layout, scale=scale)
     cuda = pid in (0, 1, 2) and cuda_structured_backward_applies(do, q, k, v, out, lse, layout.geometry, pattern_id=pid,
@@ -458,8 +458,8 @@ def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
     row["kernel"] = "cuda_sm90" if cuda else "triton"
     if not cuda:
         return
-    grads = triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3]
-    triton_call = lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda_structured=False)
+    grads = dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3]
+    triton_call = lambda: dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda=False)
     row["err_grads_vs_triton"] = max(rel_err(a, b) for a, b in zip(grads, triton_call()[:3]))
     if row["err_grads_vs_triton"] < TOL:
         row["triton_ms"] = bench(triton_call)
@@ -550,10 +550,10 @@ def _decode_token_row(q, k, v, S, D, B, row):
         return block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel)
 
     def triton_fn():
-        return triton_fwd.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
-                                            selection=sel, cuda_structured=False)
+        return dispatch.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
+                                            selection=sel, cuda=False)
 
-    cuda = cuda_decode_applies(q, k, v, klay.geometry, sel, pattern_id=triton_fwd.pattern_code(p)[0], causal=True)
+    cuda = cuda_decode_applies(q, k, v, klay.geometry, sel, pattern_id=pattern_code(p)[0], causal=True)
     row["kernel"] = "cuda_sm90" if cuda else "triton"
     row["err_kernel"] = rel_err(fn()[0], ref)
     nbytes = 2 * B * HKV * 2049 * D * k.element_size()
@@ -651,7 +651,7 @@ def section_tune(args, results):
                 pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
 
                 def fn():
-                    return triton_fwd.attention_forward(q, k, v, lay, scale=scale, num_warps=warps, num_stages=stages, use_tma=tma)
+                    return dispatch.attention_forward(q, k, v, lay, scale=scale, num_warps=warps, num_stages=stages, use_tma=tma)
 
                 out, _ = fn()
                 row["err_large"] = large_check(q, k, v, lay, out)
@@ -692,10 +692,10 @@ def section_tune_bwd(args, results):
         row = dict(section="tune_bwd", pattern=p.name, S=S, D=D, tile=f"{bm}x{bn}", warps=warps, stages=stages)
         try:
             lay = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
-            out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
+            out, lse = dispatch.attention_forward(q, k, v, lay, scale=scale)
 
             def fn():
-                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
+                return dispatch.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
                                                      num_stages=stages, structured=False)
 
             grads = fn()[:3]
@@ -763,7 +763,7 @@ def section_tune_structured(args, results):
     for name in args.patterns:
         p = pats[name]
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
-        pid, params = triton_fwd.pattern_code(p)
+        pid, params = pattern_code(p)
         fns = {}
         if pid in triton_structured.STRUCTURED_PATTERNS:
             for bm, bn, stages, warps, order in STRUCTURED_VARIANTS[: args.variants or None]:
@@ -775,7 +775,7 @@ def section_tune_structured(args, results):
             for bm, bn, stages, warps in LAYOUT_VARIANTS:
                 lay_v = lay if (bm, bn) == (128, 128) else build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
                 fns[f"layout {bm}x{bn} s{stages} w{warps}"] = (
-                    lambda lay_v=lay_v, stages=stages, warps=warps: triton_fwd.attention_forward(
+                    lambda lay_v=lay_v, stages=stages, warps=warps: dispatch.attention_forward(
                         q, k, v, lay_v, scale=scale, structured=False, num_stages=stages, num_warps=warps))
         if S <= args.flex_max:
             bmask = lay.to_block_mask(1, HQ)
@@ -856,9 +856,9 @@ def section_tune_structured_bwd(args, results):
     scale = D ** -0.5
     do = torch.randn_like(q)
     lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=HKV)
-    out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
-    pid, params = triton_fwd.pattern_code(p)
-    fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
+    out, lse = dispatch.attention_forward(q, k, v, lay, scale=scale)
+    pid, params = pattern_code(p)
+    fns = {"layout path": lambda: dispatch.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
     for cfg, tma, dq_tma, atomic in STRUCTURED_BWD_VARIANTS[: args.variants or None]:
         label = ("st " + "/".join(map(str, cfg)) + {True: " tma", "kv": " kv-tma"}.get(tma, "")
                  + (" dq-tma" if dq_tma else "") + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
@@ -927,7 +927,7 @@ def section_l2(args, results):
         pairs = allowed_pairs(lay, S) * HQ
         for order in ((0, 2) if name == "l2_aligned" else (0, 1, 2, 3) if name == "dense" else (0, 2, 3)):
             row = dict(section="l2", pattern=name, S=S, D=D, tile=f"order {order}")
-            fn = lambda order=order: triton_fwd.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
+            fn = lambda order=order: dispatch.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
             try:
                 out = fn()[0]
                 torch.cuda.synchronize()

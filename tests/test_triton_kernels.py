@@ -26,7 +26,8 @@ if HAVE_TRITON:
     triton_fwd, triton_bwd, triton_structured, triton_structured_bwd = _kernels
 
 import sparse_k
-from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k import block_layout, build_block_layout, dispatch, get_pattern, launch_buffers, reference_attention, row_geometry
+from sparse_k.pattern_codes import pattern_code
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -105,7 +106,7 @@ def test_forward_every_pattern(name):
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
     lay = _layout(p, Sq, Skv, geo, Hkv)
     out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
-    o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, softcap=softcap, sink_logits=sink, out=out)
+    o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, softcap=softcap, sink_logits=sink, out=out)
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, softcap=softcap, sink_logits=sink)
     assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
     assert rel(o, ro) < TOL32
@@ -191,7 +192,7 @@ def test_gqa_packing(pack):
     q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
     lay = _layout(p, Sq, Skv, geo, Hkv, bq=16 // pack)
-    o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
+    o, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert rel(o, ro) < TOL32
 
@@ -215,7 +216,7 @@ def test_decode_split_kv_strided_cache(q_len):
     geo = row_geometry(B, q_len, S_max, None, device=DEV)
     lay = _layout(PATTERNS["sliding_window"], q_len, S_max, geo, Hkv, bq=4)
     for splits in (1, 2, 5):
-        o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
+        o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
         ro, rl = reference_attention(q, k, v, PATTERNS["sliding_window"], geo, scale=D ** -0.5, sink_logits=sink)
         assert rel(o, ro) < TOL32
         assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
@@ -238,13 +239,13 @@ def test_decode_split_merge_fused_and_separate(fuse):
         ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink)
         for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
             out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
-            o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
+            o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
                                                   sink_logits=sink, out=out, fuse_combine=fuse)
             assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
             assert rel(o, ro) < TOL32
             assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
         if fuse:
-            assert not triton_fwd.split_counters(torch.device(DEV), 1).any()
+            assert not launch_buffers.split_counters(torch.device(DEV), 1).any()
 
 
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
@@ -338,10 +339,10 @@ def test_tma_descriptors_and_contiguous_runs():
         p = PATTERNS["sliding_window"]
         geo = row_geometry(B, Skv, Skv, None, device=DEV)
         lay = _layout(p, Skv, Skv, geo, Hkv)
-        assert triton_fwd.full_tiles_contiguous(lay)
+        assert block_layout.full_tiles_contiguous(lay)
         ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
         for tma, contig in ((True, True), (False, False)):
-            o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, use_tma=tma, full_contig=contig)
+            o, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, use_tma=tma, full_contig=contig)
             assert rel(o, ro) < TOL32
 
 
@@ -404,7 +405,7 @@ def test_custom_op_registration():
     q, k, v = (rand(1, h, 20, 16, gen=g).requires_grad_() for h in (2, 1, 1))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 1)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
     torch.library.opcheck(ops.block_attn_fwd, args,
@@ -423,7 +424,7 @@ def test_custom_op_fake_follows_query_order():
     q, k, v = (rand(1, 20, h, 16, gen=g).transpose(1, 2) for h in (4, 2, 2))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 2)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
     assert ops.block_attn_fwd(*args)[0].transpose(1, 2).is_contiguous()
@@ -548,7 +549,7 @@ def test_token_layout_far_tiles_skip_the_element_rule(pack):
         outs = []
         for fast in (2, 1, 0):
             out = torch.full_like(q, float("nan"))
-            triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
+            dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
             assert rel(out, ref) < TOL32, fast
             outs.append(out)
         for out in outs[1:]:
@@ -576,7 +577,7 @@ def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
     outs = []
     for prefetch, lean, fast in ((True, True, 2), (False, False, 0), (True, False, 1), (True, True, 0)):
         out = torch.full_like(q, float("nan"))
-        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
+        dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
                                      sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
         assert rel(out, ref) < tol, (prefetch, lean, fast)
         outs.append(out)
@@ -589,7 +590,7 @@ def test_sel_fast_rejects_unknown_values(bad):
     """``sel_fast`` takes None, 0 / False, 1 / True or 2; anything else is a ValueError naming it."""
     q = torch.zeros(1, 1, 1, 16)
     with pytest.raises(ValueError, match="sel_fast"):
-        triton_fwd.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
+        dispatch.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
 
 
 STRUCTURED_CASES = {
@@ -638,7 +639,7 @@ def test_structured_tile_ranges(name):
     sink = rand(Hq, gen=g) if Sq % 2 else None
     softcap = 5.0 if "bidir" in name else None
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink, softcap=softcap, key_mask=key_mask)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     for order in range(4):
         out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
         o, lse = triton_structured.structured_forward(
@@ -651,7 +652,7 @@ def test_structured_tile_ranges(name):
         assert torch.equal(torch.isfinite(lse), finite)
         assert torch.allclose(lse[finite].double(), rl[finite], atol=LSE_ATOL, rtol=1e-4)
     lay = _layout(p, Sq, Skv, geo, Hkv)
-    o_lay, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
+    o_lay, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
                                             key_mask=key_mask, structured=False)
     assert rel(o_lay, ro) < TOL32
 
@@ -671,7 +672,7 @@ def test_structured_backward(name):
     ro, _ = reference_attention(*leaves[:3], p, geo, scale=D ** -0.5, sink_logits=leaves[3], softcap=softcap, key_mask=key_mask)
     do = rand(*ro.shape, gen=g)
     refs = torch.autograd.grad(ro, leaves, do.double())
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     o, lse = triton_structured.structured_forward(
         q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
         softcap=softcap, sink_logits=sink, key_mask=key_mask,
@@ -750,7 +751,7 @@ def test_bigbird_tiles_dividing_the_block():
     q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
     geo = row_geometry(B, S, S, None, device=DEV)
     out = torch.full((B, Hq, S, D), float("nan"), device=DEV)
-    o, _ = triton_fwd.attention_forward(q, k, v, _layout(p, S, S, geo, Hkv), scale=D ** -0.5, out=out)
+    o, _ = dispatch.attention_forward(q, k, v, _layout(p, S, S, geo, Hkv), scale=D ** -0.5, out=out)
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert not o.isnan().any()
     assert rel(o, ro) < TOL32
