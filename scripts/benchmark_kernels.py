@@ -275,19 +275,18 @@ def _inputs(B, S, D, dtype, dev, seed):
     return q, k, v
 
 
-def _forward_kernel_name(q, k, v, layout) -> str:
-    """Which forward kernel ``block_attn`` runs for this eager call: "cuda_sm90", "triton_structured" or
-    "triton_layout" (the dispatch of ``triton_fwd.attention_forward``)."""
-    from sparse_k import triton_fwd
-    from sparse_k.cuda_dispatch import cuda_structured_applies
-    from sparse_k.triton_structured import structured_ok
+def ran(fn):
+    """``(fn(), label)``: the kernels ``sparse_k.plan`` named for the launches of one call of ``fn``
+    (``plan.recording``), e.g. "cuda_sm90_structured" or "cuda_sm90_structured / cuda_sm90_structured_bwd"."""
+    from sparse_k import plan
 
-    pid, _ = pattern_code(layout.pattern)
-    if not structured_ok(pid, bool(layout.pattern.causal), pack=1, num_splits=1, selection=None):
-        return "triton_layout"
-    if cuda_structured_applies(q, k, v, layout.geometry, pattern_id=pid, causal=layout.pattern.causal):
-        return "cuda_sm90"
-    return "triton_structured"
+    with plan.recording() as seen:
+        result = fn()
+    return result, " / ".join(dict.fromkeys(x.kernel for x in seen)) or "none"
+
+
+def _is_cuda(label: str) -> bool:
+    return all(name.startswith("cuda_") for name in label.split(" / "))
 
 
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
@@ -304,7 +303,7 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     scale = D ** -0.5
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    out, _ = block_attn(q, k, v, layout, scale=scale)
+    (out, _), row["kernel"] = ran(lambda: block_attn(q, k, v, layout, scale=scale))
     torch.cuda.synchronize()
     row["extra_mem_gb"] = round((torch.cuda.max_memory_allocated() - base_mem - out.numel() * out.element_size()) / 2**30, 3)
     err_large = large_check(q, k, v, layout, out)
@@ -314,9 +313,8 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     if not ok:
         row["error"] = "correctness check failed: row void"
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
-    row["kernel"] = _forward_kernel_name(q, k, v, layout)
-    if ok and row["kernel"] == "cuda_sm90":  # the portable Triton kernel beside it, same inputs
-        from sparse_k import triton_fwd
+    if ok and _is_cuda(row["kernel"]):  # the portable Triton kernel beside it, same inputs
+        from sparse_k import dispatch
 
         triton_call = lambda: dispatch.attention_forward(q, k, v, layout, scale=scale, cuda=False)
         row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
@@ -374,7 +372,7 @@ def _token_fwd_rows(args, results):
             rows_, pack, bn = selection_prefill_config(HQ // HKV, "cuda", D)  # the backend's own tiles
             row["tile"] = f"{rows_ * pack}x{bn} pack {pack}"  # the Triton token kernel's (token_kernel: which ran)
             lay = build_block_layout(p_tok, S, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
-            out, _ = block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack)
+            (out, _), row["token_kernel"] = ran(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
             errs = []
             for q0 in (0, S - 256):
                 ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p_tok, backend="torch", selection=sel, q_start=q0)
@@ -384,27 +382,22 @@ def _token_fwd_rows(args, results):
             if row["err_large"] < TOL:
                 row["ours_ms"] = bench(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
                 row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
-                from sparse_k import triton_fwd
-                from sparse_k.cuda_dispatch import cuda_token_applies
+                from sparse_k import dispatch
 
-                pid_tok, _ = pattern_code(p_tok)
-                if cuda_token_applies(q, k, v, geo, sel, pattern_id=pid_tok, causal=True):
-                    row["token_kernel"] = "cuda_sm90"  # the Triton token kernel too, for comparison
+                if _is_cuda(row["token_kernel"]):  # the Triton token kernel too, for comparison
                     row["token_triton_ms"] = bench(lambda: dispatch.attention_forward(
                         q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda=False))
                     row["tflops_token_triton"] = 4.0 * pairs * D / row["token_triton_ms"] / 1e9
-                else:
-                    row["token_kernel"] = "triton"
             else:
                 row["error"] = "correctness check failed: row void"
             lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
             sw_flops = 4.0 * allowed_pairs(lay_sw, S) * HQ * D
+            _, row["sw3072_kernel"] = ran(lambda: block_attn(q, k, v, lay_sw, scale=D ** -0.5))
             sw_ms = bench(lambda: block_attn(q, k, v, lay_sw, scale=D ** -0.5))
-            row["sw3072_kernel"] = _forward_kernel_name(q, k, v, lay_sw)
             row["sw3072_ms"] = sw_ms
             row["sw3072_tflops"] = sw_flops / sw_ms / 1e9
-            if row["sw3072_kernel"] == "cuda_sm90":  # the Triton sliding-window kernel too (token rows are Triton)
-                from sparse_k import triton_fwd
+            if _is_cuda(row["sw3072_kernel"]):  # the Triton sliding-window kernel too
+                from sparse_k import dispatch
 
                 row["sw3072_triton_ms"] = bench(
                     lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda=False))
@@ -445,20 +438,15 @@ def section_bwd(args, results):
 
 
 def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
-    """Which backward kernel the op ran ("cuda_sm90" or "triton") and, for the CUDA one, the Triton
-    backward beside it on the same inputs (gradients compared, then timed)."""
-    from sparse_k import triton_bwd, triton_fwd
-    from sparse_k.cuda_dispatch import cuda_structured_backward_applies
+    """Which backward kernel runs (``plan``'s name, recorded on the same inputs) and, for a CUDA one, the
+    Triton backward beside it on the same inputs (gradients compared, then timed)."""
+    from sparse_k import dispatch
 
-    pid, _ = pattern_code(p)
     with torch.no_grad():
         out, lse = block_attn(q, k, v, layout, scale=scale)
-    cuda = pid in (0, 1, 2) and cuda_structured_backward_applies(do, q, k, v, out, lse, layout.geometry, pattern_id=pid,
-                                                                 causal=p.causal)
-    row["kernel"] = "cuda_sm90" if cuda else "triton"
-    if not cuda:
+    grads, row["kernel"] = ran(lambda: dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3])
+    if not _is_cuda(row["kernel"]):
         return
-    grads = dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3]
     triton_call = lambda: dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda=False)
     row["err_grads_vs_triton"] = max(rel_err(a, b) for a, b in zip(grads, triton_call()[:3]))
     if row["err_grads_vs_triton"] < TOL:
@@ -535,8 +523,7 @@ def _decode_token_row(q, k, v, S, D, B, row):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
     ref = sparse_k.sparse_attention(q, k, v, p, backend="torch", selection=sel)
     row["err"] = rel_err(out, ref)
-    from sparse_k import triton_fwd
-    from sparse_k.cuda_dispatch import cuda_decode_applies
+    from sparse_k import dispatch
     from sparse_k.triton_backend import _num_splits, decode_config
 
     rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
@@ -553,9 +540,9 @@ def _decode_token_row(q, k, v, S, D, B, row):
         return dispatch.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
                                             selection=sel, cuda=False)
 
-    cuda = cuda_decode_applies(q, k, v, klay.geometry, sel, pattern_id=pattern_code(p)[0], causal=True)
-    row["kernel"] = "cuda_sm90" if cuda else "triton"
-    row["err_kernel"] = rel_err(fn()[0], ref)
+    (o_k, _), row["kernel"] = ran(fn)
+    cuda = _is_cuda(row["kernel"])
+    row["err_kernel"] = rel_err(o_k, ref)
     nbytes = 2 * B * HKV * 2049 * D * k.element_size()
     if max(row["err"], row["err_kernel"]) < TOL:
         row["ours_us"] = 1e3 * bench(fn)
@@ -628,7 +615,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
 
 def section_tune(args, results):
     """Sweep tile shapes, warps, stages and TMA for the sliding-window forward (first of --seqlens)."""
-    from sparse_k import triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -677,7 +664,7 @@ def section_tune(args, results):
 
 def section_tune_bwd(args, results):
     """Sweep tile shapes, warps and stages of the backward (sliding window, first of --seqlens)."""
-    from sparse_k import triton_bwd, triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -752,7 +739,8 @@ def section_tune_structured(args, results):
     dense / sliding_window / streaming: the structured kernel over ``STRUCTURED_VARIANTS``; other
     patterns (bigbird): the layout path over ``LAYOUT_VARIANTS`` (each with its own layout; Flex gets
     the 128x128 one)."""
-    from sparse_k import triton_fwd, triton_structured
+    from sparse_k import dispatch, triton_structured
+    from sparse_k.pattern_codes import STRUCTURED_PATTERNS, pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -765,7 +753,7 @@ def section_tune_structured(args, results):
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
         pid, params = pattern_code(p)
         fns = {}
-        if pid in triton_structured.STRUCTURED_PATTERNS:
+        if pid in STRUCTURED_PATTERNS:
             for bm, bn, stages, warps, order in STRUCTURED_VARIANTS[: args.variants or None]:
                 fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
                     lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
@@ -846,7 +834,8 @@ def section_tune_structured_bwd(args, results):
 
     Every variant's gradients are compared with the layout path's (itself checked against the float64
     reference by ``--section bwd`` and the GPU tests)."""
-    from sparse_k import triton_bwd, triton_fwd, triton_structured_bwd
+    from sparse_k import dispatch, triton_structured_bwd
+    from sparse_k.pattern_codes import pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -908,7 +897,7 @@ def section_tune_structured_bwd(args, results):
 
 def section_l2(args, results):
     """Program order vs L2 behaviour (timing here; hit rates from ncu over ``--single-launch``)."""
-    from sparse_k import resolve_l2_segment, triton_fwd
+    from sparse_k import dispatch, resolve_l2_segment
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -951,31 +940,10 @@ def section_l2(args, results):
 
 
 def _which_kernels(fn):
-    """Run ``fn()`` once; return its result and the kernels that ran, forward and (when ``fn`` runs one)
-    backward: "cuda_sm90" when the Hopper CUDA kernel took every such call
-    (``cuda_dispatch.try_cuda_structured`` / ``try_cuda_structured_backward``), else "triton"."""
-    from sparse_k import cuda_dispatch
-
-    seen = {"try_cuda_structured": [], "try_cuda_structured_backward": []}
-    real = {name: getattr(cuda_dispatch, name) for name in seen}
-
-    def spy(name):
-        def call(*a, **kw):
-            r = real[name](*a, **kw)
-            seen[name].append(r is not None)
-            return r
-        return call
-
-    for name in seen:
-        setattr(cuda_dispatch, name, spy(name))
-    try:
-        out = fn()
-        torch.cuda.synchronize()
-    finally:
-        for name in seen:
-            setattr(cuda_dispatch, name, real[name])
-    names = ["cuda_sm90" if all(v) else "triton" for v in seen.values() if v]
-    return out, " / ".join(names) or "triton"
+    """Run ``fn()`` once (then synchronise); return its result and the kernels ``plan`` named for it."""
+    out, label = ran(fn)
+    torch.cuda.synchronize()
+    return out, label
 
 
 def _median(xs):
