@@ -1,6 +1,8 @@
-"""Which kernel runs an attention launch: the one place that decides.
+"""Which kernel runs an attention call: the one place that decides.
 
-``dispatch`` describes each launch (a ``Launch``), asks ``plan_forward`` or ``plan_backward`` and
+``api.sparse_attention`` asks ``plan_backend`` which backend runs a call (the exact reference, the
+PyTorch path, or a registered kernel backend such as ``"triton"``). The kernel backend's launches go
+through ``dispatch``, which describes each launch (a ``Launch``), asks ``plan_forward`` or ``plan_backward`` and
 launches the kernel the returned ``Plan`` names; benchmarks and tests ask the same functions, or
 collect the plans of a run with ``recording()``. The CUDA kernels' contracts are rules on shapes,
 strides and dtypes (``cuda_contract``); the device enters only through a ``Capability``, so every
@@ -19,6 +21,11 @@ Forward (``plan_forward``), in this order:
    ``token_call_ok`` on a plain geometry).
 4. the Triton layout kernel: ``triton_split_kv`` with ``num_splits > 1``, ``triton_token`` with a
    token layout, else ``triton_layout``.
+
+Backend (``plan_backend``): ``"reference"`` / ``"torch"`` when requested; ``"auto"`` takes the first
+registered kernel backend (auto order) that can run the call, else the PyTorch path; a requested
+kernel backend that cannot run the call falls back to the PyTorch path (the API warns once, with the
+plan's reason).
 
 Backward (``plan_backward``): structured launches (the same pattern rule) run the CUDA backward
 (``cuda_sm90_structured_bwd``: ``structured_bwd_call_ok``) or ``triton_structured_bwd``; the others
@@ -46,14 +53,18 @@ from .pattern_codes import structured_pattern
 
 __all__ = [
     "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "capability", "cuda_enabled", "mark_build_failed",
-    "plan_backward", "plan_decode", "plan_forward", "record", "recording", "structured_launch",
+    "plan_backend", "plan_backward", "plan_decode", "plan_forward", "record", "recording", "structured_launch",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernels take the calls they compute, "0" never.
 CUDA_ENV = "SPARSE_K_CUDA"
 
-#: Kernel name -> (what it computes, the CUDA extension it needs or None).
+#: Kernel name -> (what it computes, the CUDA extension it needs or None). ``plan_backend`` names a
+#: backend (the first three, or another registered backend); the launch plans name the others.
 KERNELS = {
+    "reference": ("exact dense-mask attention, float64 inside (reference)", None),
+    "torch": ("the PyTorch path, block by block (torch_path)", None),
+    "triton": ("the kernel backend: plan_forward / plan_backward name each launch's kernel (triton_backend)", None),
     "cuda_sm90_structured": ("Hopper CUDA forward, dense / sliding_window / streaming (cuda_structured)", "forward"),
     "cuda_sm90_token": ("Hopper CUDA forward, token layout + static part (cuda_token)", "token"),
     "cuda_sm90_decode": ("Hopper CUDA decode step, token layout + static part (cuda_decode)", "decode"),
@@ -83,12 +94,12 @@ class Plan:
     @property
     def cuda(self) -> bool:
         """Whether the kernel is a Hopper CUDA kernel."""
-        return KERNELS[self.kernel][1] is not None
+        return self.extension is not None
 
     @property
     def extension(self) -> str | None:
         """The CUDA extension the kernel needs built ("forward", "backward", "token", "decode"), or None."""
-        return KERNELS[self.kernel][1]
+        return KERNELS.get(self.kernel, ("", None))[1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -328,12 +339,38 @@ def plan_backward(launch: Launch, do, out, lse, cap: Capability | None = None) -
     return _plan("backward", "triton_layout_bwd", "not a structured pattern launch (pattern or token layout)")
 
 
+def plan_backend(requested: str, auto_order, why) -> Plan:
+    """The backend of a ``sparse_attention`` call (entry "backend"; module docstring).
+
+    Args:
+        requested: ``"auto"``, ``"reference"``, ``"torch"`` or a registered kernel backend.
+        auto_order: the registered kernel backends in ``"auto"``'s order of preference.
+        why: ``why(name)`` is None when backend ``name`` can run the call, else a short reason (asked
+            lazily, in order: a backend's check may cost a host read).
+    """
+    if requested in ("reference", "torch"):
+        return _plan("backend", requested, f"backend={requested!r} requested")
+    if requested == "auto":
+        reasons = []
+        for name in auto_order:
+            reason = why(name)
+            if reason is None:
+                return _plan("backend", name, "auto: the first kernel backend that runs the call")
+            reasons.append(f"{name}: {reason}")
+        return _plan("backend", "torch", f"auto: {'; '.join(reasons) or 'no kernel backend registered'}")
+    reason = why(requested)
+    if reason is not None:
+        return _plan("backend", "torch", f"backend {requested!r} cannot run this call ({reason})")
+    return _plan("backend", requested, f"backend={requested!r} requested")
+
+
 _RECORDERS: list[list[Plan]] = []
 
 
 @contextlib.contextmanager
 def recording():
-    """Collect the plans ``dispatch`` launches inside the ``with`` block (a list, in launch order)."""
+    """Collect the plans of what runs inside the ``with`` block, in order: each kernel launch
+    (``dispatch``) and each call the API runs on the PyTorch path or the reference (``plan_backend``)."""
     seen: list[Plan] = []
     _RECORDERS.append(seen)
     try:
@@ -343,7 +380,7 @@ def recording():
 
 
 def record(plan: Plan) -> None:
-    """Called by ``dispatch`` for each plan it launches."""
+    """Called by ``dispatch`` for each launch and by the API for each reference / PyTorch-path call."""
     for seen in _RECORDERS:
         seen.append(plan)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "kernel_src").is_dir())  # the repository
 #: Package name -> source folder.
 PACKAGES = {"sparse_k": ROOT / "kernel_src", "hf_sparse_attention": ROOT / "hf_sparse_attention"}
 

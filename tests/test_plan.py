@@ -236,6 +236,51 @@ def test_cpu_calls_stay_on_triton():
     assert plan_backward(launch, q, q, torch.zeros(1, 4, 40), ON).kernel == "cuda_sm90_structured_bwd"
 
 
+def test_backend_plan():
+    """``plan_backend``: requested reference / torch as asked; auto takes the first kernel backend that
+    can run the call (asking lazily, in order), else the PyTorch path with every reason; a requested
+    kernel backend that cannot run falls back to the PyTorch path, saying why."""
+    asked = []
+
+    def why(reasons):
+        def ask(name):
+            asked.append(name)
+            return reasons[name]
+        return ask
+
+    assert plan.plan_backend("torch", ["triton"], why({})).kernel == "torch"
+    assert plan.plan_backend("reference", ["triton"], why({})).kernel == "reference" and not asked
+    got = plan.plan_backend("auto", ["a", "b", "c"], why({"a": "no", "b": None, "c": None}))
+    assert (got.entry, got.kernel, asked) == ("backend", "b", ["a", "b"])
+    got = plan.plan_backend("auto", ["a", "b"], why({"a": "dtype float64", "b": "tensors on cpu"}))
+    assert got.kernel == "torch" and "a: dtype float64" in got.reason and "b: tensors on cpu" in got.reason
+    assert plan.plan_backend("auto", [], why({})).reason == "auto: no kernel backend registered"
+    got = plan.plan_backend("triton", ["triton"], why({"triton": "head dim 48"}))
+    assert got.kernel == "torch" and got.reason == "backend 'triton' cannot run this call (head dim 48)"
+    assert plan.plan_backend("triton", ["triton"], why({"triton": None})).kernel == "triton"
+
+
+def test_api_records_the_pytorch_path_and_warns_with_the_plans_reason():
+    import warnings
+
+    import sparse_k
+    from sparse_k import warn
+
+    q = torch.randn(1, 2, 9, 48)
+    warn._WARNED.clear()
+    with plan.recording() as seen, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sparse_k.sparse_attention(q, q, q, "sliding_window", backend="torch")
+        sparse_k.sparse_attention(q, q, q, "sliding_window", backend="reference")
+        if "triton" in sparse_k.available_backends():
+            sparse_k.sparse_attention(q, q, q, "sliding_window", backend="triton")  # head dim 48 (or CPU): no kernel
+    kernels = [x.kernel for x in seen]
+    assert kernels[:2] == ["torch", "reference"] and all(x.entry == "backend" for x in seen)
+    if "triton" in sparse_k.available_backends():
+        assert kernels[2] == "torch" and seen[2].reason.startswith("backend 'triton' cannot run this call (")
+        assert f"{seen[2].reason}; using the PyTorch path instead" in [str(w.message) for w in caught]
+
+
 def test_recording_collects_what_dispatch_records():
     p1, p2 = plan.Plan("forward", "triton_layout", "a"), plan.Plan("backward", "triton_layout_bwd", "b")
     plan.record(p1)  # nobody recording: dropped
