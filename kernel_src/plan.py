@@ -27,6 +27,12 @@ registered kernel backend (auto order) that can run the call, else the PyTorch p
 kernel backend that cannot run the call falls back to the PyTorch path (the API warns once, with the
 plan's reason).
 
+Tiles (``plan_tiles``, the Triton backend's launches): bigbird runs tiles that divide its block
+(``bigbird_tiles``); a decode step (``Sq <= 16``, no gradient) packs the query heads of a KV group and
+splits the keys (``decode_config``, ``split_count``); an inference prefill with a token layout packs
+heads too (``selection_prefill_config``); every other call one query head per program
+(``tile_config``: smaller tiles with gradients).
+
 Backward (``plan_backward``): structured launches (the same pattern rule) run the CUDA backward
 (``cuda_sm90_structured_bwd``: ``structured_bwd_call_ok``) or ``triton_structured_bwd``; the others
 ``triton_layout_bwd``.
@@ -52,8 +58,9 @@ from .geometry import decode_geometry, plain_geometry
 from .pattern_codes import structured_pattern
 
 __all__ = [
-    "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "capability", "cuda_enabled", "mark_build_failed",
-    "plan_backend", "plan_backward", "plan_decode", "plan_forward", "record", "recording", "structured_launch",
+    "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "Tiles", "bigbird_tiles", "capability", "cuda_enabled",
+    "decode_config", "mark_build_failed", "plan_backend", "plan_backward", "plan_decode", "plan_forward", "plan_tiles",
+    "record", "recording", "selection_prefill_config", "split_count", "structured_launch", "tile_config",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernels take the calls they compute, "0" never.
@@ -362,6 +369,111 @@ def plan_backend(requested: str, auto_order, why) -> Plan:
     if reason is not None:
         return _plan("backend", "torch", f"backend {requested!r} cannot run this call ({reason})")
     return _plan("backend", requested, f"backend={requested!r} requested")
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """The tiles of the Triton backend's launch for a call: ``block_q`` query rows per head and
+    ``block_k`` keys per tile (the layout's blocks), ``pack`` query heads per program (``BLOCK_M =
+    block_q * pack``), ``decode`` a decode-style launch (split keys; a ``DecodeLayout`` where the
+    pattern allows), and ``reason``."""
+
+    block_q: int
+    block_k: int
+    pack: int
+    decode: bool
+    reason: str
+
+
+def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_grad: bool, selection: bool,
+               bigbird_block: int | None = None) -> Tiles:
+    """The tiles of a call (module docstring): ``group = Hq // Hkv``, ``need_grad`` whether autograd will
+    ask for a backward, ``selection`` whether a token layout is fused, ``bigbird_block`` bigbird's block
+    (None for other patterns)."""
+    if bigbird_block is not None:
+        bq, bk = bigbird_tiles(bigbird_block, head_dim, device_type, need_grad, q_len)
+        return Tiles(bq, bk, 1, False, "bigbird: tiles that divide its block")
+    if q_len <= 16 and not need_grad:
+        rows, pack, bn = decode_config(q_len, group, device_type, head_dim)
+        return Tiles(rows, bn, pack, True, f"decode step ({q_len} queries, no gradient): {pack} heads packed, keys split")
+    if selection and not need_grad:
+        rows, pack, bn = selection_prefill_config(group, device_type, head_dim)
+        return Tiles(rows, bn, pack, False, f"token-layout prefill without gradient: {pack} heads packed")
+    bm, bn = tile_config(head_dim, device_type, need_grad)
+    return Tiles(bm, bn, 1, False, "prefill with gradients" if need_grad else "prefill")
+
+
+def tile_config(head_dim: int, device_type: str, need_grad: bool) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of the prefill / training kernels."""
+    if device_type != "cuda":
+        return 16, 16
+    if need_grad:
+        return (64, 64) if head_dim <= 128 else (32, 32)
+    return (128, 128) if head_dim <= 128 else (64, 64)
+
+
+def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
+    """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``)."""
+    rows = 1
+    while rows < q_len:
+        rows *= 2
+    min_m = 16
+    max_m = 128 if head_dim <= 128 else 64
+    # Pack the largest power of two of heads that divides the group, so BLOCK_M = rows * pack stays a
+    # power of two (tl.arange needs one); a group of 3 (SmolLM2: 9 query heads, 3 KV heads) packs 1.
+    pack = 1
+    while group % (pack * 2) == 0 and rows * pack * 2 <= max_m:
+        pack *= 2
+    if rows * pack < min_m:
+        rows = min_m // pack
+    # 64-key tiles (H100, B=8, 128K cache, scripts/tune_decode.py, 2026-11-22): with 4 warps and 3 stages
+    # a program needs 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token
+    # layout ran 47 us (graph replay) against 48-54 us with 128-key tiles, a window 64.5 vs 63-65 us.
+    block_n = 16 if device_type != "cuda" else 64
+    return rows, pack, block_n
+
+
+def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
+    """``(rows per head, heads packed, BLOCK_N)`` of an inference prefill with a token layout.
+
+    ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
+    (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
+    run ahead too (H100, S=64K, top-2048 + window 1024: 16.8 ms vs 20.8 ms with one head per program
+    and 128-key tiles, 2 stages; with the session-4 selection loop 10.5 ms; scripts/tune_decode.py,
+    2026-11-22)."""
+    if device_type != "cuda" or head_dim != 128:  # measured at D=128 only; other head dims keep the prefill tiles
+        bm, bn = tile_config(head_dim, device_type, False)
+        return bm, 1, bn
+    pack = 1
+    while group % (pack * 2) == 0 and pack * 2 <= 4:
+        pack *= 2
+    return 128 // pack, pack, 64
+
+
+def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of bigbird on the layout path: tiles that divide the block (a tile then
+    lies in one block pair, allowed or not as a whole). Prefill without gradients on the GPU with blocks
+    of 128 or more runs 64x64 tiles (two programs per SM; H100, block 128, S=64K, 2026-11-22: 2.65 ms
+    against 2.70 ms with 128x128 tiles; 2.40 ms since the tile indices are prefetched; the query heads
+    of a KV group packed in one program, 2 or 4 of them, 2.95-3.19 ms); otherwise the block itself."""
+    if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
+        return 64, 64
+    return block, block
+
+
+def split_count(programs: int, max_tiles: int, device, gathered: bool = False) -> int:
+    """Split-KV factor of a decode launch of ``programs`` (batch x KV heads x packs x query tiles).
+
+    One wave: ``SMs // programs`` splits for contiguous key tiles (longer runs per program win), twice
+    that when selected keys are gathered (each gathered tile waits on its index load; more programs
+    hide it). H100, B=8 (64 programs), 128K cache: window 4096 best at 2 splits (64.5 us graph replay;
+    5 splits, the old rule, 66-67), top-2048 at 4 (47.3 us; 6: 47.2-48.6, 8: 52-55; with the
+    session-4 selection loop 44.5 us, 3 splits 44.2-45.0, 5 splits 45.1-45.9)."""
+    if device.type != "cuda":
+        return max(1, min(max_tiles, 3))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    waves = 2 if gathered else 1
+    return max(1, min(max_tiles, waves * sms // max(1, programs), 64))
 
 
 _RECORDERS: list[list[Plan]] = []

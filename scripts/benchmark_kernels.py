@@ -292,9 +292,11 @@ def _is_cuda(label: str) -> bool:
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import bigbird_tiles, tile_config
+    from sparse_k.plan import plan_tiles
 
-    bm, bn = bigbird_tiles(p.block, D, "cuda", False, S) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
+    tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False,
+                       bigbird_block=p.block if isinstance(p, sparse_k.BigBird) else None)  # the backend's tiles
+    bm, bn = tiles.block_q, tiles.block_k
     t0 = time.time()
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
     row["layout_build_s"] = round(time.time() - t0, 3)
@@ -367,9 +369,10 @@ def _token_fwd_rows(args, results):
             q, k, v = _inputs(1, S, D, dtype, dev, S + 5)
             geo = row_geometry(1, S, S, None, device=dev)
             sel = token_selection(1, S, S, p_tok, dev)
-            from sparse_k.triton_backend import selection_prefill_config
+            from sparse_k.plan import plan_tiles
 
-            rows_, pack, bn = selection_prefill_config(HQ // HKV, "cuda", D)  # the backend's own tiles
+            tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=True)
+            rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k  # the backend's own tiles
             row["tile"] = f"{rows_ * pack}x{bn} pack {pack}"  # the Triton token kernel's (token_kernel: which ran)
             lay = build_block_layout(p_tok, S, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
             (out, _), row["token_kernel"] = ran(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
@@ -462,7 +465,7 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
     do = torch.randn_like(out)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import tile_config
+    from sparse_k.plan import tile_config
 
     bm, bn = (128, 128) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", True)
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
@@ -524,13 +527,14 @@ def _decode_token_row(q, k, v, S, D, B, row):
     ref = sparse_k.sparse_attention(q, k, v, p, backend="torch", selection=sel)
     row["err"] = rel_err(out, ref)
     from sparse_k import dispatch
-    from sparse_k.triton_backend import _num_splits, decode_config
+    from sparse_k.plan import plan_tiles, split_count
 
-    rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
+    tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
+    rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
     geo = row_geometry(B, 1, S, None, device=q.device)
     klay = build_block_layout(p, 1, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
     tiles = klay.kv_indices.shape[-1] + klay.full_kv_indices.shape[-1] + 2048 // bn
-    splits = _num_splits(B * HKV * (HQ // HKV // pack), tiles, q.device, gathered=True)
+    splits = split_count(B * HKV * (HQ // HKV // pack), tiles, q.device, gathered=True)
     row["splits"] = splits
 
     def fn():
@@ -538,7 +542,7 @@ def _decode_token_row(q, k, v, S, D, B, row):
 
     def triton_fn():
         return dispatch.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
-                                            selection=sel, cuda=False)
+                                          selection=sel, cuda=False)
 
     (o_k, _), row["kernel"] = ran(fn)
     cuda = _is_cuda(row["kernel"])
@@ -583,12 +587,13 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
     keys = min(S, args.window + (args.sinks if name == "streaming" else 0)) if name != "dense" else S
     nbytes = 2 * B * HKV * keys * D * k.element_size()
     if row["err"] < TOL:
-        from sparse_k.triton_backend import _num_splits, decode_config
+        from sparse_k.plan import plan_tiles, split_count
 
-        rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
+        tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
+        rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
         klay = build_block_layout(p, 1, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
         tiles = klay.kv_indices.shape[-1] + klay.full_kv_indices.shape[-1]
-        splits = _num_splits(B * HKV * (HQ // HKV // pack), tiles, q.device)
+        splits = split_count(B * HKV * (HQ // HKV // pack), tiles, q.device)
         o_k, _ = block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits)
         row["err_kernel"] = rel_err(o_k, ref)
         row["splits"] = splits
@@ -683,7 +688,7 @@ def section_tune_bwd(args, results):
 
             def fn():
                 return dispatch.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
-                                                     num_stages=stages, structured=False)
+                                                   num_stages=stages, structured=False)
 
             grads = fn()[:3]
             if ref_grads is None:

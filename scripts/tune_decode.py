@@ -122,8 +122,8 @@ def part_decode(args, rows):
 
                 def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse, pf=pf, lean=lean, fast=fast):
                     return dispatch.attention_forward(q, k, v, lay, scale=scale, pack=4, num_splits=splits,
-                                                        num_warps=warps, num_stages=stages, selection=s,
-                                                        fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
+                                                      num_warps=warps, num_stages=stages, selection=s,
+                                                      fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
 
                 try:
                     row["err"] = bk.rel_err(fn()[0], ref)
@@ -207,8 +207,8 @@ def part_token(args, rows):
 
             def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf, lean=lean):
                 return dispatch.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
-                                                    num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
-                                                    sel_lean=lean)
+                                                  num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
+                                                  sel_lean=lean)
 
             out = fn()[0]
             row["err"] = max(bk.rel_err(out[:, :, q0 : q0 + 256], r) for q0, r in refs)

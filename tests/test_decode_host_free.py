@@ -122,7 +122,7 @@ def test_decode_layout_matches_reference(name):
                     assert isinstance(lay, DecodeLayout)
                     o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
-                                                 sink_logits=sink, key_mask=mask, out=o, structured=False)
+                                               sink_logits=sink, key_mask=mask, out=o, structured=False)
                     assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
 
 

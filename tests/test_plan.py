@@ -281,6 +281,35 @@ def test_api_records_the_pytorch_path_and_warns_with_the_plans_reason():
         assert f"{seen[2].reason}; using the PyTorch path instead" in [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize("kw, want", [
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=256, device_type="cuda", need_grad=False, selection=False), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=True), (32, 64, 4, False)),
+    (dict(q_len=4096, group=3, head_dim=128, device_type="cuda", need_grad=False, selection=True), (128, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=64, device_type="cuda", need_grad=False, selection=True), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=True), (64, 64, 1, False)),
+    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=True), (4, 64, 4, True)),
+    (dict(q_len=1, group=3, head_dim=128, device_type="cuda", need_grad=False, selection=False), (16, 64, 1, True)),
+    (dict(q_len=5, group=8, head_dim=256, device_type="cuda", need_grad=False, selection=False), (8, 64, 8, True)),
+    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False), (64, 64, 1, False)),
+    (dict(q_len=1, group=4, head_dim=64, device_type="cpu", need_grad=False, selection=False), (4, 16, 4, True)),
+    (dict(q_len=300, group=4, head_dim=64, device_type="cpu", need_grad=True, selection=False), (16, 16, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False, bigbird_block=128),
+     (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False, bigbird_block=128),
+     (128, 128, 1, False)),
+    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False, bigbird_block=32),
+     (32, 32, 1, False)),
+])
+def test_tile_plan(kw, want):
+    """The Triton backend's tiles per call (``plan_tiles``): prefill, gradients, token-layout prefill
+    (heads packed at D = 128 only), decode (heads packed, keys split), CPU tiles, bigbird's blocks."""
+    t = plan.plan_tiles(**kw)
+    assert (t.block_q, t.block_k, t.pack, t.decode) == want, t
+    assert t.reason
+
+
 def test_recording_collects_what_dispatch_records():
     p1, p2 = plan.Plan("forward", "triton_layout", "a"), plan.Plan("backward", "triton_layout_bwd", "b")
     plan.record(p1)  # nobody recording: dropped
@@ -290,7 +319,7 @@ def test_recording_collects_what_dispatch_records():
             plan.record(p2)
     plan.record(p2)
     assert outer == [p1, p2] and inner == [p2]
-    assert set(k for k in plan.KERNELS) >= {"cuda_sm90_structured", "cuda_sm90_token", "cuda_sm90_decode",
+    assert set(plan.KERNELS) >= {"cuda_sm90_structured", "cuda_sm90_token", "cuda_sm90_decode",
                                              "triton_structured", "triton_token", "triton_split_kv"}
 
 

@@ -219,7 +219,7 @@ def test_token_layout_inference_packed_bf16(fast):
     with left padding, sinks and window, against the float64 reference, with and without the far-tile
     shortcut (``sel_fast``)."""
     from sparse_k import dispatch
-    from sparse_k.triton_backend import selection_prefill_config
+    from sparse_k.plan import selection_prefill_config
 
     B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
@@ -244,7 +244,7 @@ def test_token_layout_inference_packed_bf16(fast):
     lay = sparse_k.build_block_layout(p, S, S, geo, block_q=rows, block_k=bn, num_kv_heads=Hkv)
     out = torch.full_like(q, float("nan"))
     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, key_mask=mask, out=out,
-                                 sel_fast=fast)
+                               sel_fast=fast)
     assert not out.isnan().any()
     assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
 
@@ -295,7 +295,7 @@ def test_decode_split_merge_under_cuda_graph():
 
 def test_bigbird_block128_prefill_on_64_tiles():
     """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
-    from sparse_k.triton_backend import bigbird_tiles
+    from sparse_k.plan import bigbird_tiles
 
     p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
     B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128

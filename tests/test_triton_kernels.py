@@ -183,6 +183,38 @@ def test_transposed_views_without_copies(name, monkeypatch):
 
 
 @_SUBPROCESS_ONLY
+def test_dispatch_runs_what_the_plan_names():
+    """``dispatch`` launches the kernel ``plan`` names for the launch (recorded by ``plan.recording``,
+    equal to ``plan_forward`` / ``plan_backward`` asked directly), and every one matches the reference:
+    structured, layout and split-KV forwards, structured and layout-path backwards."""
+    from sparse_k import plan
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, S, D = 1, 4, 2, 37, 16
+    q, k, v, do = (rand(B, h, S, D, gen=g) for h in (Hq, Hkv, Hkv, Hq))
+    geo = row_geometry(B, S, S, None, device=DEV)
+    cases = [("sliding_window", 1, 1, "triton_structured", "triton_structured_bwd"),
+             ("dilated", 1, 1, "triton_layout", "triton_layout_bwd"), ("streaming", 2, 3, "triton_split_kv", None)]
+    for name, pack, splits, kernel, bwd_kernel in cases:
+        p = PATTERNS[name]
+        lay = _layout(p, S, S, geo, Hkv, bq=16 // pack)
+        with plan.recording() as seen:
+            o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits)
+        launch = plan.Launch(q, k, v, geo, pattern_code(p)[0], p.causal, pack=pack, num_splits=splits)
+        assert [x.kernel for x in seen] == [kernel] and seen == [plan.plan_forward(launch)], (name, seen)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ro, _ = reference_attention(*leaves, p, geo, scale=D ** -0.5)
+        assert rel(o, ro) < TOL32, name
+        if bwd_kernel is None:
+            continue
+        with plan.recording() as seen:
+            grads = dispatch.attention_backward(do, q, k, v, o, lse, lay, scale=D ** -0.5)[:3]
+        assert [x.kernel for x in seen] == [bwd_kernel] and seen == [plan.plan_backward(launch, do, o, lse)], name
+        for a, b in zip(grads, torch.autograd.grad(ro, leaves, do)):
+            assert rel(a, b) < 5 * TOL32, name
+
+
+@_SUBPROCESS_ONLY
 @pytest.mark.parametrize("pack", [2, 4])
 def test_gqa_packing(pack):
     """Several query heads of one KV group share a tile (BLOCK_M = pack * block_q)."""
@@ -240,7 +272,7 @@ def test_decode_split_merge_fused_and_separate(fuse):
         for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
             out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
             o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
-                                                  sink_logits=sink, out=out, fuse_combine=fuse)
+                                                sink_logits=sink, out=out, fuse_combine=fuse)
             assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
             assert rel(o, ro) < TOL32
             assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
@@ -250,7 +282,7 @@ def test_decode_split_merge_fused_and_separate(fuse):
 
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
     """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
-    from sparse_k.triton_backend import decode_config
+    from sparse_k.plan import decode_config
 
     for group in range(1, 17):
         for q_len in range(1, 17):
@@ -578,7 +610,7 @@ def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
     for prefetch, lean, fast in ((True, True, 2), (False, False, 0), (True, False, 1), (True, True, 0)):
         out = torch.full_like(q, float("nan"))
         dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
-                                     sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
+                                   sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
         assert rel(out, ref) < tol, (prefetch, lean, fast)
         outs.append(out)
     for out in outs[1:]:
@@ -653,7 +685,7 @@ def test_structured_tile_ranges(name):
         assert torch.allclose(lse[finite].double(), rl[finite], atol=LSE_ATOL, rtol=1e-4)
     lay = _layout(p, Sq, Skv, geo, Hkv)
     o_lay, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
-                                            key_mask=key_mask, structured=False)
+                                          key_mask=key_mask, structured=False)
     assert rel(o_lay, ro) < TOL32
 
 
@@ -694,7 +726,7 @@ def test_structured_backward(name):
 def test_selection_prefill_config():
     """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
     power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
-    from sparse_k.triton_backend import selection_prefill_config, tile_config
+    from sparse_k.plan import selection_prefill_config, tile_config
 
     for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
         assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
@@ -708,16 +740,16 @@ def test_decode_split_count_fills_one_wave(monkeypatch):
     (token-layout) keys, never more splits than tiles, at least one."""
     from types import SimpleNamespace
 
-    from sparse_k.triton_backend import _num_splits
+    from sparse_k.plan import split_count
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
     dev = torch.device("cuda")
-    assert _num_splits(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
-    assert _num_splits(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
-    assert _num_splits(8, 66, dev) == 16
-    assert _num_splits(8, 5, dev) == 5
-    assert _num_splits(500, 66, dev) == 1
-    assert _num_splits(1, 10_000, dev) == 64
+    assert split_count(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
+    assert split_count(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
+    assert split_count(8, 66, dev) == 16
+    assert split_count(8, 5, dev) == 5
+    assert split_count(500, 66, dev) == 1
+    assert split_count(1, 10_000, dev) == 64
 
 
 
