@@ -10,7 +10,8 @@ import torch
 from .cuda_build import is_sm90
 
 __all__ = [
-    "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_CUDA_PATTERNS", "TOKEN_STATIC_PATTERNS", "check_pattern_args",
+    "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_CUDA_PATTERNS", "TOKEN_STATIC_PATTERNS",
+    "check_pattern_args",
     "decode_call_ok", "on_sm90", "plain_call_ok", "selection_ok", "structured_bwd_call_ok", "structured_call_ok",
     "tensors_ok", "tma_view_ok", "token_call_ok",
 ]

@@ -1,12 +1,23 @@
 """Which kernel runs an attention call: the one place that decides.
 
-``api.sparse_attention`` asks ``plan_backend`` which backend runs a call (the exact reference, the
-PyTorch path, or a registered kernel backend such as ``"triton"``). The kernel backend's launches go
-through ``dispatch``, which describes each launch (a ``Launch``), asks ``plan_forward`` or ``plan_backward`` and
-launches the kernel the returned ``Plan`` names; benchmarks and tests ask the same functions, or
-collect the plans of a run with ``recording()``. The CUDA kernels' contracts are rules on shapes,
-strides and dtypes (``cuda_contract``); the device enters only through a ``Capability``, so every
-decision can be asked for CPU or meta tensors with an explicit capability.
+A ``sparse_attention`` call asks ``plan_backend`` for its backend (the exact reference, the PyTorch
+path, or a registered kernel backend such as ``"triton"``); the Triton backend asks ``plan_tiles`` for
+its tiles; ``dispatch`` describes each kernel launch (a ``Launch``), asks ``plan_forward`` (a decode step:
+``plan_decode``) or ``plan_backward``, and launches the kernel the returned ``Plan`` names. Benchmarks
+and tests ask the same functions, or collect the plans of a run with ``recording()``. The CUDA
+kernels' contracts are rules on shapes, strides and dtypes (``cuda_contract``); the device enters only
+through a ``Capability``, so every decision can be asked for CPU or meta tensors.
+
+Backend (``plan_backend``): ``"reference"`` / ``"torch"`` when requested; ``"auto"`` takes the first
+registered kernel backend (auto order) that can run the call, else the PyTorch path; a requested
+kernel backend that cannot run the call falls back to the PyTorch path (the API warns once, with the
+plan's reason).
+
+Tiles (``plan_tiles``): bigbird runs tiles that divide its block (``bigbird_tiles``); a decode step
+(``Sq <= 16``, no gradient) packs the query heads of a KV group and splits the keys
+(``decode_config``, ``split_count``); an inference prefill with a token layout packs heads too
+(``selection_prefill_config``); every other call runs one query head per program (``tile_config``:
+smaller tiles with gradients).
 
 Forward (``plan_forward``), in this order:
 
@@ -21,17 +32,6 @@ Forward (``plan_forward``), in this order:
    ``token_call_ok`` on a plain geometry).
 4. the Triton layout kernel: ``triton_split_kv`` with ``num_splits > 1``, ``triton_token`` with a
    token layout, else ``triton_layout``.
-
-Backend (``plan_backend``): ``"reference"`` / ``"torch"`` when requested; ``"auto"`` takes the first
-registered kernel backend (auto order) that can run the call, else the PyTorch path; a requested
-kernel backend that cannot run the call falls back to the PyTorch path (the API warns once, with the
-plan's reason).
-
-Tiles (``plan_tiles``, the Triton backend's launches): bigbird runs tiles that divide its block
-(``bigbird_tiles``); a decode step (``Sq <= 16``, no gradient) packs the query heads of a KV group and
-splits the keys (``decode_config``, ``split_count``); an inference prefill with a token layout packs
-heads too (``selection_prefill_config``); every other call one query head per program
-(``tile_config``: smaller tiles with gradients).
 
 Backward (``plan_backward``): structured launches (the same pattern rule) run the CUDA backward
 (``cuda_sm90_structured_bwd``: ``structured_bwd_call_ok``) or ``triton_structured_bwd``; the others
@@ -395,7 +395,8 @@ def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_
         return Tiles(bq, bk, 1, False, "bigbird: tiles that divide its block")
     if q_len <= 16 and not need_grad:
         rows, pack, bn = decode_config(q_len, group, device_type, head_dim)
-        return Tiles(rows, bn, pack, True, f"decode step ({q_len} queries, no gradient): {pack} heads packed, keys split")
+        return Tiles(rows, bn, pack, True,
+                     f"decode step ({q_len} queries, no gradient): {pack} heads packed, keys split")
     if selection and not need_grad:
         rows, pack, bn = selection_prefill_config(group, device_type, head_dim)
         return Tiles(rows, bn, pack, False, f"token-layout prefill without gradient: {pack} heads packed")

@@ -164,7 +164,8 @@ def test_graph_reader_sees_every_kind_of_import(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .a import f\n")
-    (pkg / "a.py").write_text("import importlib\n\ndef f():\n    from .b import g\n    return importlib.import_module('.c', __package__)\n")
+    (pkg / "a.py").write_text(
+        "import importlib\n\ndef f():\n    from .b import g\n    return importlib.import_module('.c', __package__)\n")
     (pkg / "b.py").write_text("from pkg.sub import d\n")
     (pkg / "c.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")

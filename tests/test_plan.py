@@ -199,7 +199,8 @@ def _backward_cases():
                          ("cuda=False", _launch(cuda=False)), ("dense bidirectional", _launch(pid=0, causal=False))):
         yield name, launch, grads(launch), ON, "triton_structured_bwd"
     for name, launch in (("dilated", _launch(pid=5)), ("streaming bidirectional", _launch(pid=2, causal=False)),
-                         ("token layout", _launch(pid=2, sel=_sel(2, 2, 300))), ("structured=False", _launch(structured=False))):
+                         ("token layout", _launch(pid=2, sel=_sel(2, 2, 300))),
+                         ("structured=False", _launch(structured=False))):
         yield name, launch, grads(launch), ON, "triton_layout_bwd"
     yield "pack and splits do not matter", _launch(pack=2, num_splits=2), grads(base), ON, "cuda_sm90_structured_bwd"
 
@@ -281,25 +282,28 @@ def test_api_records_the_pytorch_path_and_warns_with_the_plans_reason():
         assert f"{seen[2].reason}; using the PyTorch path instead" in [str(w.message) for w in caught]
 
 
+_CUDA = dict(device_type="cuda")
+
+
 @pytest.mark.parametrize("kw, want", [
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False), (128, 128, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=256, device_type="cuda", need_grad=False, selection=False), (64, 64, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False), (64, 64, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=True), (32, 64, 4, False)),
-    (dict(q_len=4096, group=3, head_dim=128, device_type="cuda", need_grad=False, selection=True), (128, 64, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=64, device_type="cuda", need_grad=False, selection=True), (128, 128, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=True), (64, 64, 1, False)),
-    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=True), (4, 64, 4, True)),
-    (dict(q_len=1, group=3, head_dim=128, device_type="cuda", need_grad=False, selection=False), (16, 64, 1, True)),
-    (dict(q_len=5, group=8, head_dim=256, device_type="cuda", need_grad=False, selection=False), (8, 64, 8, True)),
-    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=256, **_CUDA, need_grad=False, selection=False), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=True, selection=False), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=True), (32, 64, 4, False)),
+    (dict(q_len=4096, group=3, head_dim=128, **_CUDA, need_grad=False, selection=True), (128, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=64, **_CUDA, need_grad=False, selection=True), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=True, selection=True), (64, 64, 1, False)),
+    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=True), (4, 64, 4, True)),
+    (dict(q_len=1, group=3, head_dim=128, **_CUDA, need_grad=False, selection=False), (16, 64, 1, True)),
+    (dict(q_len=5, group=8, head_dim=256, **_CUDA, need_grad=False, selection=False), (8, 64, 8, True)),
+    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=True, selection=False), (64, 64, 1, False)),
     (dict(q_len=1, group=4, head_dim=64, device_type="cpu", need_grad=False, selection=False), (4, 16, 4, True)),
     (dict(q_len=300, group=4, head_dim=64, device_type="cpu", need_grad=True, selection=False), (16, 16, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False, bigbird_block=128),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=128),
      (64, 64, 1, False)),
-    (dict(q_len=4096, group=4, head_dim=128, device_type="cuda", need_grad=True, selection=False, bigbird_block=128),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=True, selection=False, bigbird_block=128),
      (128, 128, 1, False)),
-    (dict(q_len=1, group=4, head_dim=128, device_type="cuda", need_grad=False, selection=False, bigbird_block=32),
+    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=32),
      (32, 32, 1, False)),
 ])
 def test_tile_plan(kw, want):
