@@ -4,7 +4,10 @@ Same inputs, same process, same BlockMask: FlexAttention gets ``layout.to_block_
 very layout our kernel runs (default ``kernel_options``, ``torch.compile``d). Every row is checked
 before it is timed: against the exact float64 reference on a small shape of the same pattern, and
 against the PyTorch path on the first and last query rows of the large shape; a failed check voids
-the row (its time is not reported).
+the row (its time is not reported). A row's ``kernel`` (and ``token_kernel``, ``sw3072_kernel``) is
+the name ``sparse_k.plan`` gave the call's launches (``plan.recording``; e.g. ``cuda_sm90_structured``,
+``triton_split_kv``, ``forward / backward`` pairs such as ``cuda_sm90_structured / cuda_sm90_structured_bwd``);
+where it is a CUDA kernel, the Triton kernel is timed beside it (``cuda=False``).
 
 Sections (each fits in a few minutes on an H100):
 
@@ -42,7 +45,7 @@ Sections (each fits in a few minutes on an H100):
   ``(B, H, S, D)`` tensors, ``flash_api.flash_attn_func`` on ``(B, S, H, D)`` tensors, ``sparse_attention``
   on transposed views of ``(B, S, H, D)`` storage (what a Transformers layer passes), and that call
   followed by the adapter's ``out.transpose(1, 2).contiguous()``; each row names the forward kernel that
-  ran (``cuda_sm90``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
+  ran (e.g. ``cuda_sm90_structured``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
   call; then forward + backward (gradients of q, k, v) from contiguous leaves and from ``(B, S, H, D)``
   leaves passed transposed (a layer in training; with ``--layouts-bwd``), the kernels named
   ``forward / backward``. The calls of a group are timed in turn, ``--rounds`` times (``ms``: the
