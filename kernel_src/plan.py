@@ -26,8 +26,9 @@ Forward (``plan_forward``), in this order:
    ``Launch.structured`` forces it on / off). The Hopper CUDA kernel (``cuda_sm90_structured``) when
    CUDA may run (below), the output is the kernel's own (no caller view), the geometry is plain
    self-attention and ``cuda_contract.structured_call_ok`` holds; else ``triton_structured``.
-2. a token-layout decode step (``Sq == 1``): ``plan_decode``, the CUDA decode kernel
-   (``cuda_sm90_decode``: ``decode_call_ok`` on a bottom-right geometry), else as 3 and 4.
+2. a token-layout decode step (``Sq == 1``): the CUDA decode kernel (``cuda_sm90_decode``:
+   ``decode_call_ok`` on a bottom-right geometry), else as 3 and 4. Every launch with ``Sq == 1`` is
+   planned as a decode step (``plan_decode``, entry "decode") by these same rules.
 3. a token-layout launch with one split: the CUDA token kernel (``cuda_sm90_token``:
    ``token_call_ok`` on a plain geometry).
 4. the Triton layout kernel: ``triton_split_kv`` with ``num_splits > 1``, ``triton_token`` with a
@@ -254,47 +255,47 @@ def _structured_refusal(launch: Launch, cap: _Cap) -> str | None:
 
 
 def plan_forward(launch: Launch, cap: Capability | None = None) -> Plan:
-    """The kernel of a forward launch (module docstring). ``cap``: the device's capability (default: read
-    from q's device)."""
-    lazy = _Cap(cap, launch.q)
-    if structured_launch(launch):
-        why = _structured_refusal(launch, lazy)
-        if why is None:
-            return _plan("forward", "cuda_sm90_structured", "plain causal self-attention inside the CUDA contract")
-        return _plan("forward", "triton_structured", f"structured pattern; not the CUDA kernel: {why}")
-    if launch.selection is not None and launch.q.shape[2] == 1:
-        return _decode(launch, lazy)
-    return _token_or_layout(launch, lazy, "forward", None)
+    """The kernel of a forward launch (module docstring; a launch of one query per row is a decode
+    step: ``plan_decode``). ``cap``: the device's capability (default: read from q's device)."""
+    if launch.q.shape[2] == 1:
+        return plan_decode(launch, cap)
+    return _forward(launch, _Cap(cap, launch.q), "forward")
 
 
 def plan_decode(launch: Launch, cap: Capability | None = None) -> Plan:
-    """The kernel of a token-layout decode step (``Sq == 1``, a selection, not a structured launch):
-    the CUDA decode kernel (any ``pack`` / ``num_splits``: it splits on its own), else what
-    ``plan_forward`` gives a prefill launch. ValueError for another launch."""
-    if launch.selection is None or launch.q.shape[2] != 1 or structured_launch(launch):
-        raise ValueError("plan_decode: a launch with Sq == 1, a token layout (selection) and structured not True is "
-                         f"required, got Sq={launch.q.shape[2]}, selection "
-                         f"{'given' if launch.selection is not None else 'None'}, structured={launch.structured!r}")
-    return _decode(launch, _Cap(cap, launch.q))
+    """The kernel of a decode step (``Sq == 1``; entry "decode"): the rules of ``plan_forward``, where a
+    token-layout step that is not a structured launch may take the CUDA decode kernel (any ``pack`` /
+    ``num_splits``: it splits on its own). ValueError for a launch with ``Sq != 1``."""
+    if launch.q.shape[2] != 1:
+        raise ValueError(f"plan_decode: a decode step has one query per row (Sq == 1), got Sq={launch.q.shape[2]}")
+    return _forward(launch, _Cap(cap, launch.q), "decode")
 
 
-def _decode(launch: Launch, cap: _Cap) -> Plan:
-    why = _caller_refusal(launch, token=True) or cap.refusal("decode")
-    if why is None and launch.out is not None:
-        why = "a caller-provided output view"
-    if why is None:
-        q, k, v = launch.q, launch.k, launch.v
-        dec = decode_geometry(launch.geometry, q.shape[2], k.shape[2])
-        if not decode_call_ok(q, k, v, launch.selection, pattern_id=launch.pattern_id, causal=bool(launch.causal),
-                              decode_geometry=dec, softcap=launch.softcap, sink_logits=launch.sink_logits,
-                              key_mask=launch.key_mask):
-            why = (_call_refusal(launch, dec, "not a plain decode step (query at key Skv - 1, every key valid, "
-                                              "offsets known on the host)")
-                   or "outside the CUDA decode kernel's contract (static part sliding_window / streaming, bf16 / "
-                      "fp16, D = 128, Hq / Hkv in 1, 2, 4, 8, 16-byte aligned k / v rows, int32 selection)")
+def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
+    if structured_launch(launch):
+        why = _structured_refusal(launch, cap)
         if why is None:
-            return _plan("decode", "cuda_sm90_decode", "token-layout decode step inside the CUDA contract")
-    return _token_or_layout(launch, cap, "decode", f"not the CUDA decode kernel: {why}")
+            return _plan(entry, "cuda_sm90_structured", "plain causal self-attention inside the CUDA contract")
+        return _plan(entry, "triton_structured", f"structured pattern; not the CUDA kernel: {why}")
+    prior = None
+    if launch.selection is not None and launch.q.shape[2] == 1:
+        why = _caller_refusal(launch, token=True) or cap.refusal("decode")
+        if why is None and launch.out is not None:
+            why = "a caller-provided output view"
+        if why is None:
+            q, k, v = launch.q, launch.k, launch.v
+            dec = decode_geometry(launch.geometry, q.shape[2], k.shape[2])
+            if not decode_call_ok(q, k, v, launch.selection, pattern_id=launch.pattern_id, causal=bool(launch.causal),
+                                  decode_geometry=dec, softcap=launch.softcap, sink_logits=launch.sink_logits,
+                                  key_mask=launch.key_mask):
+                why = (_call_refusal(launch, dec, "not a plain decode step (query at key Skv - 1, every key valid, "
+                                                  "offsets known on the host)")
+                       or "outside the CUDA decode kernel's contract (static part sliding_window / streaming, bf16 / "
+                          "fp16, D = 128, Hq / Hkv in 1, 2, 4, 8, 16-byte aligned k / v rows, int32 selection)")
+        if why is None:
+            return _plan(entry, "cuda_sm90_decode", "token-layout decode step inside the CUDA contract")
+        prior = f"not the CUDA decode kernel: {why}"
+    return _token_or_layout(launch, cap, entry, prior)
 
 
 def _token_or_layout(launch: Launch, cap: _Cap, entry: str, prior: str | None) -> Plan:

@@ -150,7 +150,7 @@ def _decode_cases():
 def test_forward_plan_table(name, launch, cap, kernel):
     got = plan_forward(launch, cap)
     assert got.kernel == kernel, (name, got)
-    assert got.entry == ("decode" if launch.selection is not None and launch.q.shape[2] == 1 else "forward")
+    assert got.entry == ("decode" if launch.q.shape[2] == 1 else "forward")
     assert got.reason and got.cuda == kernel.startswith("cuda_")
     if got.entry == "decode":
         assert plan_decode(launch, cap) == got
@@ -159,8 +159,10 @@ def test_forward_plan_table(name, launch, cap, kernel):
 def test_plan_decode_takes_decode_launches_only():
     with pytest.raises(ValueError, match="Sq=300"):
         plan_decode(_launch(pid=2, sel=_sel(2, 2, 300)), ON)
-    with pytest.raises(ValueError, match="selection None"):
-        plan_decode(_launch(Sq=1, Skv=77), ON)
+    got = plan_decode(_launch(Sq=1, Skv=77, pack=4, num_splits=3), ON)  # a window decode step: Triton split-KV
+    assert (got.entry, got.kernel) == ("decode", "triton_split_kv")
+    got = plan_decode(_launch(Sq=1, Skv=77), ON)  # one head per program, one split: a structured launch
+    assert (got.entry, got.kernel) == ("decode", "triton_structured")  # Sq != Skv: not the CUDA kernel
 
 
 def test_refusals_say_why():
