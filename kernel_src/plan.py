@@ -355,21 +355,23 @@ def plan_backend(requested: str, auto_order, why) -> Plan:
         auto_order: the registered kernel backends in ``"auto"``'s order of preference.
         why: ``why(name)`` is None when backend ``name`` can run the call, else a short reason (asked
             lazily, in order: a backend's check may cost a host read).
+
+    Runs inside ``torch.compile``d models (the API is traced): plain ``Plan`` objects, no cache.
     """
     if requested in ("reference", "torch"):
-        return _plan("backend", requested, f"backend={requested!r} requested")
+        return Plan("backend", requested, f"backend={requested!r} requested")
     if requested == "auto":
         reasons = []
         for name in auto_order:
             reason = why(name)
             if reason is None:
-                return _plan("backend", name, "auto: the first kernel backend that runs the call")
+                return Plan("backend", name, "auto: the first kernel backend that runs the call")
             reasons.append(f"{name}: {reason}")
-        return _plan("backend", "torch", f"auto: {'; '.join(reasons) or 'no kernel backend registered'}")
+        return Plan("backend", "torch", f"auto: {'; '.join(reasons) or 'no kernel backend registered'}")
     reason = why(requested)
     if reason is not None:
-        return _plan("backend", "torch", f"backend {requested!r} cannot run this call ({reason})")
-    return _plan("backend", requested, f"backend={requested!r} requested")
+        return Plan("backend", "torch", f"backend {requested!r} cannot run this call ({reason})")
+    return Plan("backend", requested, f"backend={requested!r} requested")
 
 
 @dataclass(frozen=True, slots=True)
