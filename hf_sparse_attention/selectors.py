@@ -23,7 +23,7 @@ import json
 import os
 
 import torch
-from sparse_k.api import warn_once
+from sparse_k.warn import warn_once
 from sparse_k.config import pattern_for_layer
 from sparse_k.patterns import DSA, Pattern, SparseK
 from sparse_k.scorers import LightningIndexer, SparseKScorer, selector_from_config

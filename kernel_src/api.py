@@ -12,7 +12,6 @@ builds (or fetches from cache) the layout, and dispatches to a backend:
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -22,22 +21,13 @@ from .geometry import RowGeometry, row_geometry
 from .patterns import L2Aligned, Pattern, get_pattern, resolve_l2_segment
 from .reference import reference_attention
 from .token_layout import TokenLayout
+from .plan import plan_backend, record
 from .torch_path import torch_sparse_attention
+from .warn import warn_once
 
-__all__ = ["sparse_attention", "register_backend", "available_backends", "warn_once"]
+__all__ = ["sparse_attention", "register_backend", "available_backends"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str, key: str | None = None) -> None:
-    """Emit ``message`` as a ``UserWarning`` the first time its ``key`` (default: the message
-    itself) is seen in this process."""
-    key = message if key is None else key
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
-
 
 # name -> (why_unsupported(inputs) -> str | None, run(inputs) -> (out, lse))
 _BACKENDS: dict[str, tuple[Callable, Callable]] = {}
@@ -160,7 +150,15 @@ def _check_selection(selection, pattern: Pattern, k: torch.Tensor) -> None:
 
 
 def _run_unpacked(call: AttentionCall, backend: str):
-    if backend == "reference":
+    if backend not in ("auto", "reference", "torch") and backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {available_backends()}")
+    chosen = plan_backend(backend, _AUTO_ORDER, lambda name: _BACKENDS[name][0](call))
+    if chosen.kernel not in ("reference", "torch"):
+        return _BACKENDS[chosen.kernel][1](call)
+    if backend not in ("auto", chosen.kernel):
+        warn_once(f"{chosen.reason}; using the PyTorch path instead")
+    record(chosen)
+    if chosen.kernel == "reference":
         out, lse = reference_attention(
             call.q, call.k, call.v, call.pattern, call.geometry, scale=call.scale, softcap=call.softcap,
             sink_logits=call.sink_logits, key_mask=call.key_mask, selection=call.selection,
@@ -168,28 +166,13 @@ def _run_unpacked(call: AttentionCall, backend: str):
         )
         lse_dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
         return out.to(call.q.dtype), lse.to(lse_dtype)
-    if backend == "torch":
-        blk = 64 if call.q.device.type == "cpu" else 128
-        # Short query runs (decode) get a query tile just large enough, so nothing is padded to 64 rows.
-        block_q = min(blk, 1 << max(0, (call.q.shape[2] - 1).bit_length()))
-        return torch_sparse_attention(
-            call.q, call.k, call.v, call.layout(block_q, blk), scale=call.scale, softcap=call.softcap,
-            sink_logits=call.sink_logits, key_mask=call.key_mask, selection=call.selection,
-        )
-    if backend == "auto":
-        for name in _AUTO_ORDER:
-            why, run = _BACKENDS[name]
-            if why(call) is None:
-                return run(call)
-        return _run_unpacked(call, "torch")
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {available_backends()}")
-    why, run = _BACKENDS[backend]
-    reason = why(call)
-    if reason is not None:
-        warn_once(f"backend {backend!r} cannot run this call ({reason}); using the PyTorch path instead")
-        return _run_unpacked(call, "torch")
-    return run(call)
+    blk = 64 if call.q.device.type == "cpu" else 128
+    # Short query runs (decode) get a query tile just large enough, so nothing is padded to 64 rows.
+    block_q = min(blk, 1 << max(0, (call.q.shape[2] - 1).bit_length()))
+    return torch_sparse_attention(
+        call.q, call.k, call.v, call.layout(block_q, blk), scale=call.scale, softcap=call.softcap,
+        sink_logits=call.sink_logits, key_mask=call.key_mask, selection=call.selection,
+    )
 
 
 def sparse_attention(

@@ -39,7 +39,7 @@ import torch
 from .geometry import RowGeometry
 from .patterns import BigBird, Pattern
 
-__all__ = ["BlockLayout", "build_block_layout", "clear_layout_cache"]
+__all__ = ["BlockLayout", "build_block_layout", "clear_layout_cache", "full_tiles_contiguous", "transposed_layout"]
 
 _CACHE: "OrderedDict[tuple, BlockLayout]" = OrderedDict()
 _CACHE_SIZE = 64
@@ -322,3 +322,49 @@ def _build(pattern, q_len, kv_len, geometry, bq, bk, layer_idx, num_kv_heads) ->
         tr(part_num), tr(part_idx), tr(full_num), tr(full_idx), bq, bk, q_len, kv_len,
         pattern, layer_idx, num_kv_heads, geometry,
     )
+
+
+def transposed_layout(layout: BlockLayout):
+    """Query tiles per key tile: ``(full_num, full_idx, part_num, part_idx)``, shapes ``(B', H', NK[, W])``.
+
+    Computed once per layout (kept on the layout object); costs ``B' * H' * NQ * NK`` bytes.
+    """
+    cached = getattr(layout, "_transposed", None)
+    if cached is not None:
+        return cached
+    NQ, NK = layout.num_q_blocks, layout.num_k_blocks
+    Bp, Hp = layout.kv_num_blocks.shape[:2]
+    dev = layout.kv_num_blocks.device
+    kinds = torch.zeros(Bp, Hp, NQ, NK + 1, dtype=torch.int8, device=dev)
+    for num, idx, val in (
+        (layout.kv_num_blocks, layout.kv_indices, 1), (layout.full_kv_num_blocks, layout.full_kv_indices, 2),
+    ):
+        slot = torch.arange(idx.shape[-1], device=dev)
+        tgt = torch.where(slot < num.unsqueeze(-1), idx.long(), NK)
+        kinds.scatter_(-1, tgt, torch.full_like(tgt, val, dtype=torch.int8))
+    kinds = kinds[..., :NK].transpose(-1, -2)  # (B', H', NK, NQ)
+    cand = torch.arange(NQ, device=dev, dtype=torch.int64).expand_as(kinds)
+    full_num, full_idx = _pack(kinds == 2, cand, NQ)
+    part_num, part_idx = _pack(kinds == 1, cand, NQ)
+    result = (full_num.contiguous(), full_idx.contiguous(), part_num.contiguous(), part_idx.contiguous())
+    layout._transposed = result
+    return result
+
+
+def full_tiles_contiguous(layout) -> bool:
+    """True when every query tile's full key tiles are one ascending run ``n0, n0 + 1, ...``.
+
+    Sliding-window and dense layouts are; the kernel then skips the per-tile index load. Computed
+    once per layout (kept on it; one host synchronisation)."""
+    cached = getattr(layout, "_full_contig", None)
+    if cached is not None:
+        return cached
+    idx, num = layout.full_kv_indices, layout.full_kv_num_blocks
+    slot = torch.arange(idx.shape[-1], device=idx.device)
+    in_run = (idx.long() - idx[..., :1].long()) == slot
+    ok = bool(torch.where(slot < num.unsqueeze(-1), in_run, torch.ones_like(in_run)).all())
+    try:
+        layout._full_contig = ok
+    except AttributeError:
+        pass
+    return ok

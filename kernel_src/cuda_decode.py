@@ -12,9 +12,9 @@ A CTA resolves its keys with one round of loads, then its eight warps each strea
 16-key tiles through a private three-stage ``cp.async`` ring and run tensor-core products on them
 (S = Q K^T with the query heads as rows, an online softmax in registers, O += P V). The warps merge
 in shared memory; two to eight splits merge in a thread-block cluster through distributed shared
-memory, more through a workspace (the last CTA to arrive, ``triton_fwd.split_counters``, or a second
-small kernel when there are no counters). ``triton_fwd.attention_forward`` hands it every decode
-call it computes (``cuda_dispatch.try_cuda_decode``); the caller's ``num_splits`` / ``pack`` do not
+memory, more through a workspace (the last CTA to arrive, ``launch_buffers.split_counters``, or a second
+small kernel when there are no counters). ``dispatch`` hands it every decode
+call ``plan`` gives it (``cuda_sm90_decode``); the caller's ``num_splits`` / ``pack`` do not
 apply. Its speed against the Triton split-KV kernel, and the earlier designs it replaced:
 docs/benchmarks.md (decode rows) and docs/history.md (token-layout decode).
 """
@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import is_sm90, load_sm90_extension
-from .cuda_contract import selection_ok
+from .cuda_build import load_sm90_extension
+from .cuda_contract import DECODE_GROUPS, DECODE_STATIC_PATTERNS, decode_call_ok, on_sm90
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 
 _SOURCES = ("decode_sm90.cpp", "decode_sm90.cu", "decode_sm90_bf16.cu", "decode_sm90_fp16.cu")
-#: Static-part pattern ids (``triton_fwd.PATTERN_IDS``) the kernel fuses: sliding_window, streaming.
-DECODE_STATIC_PATTERNS = (1, 2)
-#: Query heads per KV head the kernel is compiled for.
-DECODE_GROUPS = (1, 2, 4, 8)
 _STAGE = 64  # at most one split per 64 keys (decode_sm90.cuh)
 _SMS: dict = {}
 
@@ -69,40 +65,16 @@ def _sm_count(device) -> int:
     return count
 
 
-def _aligned_rows(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
-
-
 def cuda_decode_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, decode_geometry: bool = True,
                    softcap=None, sink_logits=None, key_mask=None) -> bool:
     """Whether ``cuda_decode_forward`` computes this call exactly (else use the Triton path).
 
     ``decode_geometry``: every row's query sits at key index ``Skv - 1`` and all keys are valid
-    (``cuda_dispatch.decode_geometry``). ``selection``: a ``TokenLayout`` (or a namespace with its fields).
+    (``geometry.decode_geometry``). ``selection``: a ``TokenLayout`` (or a namespace with its fields).
     """
-    if pattern_id not in DECODE_STATIC_PATTERNS or not causal or not decode_geometry:
-        return False
-    if softcap is not None or sink_logits is not None or key_mask is not None:
-        return False
-    tensors = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if k.device != q.device or v.device != q.device or not is_sm90(q.device):
-        return False
-    B, Hq, Sq, D = q.shape
-    if Sq != 1 or D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or k.shape[1] < 1:
-        return False
-    Hkv, S = k.shape[1], k.shape[2]
-    if Hq % Hkv or Hq // Hkv not in DECODE_GROUPS or not 1 <= S < 2**31 or B * Hkv > 65535:
-        return False
-    if q.stride(-1) != 1 or not _aligned_rows(k) or not _aligned_rows(v):
-        return False
-    qb = selection.query_block
-    if isinstance(qb, bool) or not isinstance(qb, int) or qb < 1:
-        return False
-    return selection_ok(selection, q, Hkv, max_slots=2**30)
+    return on_sm90(q) and decode_call_ok(q, k, v, selection, pattern_id=pattern_id, causal=causal,
+                                         decode_geometry=decode_geometry, softcap=softcap, sink_logits=sink_logits,
+                                         key_mask=key_mask)
 
 
 def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sinks: int = 0, scale: float,

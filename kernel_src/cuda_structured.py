@@ -7,8 +7,8 @@ read in place, and the output is written in q's memory order). The contract is t
 of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
 sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
-``sm_90a``, cached on disk). ``triton_fwd.attention_forward``
-hands it the calls it computes (``cuda_dispatch``). Its speed against Triton's structured kernel,
+``sm_90a``, cached on disk). ``dispatch``
+hands it the calls ``plan`` gives it (``cuda_sm90_structured``). Its speed against Triton's structured kernel,
 FlexAttention and SDPA: docs/benchmarks.md; how it got there: docs/history.md.
 """
 
@@ -17,17 +17,12 @@ from __future__ import annotations
 import torch
 
 from .cuda_build import load_sm90_extension
-from .cuda_contract import (
-    STRUCTURED_CUDA_PATTERNS,
-    check_pattern_args,
-    plain_call_ok,
-    tensors_ok,
-)
+from .cuda_contract import STRUCTURED_CUDA_PATTERNS, check_pattern_args, on_sm90, structured_call_ok
 from .memory_order import new_output
 
 __all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
-#: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
+#: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_PATTERNS = STRUCTURED_CUDA_PATTERNS
 
 _SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
@@ -48,9 +43,9 @@ def cuda_structured_ok(
     ``plain_geometry``: no padding and query ``i`` at key index ``i`` (the caller's ``RowGeometry``
     has ``q_start == k_start == 0`` and ``k_end == Skv``).
     """
-    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
-        return False
-    return tensors_ok(q, k, v)
+    return on_sm90(q) and structured_call_ok(q, k, v, pattern_id=pattern_id, causal=causal,
+                                             plain_geometry=plain_geometry, softcap=softcap,
+                                             sink_logits=sink_logits, key_mask=key_mask)
 
 
 def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float):

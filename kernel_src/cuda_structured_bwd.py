@@ -7,8 +7,8 @@ P^T dO``, ``dK += dS^T Q``, ``dQ = dS K``), dK/dV summed over the group in regis
 into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while the consumers go on). Patterns: dense, sliding_window, streaming (causal), plain
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
 ``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
-use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``triton_bwd.attention_backward`` hands it the
-calls it computes (``cuda_dispatch``). Its speed against FlexAttention's backward and
+use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``dispatch`` hands it the
+calls ``plan`` gives it (``cuda_sm90_structured_bwd``). Its speed against FlexAttention's backward and
 ``triton_structured_bwd``: docs/benchmarks.md.
 """
 
@@ -17,20 +17,13 @@ from __future__ import annotations
 import torch
 
 from .cuda_build import load_sm90_extension
-from .cuda_contract import (
-    STRUCTURED_CUDA_PATTERNS,
-    check_pattern_args,
-    plain_call_ok,
-    tensors_ok,
-)
-from .triton_bwd import bwd_preprocess
+from .cuda_contract import BWD_ROW_PAD, STRUCTURED_CUDA_PATTERNS, check_pattern_args, on_sm90, structured_bwd_call_ok
 
 __all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_ok", "load_extension"]
 
-#: Pattern ids (``triton_fwd.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
+#: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
 CUDA_BWD_PATTERNS = STRUCTURED_CUDA_PATTERNS
 
-_ROW_PAD = 64  # query rows per step of the kernel: lse2 / delta / dq_acc rows are padded to a multiple
 _SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
 
 
@@ -49,18 +42,13 @@ def cuda_structured_bwd_ok(
     ``plain_geometry``: no padding and query ``i`` at key index ``i`` (``q_start == k_start == 0``,
     ``k_end == Skv``).
     """
-    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
-        return False
-    if not tensors_ok(q, k, v, like_q=(do, out), tma=(do,), max_len=2**31 - 1 - _ROW_PAD):
-        return False
-    B, Hq, S, _ = q.shape
-    if (S + 127) // 128 > 65535:  # key tiles: grid dimension y
-        return False
-    return isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.device == q.device and tuple(
-        lse.shape) == (B, Hq, S)
+    return on_sm90(q) and structured_bwd_call_ok(do, q, k, v, out, lse, pattern_id=pattern_id, causal=causal,
+                                                 plain_geometry=plain_geometry, softcap=softcap,
+                                                 sink_logits=sink_logits, key_mask=key_mask)
 
 
-def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float):
+def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: int = 0, sinks: int = 0, scale: float,
+                             stats):
     """Gradients of causal structured attention on an sm_90 GPU.
 
     Args:
@@ -72,6 +60,8 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
+        stats: ``(delta, lse2)`` float32 ``(B, Hq, S)``: ``delta = rowsum(dO * O)`` and ``lse2 = lse *
+            log2(e)`` (``+inf`` where ``lse = -inf``), as ``triton_bwd.bwd_preprocess`` computes them.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v`` and laid out like them where
     they are dense (``torch.empty_like``), else contiguous.
     """
@@ -86,28 +76,28 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dq_acc = _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale)
+    dq_acc = _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, stats)
     dq = torch.empty_like(q).copy_(dq_acc[:, :, : q.shape[2]])  # cast and layout in one pass
     return dq, dk, dv
 
 
-def padded_stats(do, out, lse):
-    """``bwd_preprocess``'s ``lse2`` and ``delta`` padded to ``S_pad`` rows (a multiple of 64): ``+inf``
-    and 0 on the padding, so that padded query rows get ``P = 0``. Shapes ``(B, Hq, S_pad)``."""
-    delta, lse2 = bwd_preprocess(do, out, lse)
-    S = out.shape[2]
-    pad = (-S) % _ROW_PAD
+def padded_stats(stats):
+    """``stats = (delta, lse2)`` ``(B, Hq, S)`` as ``(lse2, delta)`` padded to ``S_pad`` rows (a multiple
+    of 64): ``+inf`` and 0 on the padding, so that padded query rows get ``P = 0``. Shapes ``(B, Hq, S_pad)``."""
+    delta, lse2 = stats
+    S = lse2.shape[2]
+    pad = (-S) % BWD_ROW_PAD
     if pad:
         lse2 = torch.nn.functional.pad(lse2, (0, pad), value=float("inf"))
         delta = torch.nn.functional.pad(delta, (0, pad), value=0.0)
     return lse2.contiguous(), delta.contiguous()
 
 
-def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale):
+def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, stats):
     """Write ``dk`` and ``dv`` (allocated by the caller) and return the float32 ``dq_acc``
     ``(B, Hq, S_pad, 128)`` (scale applied; rows past S are zero)."""
     mod = load_extension()
-    lse2, delta = padded_stats(do, out, lse)
+    lse2, delta = padded_stats(stats)
     B, Hq, _, D = q.shape
     dq_acc = torch.zeros(B, Hq, lse2.shape[2], D, device=q.device, dtype=torch.float32)
     with torch.cuda.device(q.device):

@@ -9,8 +9,8 @@ The semantics are those of ``triton_fwd._selection_loop``: query ``i`` of batch 
 min(count, K)``, its key ``j`` satisfies ``0 <= j < S``, its weight (if any) is positive, and the
 static rule does not already allow it (``i - j >= window`` and ``j >= sinks``, hence causal);
 ``log w`` is added to the logit. Plain causal self-attention only (no padding, ``Sq == Skv``), D =
-128, bf16/fp16, ``query_block`` a multiple of 128; ``triton_fwd.attention_forward`` hands it the
-calls it computes (``cuda_dispatch.try_cuda_token``), everything else stays on the Triton path.
+128, bf16/fp16, ``query_block`` a multiple of 128; ``dispatch`` hands it the calls
+``plan`` gives it (``cuda_sm90_token``), everything else stays on the Triton path.
 
 Its speed against the Triton token kernel and the structured forward: docs/benchmarks.md (token
 layout row) and docs/history.md (Hopper CUDA kernels for the structured patterns).
@@ -21,15 +21,12 @@ from __future__ import annotations
 import torch
 
 from .cuda_build import load_sm90_extension
-from .cuda_contract import selection_ok
-from .cuda_structured import cuda_structured_ok
+from .cuda_contract import TOKEN_STATIC_PATTERNS, on_sm90, token_call_ok
 from .memory_order import new_output
 
 __all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
 
 _SOURCES = ("token_fwd_sm90.cpp", "token_fwd_sm90.cu")
-#: Static-part pattern ids (``triton_fwd.PATTERN_IDS``) the kernel fuses: sliding_window, streaming.
-TOKEN_STATIC_PATTERNS = (1, 2)
 
 
 def load_extension():
@@ -44,15 +41,9 @@ def cuda_token_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, p
 
     ``selection``: a ``TokenLayout`` (or the custom op's namespace with the same fields).
     """
-    if pattern_id not in TOKEN_STATIC_PATTERNS:
-        return False
-    if not cuda_structured_ok(q, k, v, pattern_id=pattern_id, causal=causal, plain_geometry=plain_geometry,
-                              softcap=softcap, sink_logits=sink_logits, key_mask=key_mask):
-        return False
-    qb = selection.query_block
-    if not isinstance(qb, int) or qb < 128 or qb % 128:
-        return False
-    return selection_ok(selection, q, k.shape[1])
+    return on_sm90(q) and token_call_ok(q, k, v, selection, pattern_id=pattern_id, causal=causal,
+                                        plain_geometry=plain_geometry, softcap=softcap, sink_logits=sink_logits,
+                                        key_mask=key_mask)
 
 
 def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sinks: int = 0, scale: float):

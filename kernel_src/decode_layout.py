@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .geometry import RowGeometry
+from .launch_buffers import placeholder
 from .patterns import Dense, Pattern, SlidingWindow, Streaming
 
 __all__ = ["DecodeLayout", "decode_layout", "decode_tile_bound"]
@@ -67,9 +68,9 @@ class DecodeLayout:
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
 
-    #: Marks the layout for ``triton_fwd.attention_forward`` (the kernel's ``STRUCT`` flag).
+    #: Marks the layout for ``triton_fwd.layout_forward`` (the kernel's ``STRUCT`` flag).
     structured_decode = True
-    #: ``triton_fwd.full_tiles_contiguous`` reads this instead of the (placeholder) index lists.
+    #: ``block_layout.full_tiles_contiguous`` reads this instead of the (placeholder) index lists.
     _full_contig = True
 
     @property
@@ -93,8 +94,6 @@ def decode_layout(pattern: Pattern, q_len: int, kv_len: int, geometry: RowGeomet
     p = _static(pattern)
     if q_len > MAX_DECODE_QUERIES or type(p) not in (Dense, SlidingWindow, Streaming) or not p.causal:
         return None
-    from .triton_fwd import placeholder
-
     dev = geometry.q_start.device
     num, idx = placeholder(dev, torch.int32, 3), placeholder(dev, torch.int32, 4)
     return DecodeLayout(

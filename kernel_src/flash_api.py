@@ -70,7 +70,7 @@ def flash_attn_func(
     when ``return_attn_probs``).
 
     The inputs reach the kernels as transposed views, without copies (the Hopper CUDA kernels read them
-    through 4-D TMA maps: ``cuda_dispatch``), and the kernels write the output in ``(B, Sq, Hq, D)``
+    through 4-D TMA maps: ``plan``), and the kernels write the output in ``(B, Sq, Hq, D)``
     memory order (``memory_order.new_output``), so ``out`` is contiguous whenever ``q`` is."""
     _check_unsupported(dropout_p, alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RowGeometry", "row_geometry"]
+__all__ = ["RowGeometry", "bottom_right_geometry", "decode_geometry", "plain_geometry", "row_geometry"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,27 @@ def row_geometry(
     if attention_mask is None and (q_start is None or isinstance(q_start, int)):
         host = ([kv_len - q_len if q_start is None else int(q_start)], [0], [kv_len])
     return RowGeometry(q_start_t.expand(rows).contiguous(), k_start.expand(rows).contiguous(), k_end.expand(rows).contiguous(), host)
+
+
+def bottom_right_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is bottom-right aligned with no padding: ``q_start == kv_len - q_len``,
+    ``k_start == 0`` and ``k_end == kv_len``, judged from the geometry's host offsets (None: not known
+    -> False, no sync). The custom op carries this as its ``plain_geo`` flag."""
+    host = getattr(geometry, "host", None)  # the custom op's geometry namespace carries one only with the flag
+    if host is None or not 1 <= q_len <= kv_len:
+        return False
+    q_start, k_start, k_end = host
+    return (all(x == kv_len - q_len for x in q_start) and all(x == 0 for x in k_start)
+            and all(x == kv_len for x in k_end))
+
+
+def plain_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is plain self-attention: ``q_len == kv_len``, ``q_start == k_start == 0`` and
+    ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == kv_len and bottom_right_geometry(geometry, q_len, kv_len)
+
+
+def decode_geometry(geometry, q_len: int, kv_len: int) -> bool:
+    """Whether every row is a plain decode step: ``q_len == 1``, ``q_start == kv_len - 1``,
+    ``k_start == 0`` and ``k_end == kv_len`` (host offsets; None: not known -> False, no sync)."""
+    return q_len == 1 and bottom_right_geometry(geometry, q_len, kv_len)

@@ -8,33 +8,28 @@ The ops take only tensors and plain scalars, so ``torch.compile`` traces through
 * ``sparse_k::block_attn_bwd(do, q, k, v, out, lse, ...)`` -> ``(dq, dk, dv, dsink, dweights)``
 
 A layout travels as its four tensors ``(full_num, full_idx, part_num, part_idx)``; the transposed
-layout (query tiles per key tile, see ``triton_bwd.transposed_layout``) travels beside it so the
+layout (query tiles per key tile, see ``block_layout.transposed_layout``) travels beside it so the
 backward needs no host synchronisation. The pattern travels as ``(pattern_id, causal, params)``;
 ``full_contig`` (full tiles form one ascending run per query tile) is computed once per layout.
-Kernel modules are imported on first use so that ``TRITON_INTERPRET`` is read at that moment.
+The ops run ``dispatch``, which asks ``plan`` for the kernel (and imports the kernel modules on first
+use, so that ``TRITON_INTERPRET`` is read at that moment).
 """
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import torch
 
+from . import dispatch
 from ._ops import add_op_namespace_prefix
-from .cuda_dispatch import bottom_right_geometry
+from .block_layout import full_tiles_contiguous, transposed_layout
+from .geometry import bottom_right_geometry
+from .launch_buffers import placeholder
 from .memory_order import new_output
+from .pattern_codes import pattern_code
 
 __all__ = ["block_attn", "layout_args"]
-
-
-_KERNELS: list = []  # (triton_fwd, triton_bwd) after the first import (a traced call then imports nothing)
-
-
-def _kernels():
-    if not _KERNELS:
-        _KERNELS.extend((importlib.import_module(".triton_fwd", __package__), importlib.import_module(".triton_bwd", __package__)))
-    return _KERNELS[0], _KERNELS[1]
 
 
 class _PatternCode:
@@ -49,7 +44,7 @@ class _PatternCode:
 def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False,
                struct_tiles=0):
     # ``plain``: the caller's geometry had host offsets q_start == kv_len - q_len, k_start == 0,
-    # k_end == kv_len (``cuda_dispatch.bottom_right_geometry``: plain self-attention or a decode step);
+    # k_end == kv_len (``geometry.bottom_right_geometry``: plain self-attention or a decode step);
     # the device tensors alone cannot say so without a sync. ``struct_tiles > 0``: a
     # ``decode_layout.DecodeLayout`` with that ``max_tiles`` (the index tensors are placeholders).
     host = ([kv_len - q_len], [0], [kv_len]) if plain else None
@@ -75,13 +70,12 @@ def block_attn_fwd(
     sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
     sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False, struct_tiles: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fwd, _ = _kernels()
     sel = None
     if sel_idx is not None:
         sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
     lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id,
                      causal, params, plain_geo, struct_tiles)
-    return fwd.attention_forward(
+    return dispatch.attention_forward(
         q, k, v, lay, scale=scale, softcap=softcap if softcap > 0 else None, sink_logits=sink_logits,
         key_mask=key_mask, pack=pack, num_splits=num_splits, pattern=lay.pattern, full_contig=full_contig,
         selection=sel,
@@ -107,14 +101,13 @@ def block_attn_bwd(
     sel_idx: torch.Tensor | None = None, sel_cnt: torch.Tensor | None = None, sel_w: torch.Tensor | None = None,
     sel_first: torch.Tensor | None = None, sel_qb: int = 1, plain_geo: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, bwd = _kernels()
     sel = None
     if sel_idx is not None:
         sel = SimpleNamespace(indices=sel_idx, counts=sel_cnt, weights=sel_w, first_block=sel_first, query_block=sel_qb)
     lay = _layout_ns(fnum, fidx, pnum, pidx, q_start, k_start, k_end, block_q, block_k, q.shape[2], k.shape[2], pattern_id,
                      causal, params, plain_geo)
     lay._transposed = (t_fnum, t_fidx, t_pnum, t_pidx)
-    dq, dk, dv, dsink, dw = bwd.attention_backward(
+    dq, dk, dv, dsink, dw = dispatch.attention_backward(
         do, q, k, v, out, lse, lay, scale=scale, softcap=softcap if softcap > 0 else None,
         sink_logits=sink_logits, key_mask=key_mask, selection=sel,
     )
@@ -188,11 +181,9 @@ def layout_args(layout, *, need_transposed: bool) -> tuple:
     if fnum.stride() != pnum.stride():
         fnum, pnum = fnum.contiguous(), pnum.contiguous()
     if need_transposed:
-        _, bwd = _kernels()
-        t = bwd.transposed_layout(layout)
+        t = transposed_layout(layout)
     else:
-        fwd, _ = _kernels()
-        empty = fwd.placeholder(fnum.device, torch.int32, 4)
+        empty = placeholder(fnum.device, torch.int32, 4)
         t = (empty[..., 0], empty, empty[..., 0], empty)
     return (fnum, fidx, pnum, pidx, *t)
 
@@ -218,25 +209,24 @@ def block_attn(
     launcher directly). ``layout``: a ``BlockLayout`` whose ``block_q`` is ``BLOCK_M // pack``;
     ``selection``: an optional ``TokenLayout`` fused into the same pass.
     Returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq) float32)``."""
-    fwd, _ = _kernels()
     weights = None if selection is None else selection.weights
     if _eager_inference(need_grad, (q, k, v, sink_logits, weights)):
-        return fwd.attention_forward(
+        return dispatch.attention_forward(
             q, k, v, layout, scale=float(scale), softcap=softcap if softcap else None, sink_logits=sink_logits,
-            key_mask=key_mask, pack=pack, num_splits=num_splits, full_contig=fwd.full_tiles_contiguous(layout),
+            key_mask=key_mask, pack=pack, num_splits=num_splits, full_contig=full_tiles_contiguous(layout),
             selection=selection,
         )
     sel = ()
     if selection is not None:
         sel = (selection.indices, selection.counts, selection.weights,
                selection.first_block.to(device=q.device, dtype=torch.int64), selection.query_block)
-    pid, params = fwd.pattern_code(layout.pattern)
+    pid, params = pattern_code(layout.pattern)
     geo = layout.geometry
     return block_attn_fwd(
         q, k, v, *layout_args(layout, need_transposed=need_grad), geo.q_start, geo.k_start, geo.k_end,
         sink_logits, key_mask, pid, bool(layout.pattern.causal), list(params), layout.block_q, layout.block_k,
         pack, num_splits, float(scale), float(softcap) if softcap is not None else 0.0,
-        fwd.full_tiles_contiguous(layout), *(sel or (None, None, None, None, 1)),
+        full_tiles_contiguous(layout), *(sel or (None, None, None, None, 1)),
         bottom_right_geometry(geo, q.shape[2], k.shape[2]),
         int(layout.max_tiles) if getattr(layout, "structured_decode", False) else 0,
     )

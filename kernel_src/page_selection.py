@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import warn_once
+from .warn import warn_once
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "top_indices", "top_pages"]
 

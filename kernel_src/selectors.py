@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .api import warn_once
+from .warn import warn_once
 from .geometry import RowGeometry
 from .patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from .sparsek_budget import key_budget
+
 __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -37,22 +39,6 @@ _BACKENDS = ("auto", "torch", "triton")
 #: faster than the PyTorch path, forward and backward, with identical outputs
 #: (``scripts/benchmark_kernels.py --section sparsek``; docs/benchmarks.md, SparseK operator kernel).
 AUTO_TRITON_ON_CUDA = True
-
-
-def _budget(k, lead_shape, device) -> torch.Tensor:
-    if isinstance(k, bool):
-        raise TypeError("sparsek: `k` must be an int or an integer tensor, got bool")
-    if isinstance(k, int):
-        if k < 0:
-            raise ValueError(f"sparsek: `k` must be >= 0, got {k}")
-        return torch.full(lead_shape, k, dtype=torch.int64, device=device)
-    if not isinstance(k, torch.Tensor):
-        raise TypeError(f"sparsek: `k` must be an int or an integer tensor, got {type(k).__name__}")
-    if k.dtype.is_floating_point or k.dtype == torch.bool:
-        raise TypeError(f"sparsek: `k` must hold integers, got dtype {k.dtype}")
-    if bool((k < 0).any()):
-        raise ValueError("sparsek: every `k` must be >= 0")
-    return k.to(device=device, dtype=torch.int64).expand(lead_shape)
 
 
 def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +54,7 @@ def sparsek_threshold(u: torch.Tensor, k, mask: torch.Tensor | None = None) -> t
     """
     lead, n = u.shape[:-1], u.shape[-1]
     dev = u.device
-    kk = _budget(k, lead, dev)
+    kk = key_budget(k, lead, dev)
     if mask is None:
         mask = torch.ones_like(u, dtype=torch.bool)
     n_c = mask.sum(-1)

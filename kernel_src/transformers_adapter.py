@@ -40,7 +40,8 @@ from typing import ClassVar
 
 import torch
 
-from .api import sparse_attention, warn_once
+from .api import sparse_attention
+from .warn import warn_once
 from .config import pattern_for_layer, validate_sparse_config
 from .geometry import row_geometry
 from .patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming

@@ -1,15 +1,16 @@
 """The ``"triton"`` backend of ``sparse_k.sparse_attention`` (registered when triton imports).
 
 ``why_unsupported(call)`` names the first reason the kernels cannot run a call (the API then falls
-back to the PyTorch path with a one-time warning); ``run(call)`` picks tile sizes and launches:
+back to the PyTorch path with a one-time warning); ``run(call)`` launches on the tiles ``plan.plan_tiles``
+picks:
 
-* prefill / training: ``BLOCK_M x BLOCK_N`` tiles over the block layout (``tile_config``), one query
+* prefill / training: ``BLOCK_M x BLOCK_N`` tiles over the block layout (``plan.tile_config``), one query
   head per program; with gradients the layout's transpose travels with the op for the backward;
 * decode (``Sq <= 16``, no gradient): the query heads of a KV group packed into one tile and the
   key tiles split across programs (flash-decoding), merged by the last split program of each tile
   (or a combine kernel), which adds the sink;
 * prefill with a token layout and no gradient: the query heads of a KV group packed as in decode
-  (``selection_prefill_config``).
+  (``plan.selection_prefill_config``).
 
 A decode step of a causal dense / sliding_window / streaming pattern (or a learned pattern's static
 part) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout`` and the kernel computes
@@ -33,10 +34,11 @@ import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
 from .api import AttentionCall, register_backend
 from .decode_layout import DecodeLayout, decode_layout
+from .pattern_codes import PATTERN_IDS
 from .patterns import BigBird
-from .triton_fwd import PATTERN_IDS
+from .plan import plan_tiles, split_count
 
-__all__ = ["bigbird_tiles", "decode_config", "run", "selection_prefill_config", "tile_config", "why_unsupported"]
+__all__ = ["run", "why_unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -44,63 +46,6 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def tile_config(head_dim: int, device_type: str, need_grad: bool) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` of the prefill / training kernels."""
-    if device_type != "cuda":
-        return 16, 16
-    if need_grad:
-        return (64, 64) if head_dim <= 128 else (32, 32)
-    return (128, 128) if head_dim <= 128 else (64, 64)
-
-
-def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
-    """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``)."""
-    rows = 1
-    while rows < q_len:
-        rows *= 2
-    min_m = 16
-    max_m = 128 if head_dim <= 128 else 64
-    # Pack the largest power of two of heads that divides the group, so BLOCK_M = rows * pack stays a
-    # power of two (tl.arange needs one); a group of 3 (SmolLM2: 9 query heads, 3 KV heads) packs 1.
-    pack = 1
-    while group % (pack * 2) == 0 and rows * pack * 2 <= max_m:
-        pack *= 2
-    if rows * pack < min_m:
-        rows = min_m // pack
-    # 64-key tiles (scripts/tune_decode.py; docs/history.md): with 4 warps and 3 stages a program needs
-    # 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token layout run faster
-    # than with 128-key tiles, a window about as fast.
-    block_n = 16 if device_type != "cuda" else 64
-    return rows, pack, block_n
-
-
-def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
-    """``(rows per head, heads packed, BLOCK_N)`` of an inference prefill with a token layout.
-
-    ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
-    (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
-    run ahead too (faster on the H100 than one head per program with 128-key tiles and 2 stages;
-    ``scripts/tune_decode.py --part token``; docs/history.md)."""
-    if device_type != "cuda" or head_dim != 128:  # tuned at D=128 only; other head dims keep the prefill tiles
-        bm, bn = tile_config(head_dim, device_type, False)
-        return bm, 1, bn
-    pack = 1
-    while group % (pack * 2) == 0 and pack * 2 <= 4:
-        pack *= 2
-    return 128 // pack, pack, 64
-
-
-def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` of bigbird on the layout path: tiles that divide the block (a tile then
-    lies in one block pair, allowed or not as a whole). Prefill without gradients on the GPU with blocks
-    of 128 or more runs 64x64 tiles (two programs per SM; on the H100 at least as fast as 128x128 tiles
-    and faster than packing the query heads of a KV group in one program; docs/history.md); otherwise
-    the block itself."""
-    if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
-        return 64, 64
-    return block, block
 
 
 def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | None:
@@ -123,24 +68,12 @@ def _want_grad(call: AttentionCall) -> bool:
     )
 
 
-def _plan(call: AttentionCall):
-    """``(block_q, block_k, pack, decode)`` for this call."""
+def _tiles(call: AttentionCall):
+    """``plan.plan_tiles`` for this call."""
     q = call.q
-    B, Hq, Sq, D = q.shape
-    G = Hq // call.k.shape[1]
-    dev = q.device.type
-    need_grad = _want_grad(call)
-    if isinstance(call.pattern, BigBird):
-        bq, bk = bigbird_tiles(call.pattern.block, D, dev, need_grad, Sq)
-        return bq, bk, 1, False
-    if Sq <= 16 and not need_grad:
-        rows, pack, bn = decode_config(Sq, G, dev, D)
-        return rows, bn, pack, True
-    if call.selection is not None and not need_grad:
-        rows, pack, bn = selection_prefill_config(G, dev, D)
-        return rows, bn, pack, False
-    bm, bn = tile_config(D, dev, need_grad)
-    return bm, bn, 1, False
+    return plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
+                      device_type=q.device.type, need_grad=_want_grad(call), selection=call.selection is not None,
+                      bigbird_block=call.pattern.block if isinstance(call.pattern, BigBird) else None)
 
 
 def why_unsupported(call: AttentionCall) -> str | None:
@@ -159,7 +92,8 @@ def why_unsupported(call: AttentionCall) -> str | None:
     if rule.name not in PATTERN_IDS:
         return f"pattern {rule.name!r} has no kernel rule (the kernels evaluate {', '.join(sorted(set(PATTERN_IDS)))})"
     if isinstance(call.pattern, BigBird):
-        bq, bk, _, _ = _plan(call)
+        tiles = _tiles(call)
+        bq, bk = tiles.block_q, tiles.block_k
         if bq not in (16, 32, 64, 128):
             return f"bigbird block {bq} (the kernels take blocks of 16, 32, 64 or 128)"
         if bq > 64 and _want_grad(call):
@@ -168,24 +102,11 @@ def why_unsupported(call: AttentionCall) -> str | None:
     return None
 
 
-def _num_splits(programs: int, max_tiles: int, device, gathered: bool = False) -> int:
-    """Split-KV factor of a decode launch of ``programs`` (batch x KV heads x packs x query tiles).
-
-    One wave: ``SMs // programs`` splits for contiguous key tiles (longer runs per program win), twice
-    that when selected keys are gathered (each gathered tile waits on its index load; more programs
-    hide it). Swept on the H100 with ``scripts/tune_decode.py --part decode`` (B=8, 128K cache; numbers
-    in docs/history.md)."""
-    if device.type != "cuda":
-        return max(1, min(max_tiles, 3))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    waves = 2 if gathered else 1
-    return max(1, min(max_tiles, waves * sms // max(1, programs), 64))
-
-
 def run(call: AttentionCall):
     from .ops import block_attn
 
-    bq, bk, pack, decode = _plan(call)
+    tiles = _tiles(call)
+    bq, bk, pack, decode = tiles.block_q, tiles.block_k, tiles.pack, tiles.decode
     layout = None
     if decode:  # dense / sliding_window / streaming (or a learned static part): tiles computed in the kernel
         layout = decode_layout(call.pattern, call.q.shape[2], call.k.shape[2], call.geometry, block_q=bq, block_k=bk,
@@ -205,7 +126,7 @@ def run(call: AttentionCall):
             max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
         if call.selection is not None:
             max_tiles += -(-call.selection.indices.shape[-1] // bk)
-        splits = _num_splits(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device,
+        splits = split_count(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device,
                              gathered=call.selection is not None)
     return block_attn(
         call.q, call.k, call.v, layout, scale=call.scale, softcap=call.softcap, sink_logits=call.sink_logits,

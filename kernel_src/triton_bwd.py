@@ -18,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_layout import BlockLayout, _pack
-from .triton_fwd import LOG2E, _floordiv, _pattern_rule, _selection_args, _softcap, pattern_code
+from .block_layout import transposed_layout
+from .launch_buffers import selection_args
+from .triton_rules import LOG2E, _floordiv, _pattern_rule, _softcap
 
-__all__ = ["transposed_layout", "attention_backward", "bwd_preprocess"]
+__all__ = ["bwd_preprocess", "layout_backward"]
 
 
 @triton.jit
@@ -62,33 +63,6 @@ def bwd_preprocess(do, out, lse):
         lse.stride(0), lse.stride(1), lse.stride(2), Hq, Sq, BLOCK=block, HEAD_DIM=D, num_warps=4,
     )
     return delta, lse2
-
-
-def transposed_layout(layout: BlockLayout):
-    """Query tiles per key tile: ``(full_num, full_idx, part_num, part_idx)``, shapes ``(B', H', NK[, W])``.
-
-    Computed once per layout (kept on the layout object); costs ``B' * H' * NQ * NK`` bytes.
-    """
-    cached = getattr(layout, "_transposed", None)
-    if cached is not None:
-        return cached
-    NQ, NK = layout.num_q_blocks, layout.num_k_blocks
-    Bp, Hp = layout.kv_num_blocks.shape[:2]
-    dev = layout.kv_num_blocks.device
-    kinds = torch.zeros(Bp, Hp, NQ, NK + 1, dtype=torch.int8, device=dev)
-    for num, idx, val in (
-        (layout.kv_num_blocks, layout.kv_indices, 1), (layout.full_kv_num_blocks, layout.full_kv_indices, 2),
-    ):
-        slot = torch.arange(idx.shape[-1], device=dev)
-        tgt = torch.where(slot < num.unsqueeze(-1), idx.long(), NK)
-        kinds.scatter_(-1, tgt, torch.full_like(tgt, val, dtype=torch.int8))
-    kinds = kinds[..., :NK].transpose(-1, -2)  # (B', H', NK, NQ)
-    cand = torch.arange(NQ, device=dev, dtype=torch.int64).expand_as(kinds)
-    full_num, full_idx = _pack(kinds == 2, cand, NQ)
-    part_num, part_idx = _pack(kinds == 1, cand, NQ)
-    result = (full_num.contiguous(), full_idx.contiguous(), part_num.contiguous(), part_idx.contiguous())
-    layout._transposed = result
-    return result
 
 
 @triton.jit
@@ -376,24 +350,19 @@ def _attn_bwd_dq(
     tl.store(DQ + b * stride_dqb + head * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
-def attention_backward(
-    do, q, k, v, out, lse, layout, *, scale, softcap=None, sink_logits=None, key_mask=None,
-    num_warps=None, num_stages=None, selection=None, structured=None, cuda_structured=None,
+def layout_backward(
+    do, q, k, v, out, lse, layout, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None,
+    key_mask=None, num_warps=None, num_stages=None, selection=None, prep=None,
 ):
-    """Gradients of the block-sparse forward.
+    """Gradients of the layout-path forward (Triton; ``dispatch.attention_backward`` decides when it runs).
 
     Args:
-        do, q, out: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)``; lse: ``(B, Hq, Sq)`` float32 from
-        the forward. ``layout``: a ``BlockLayout`` with ``block_q = BLOCK_M`` and ``block_k = BLOCK_N``
-        (one query head per tile).
+        do, q, out: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)`` (unit last stride); lse: ``(B, Hq, Sq)``
+        float32 from the forward. ``layout``: a ``BlockLayout`` with ``block_q = BLOCK_M`` and
+        ``block_k = BLOCK_N`` (one query head per tile).
+        ``pattern_id, params, causal``: the pattern as the kernels see it (``pattern_codes.pattern_code``).
         ``selection``: the forward's ``TokenLayout``, if any.
-        ``structured``: dense / sliding_window / streaming through ``triton_structured_bwd`` (arithmetic
-        tile ranges, its own tile shapes); default: whenever the pattern allows it (no token layout;
-        streaming causal only), timed faster on the H100 than this layout-path backward
-        (``scripts/benchmark_kernels.py --section tune_structured_bwd``; docs/history.md).
-        ``cuda_structured``: for a structured launch, let the Hopper CUDA backward take it where
-        ``cuda_dispatch`` allows (default None: yes, unless ``num_warps`` / ``num_stages`` are given);
-        False: always the Triton kernels.
+        ``prep``: ``bwd_preprocess(do, out, lse)``'s ``(delta, lse2)`` if already computed.
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """
@@ -401,34 +370,9 @@ def attention_backward(
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     dev = q.device
-    do = do.contiguous() if do.stride(-1) != 1 else do
-    out = out.contiguous() if out.stride(-1) != 1 else out
-    lse = lse.contiguous()
-    pid, params = pattern_code(layout.pattern)
+    params = tuple(params)
     geo = layout.geometry
-    causal = bool(layout.pattern.causal)
-    if structured is None:
-        from .triton_structured import STRUCTURED_PATTERNS
-
-        structured = pid in STRUCTURED_PATTERNS and selection is None and (causal or pid != 2)
-    if structured and cuda_structured is not False and (num_warps, num_stages) == (None, None):
-        from .cuda_dispatch import try_cuda_structured_backward
-
-        grads = try_cuda_structured_backward(
-            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale, softcap=softcap,
-            sink_logits=sink_logits, key_mask=key_mask,
-        )
-        if grads is not None:
-            return (*grads, None, None)
-    delta, lse2 = bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32 each
-    if structured:
-        from .triton_structured_bwd import structured_backward
-
-        dq, dk, dv, dsink = structured_backward(
-            do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale,
-            softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, prep=(delta, lse2),
-        )
-        return dq, dk, dv, dsink, None
+    delta, _ = prep if prep is not None else bwd_preprocess(do, out, lse)  # (B, Hq, Sq) float32
     bm, bn = layout.block_q, layout.block_k
     NQ, NK = layout.num_q_blocks, layout.num_k_blocks
     kmask = key_mask.to(torch.uint8) if key_mask is not None else torch.empty(1, 1, device=dev, dtype=torch.uint8)
@@ -440,7 +384,7 @@ def attention_backward(
     if num_stages is None:
         num_stages = 1 if D > 128 else 2
     common = dict(
-        PATTERN=pid, CAUSAL=bool(layout.pattern.causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D,
+        PATTERN=pattern_id, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D,
         EVEN_N=(Skv % bn == 0), HAS_SOFTCAP=softcap is not None, HAS_KMASK=key_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -460,7 +404,7 @@ def attention_backward(
     if fnum.stride() != pnum.stride():
         fnum, pnum = fnum.contiguous(), pnum.contiguous()
     lay_b, lay_h = int(pnum.shape[0] > 1), int(pnum.shape[1] > 1)
-    sel_args = _selection_args(selection, dev)
+    sel_args = selection_args(selection, dev)
     if selection is not None:
         dk32 = torch.zeros(k.shape, device=dev, dtype=torch.float32)
         dv32 = torch.zeros(v.shape, device=dev, dtype=torch.float32)

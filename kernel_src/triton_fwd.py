@@ -26,106 +26,21 @@ Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
 
+from .block_layout import full_tiles_contiguous
+from .launch_buffers import placeholder, selection_args, split_counters
 from .memory_order import new_output
+from .triton_rules import LOG2E, _floordiv, _pattern_rule, _softcap
+from .triton_tma import kv_descriptor, tma_ok
 
-__all__ = ["PATTERN_IDS", "pattern_code", "attention_forward", "combine_splits", "split_counters"]
-
-LOG2E = 1.4426950408889634
-
-PATTERN_IDS = {
-    "dense": 0, "sliding_window": 1, "streaming": 2, "block_diagonal": 3, "bigbird": 4, "dilated": 5,
-    "l2_aligned": 6, "sparse_k": 2, "dsa": 2,
-}
-
+__all__ = ["check_sel_fast", "combine_splits", "layout_forward"]
 
 #: ``dilated`` with at most this many scales compiles its scale loop unrolled (one kernel variant per
 #: scale count); more scales loop at run time.
 MAX_UNROLLED_SCALES = 8
-
-
-def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
-    """``(PATTERN id, (P0, P1, P2, P3))`` for the kernels; learned patterns use their static part."""
-    if hasattr(pattern, "pid"):  # already encoded (ops._PatternCode)
-        return pattern.pid, pattern.params
-    p = pattern.static_part() if pattern.learned else pattern
-    pid = PATTERN_IDS[p.name]
-    if pid == 1:
-        params = (p.window, 0, 0, 0)
-    elif pid == 2:
-        params = (p.window, p.sinks, 0, 0)
-    elif pid == 3:
-        params = (p.block, 0, 0, 0)
-    elif pid == 5:
-        params = (p.window, p.scales, 0, 0)
-    elif pid == 6:
-        params = (p.block, p.window_blocks, p._seg(), p.anchor)
-    else:
-        params = (0, 0, 0, 0)
-    return pid, params
-
-
-@triton.jit
-def _floordiv(a, b):
-    # Floor division that agrees between the interpreter (numpy) and compiled code (C truncation).
-    return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
-
-
-@triton.jit
-def _pattern_rule(qpos, kpos, P0, P1, P2, P3, PATTERN: tl.constexpr, CAUSAL: tl.constexpr, SCALES: tl.constexpr = 0):
-    """Element rule of design §4 on positions (broadcast int tensors); ``kpos >= 0`` and causality included.
-
-    ``SCALES``: dilated only, the number of scales ``P1`` as a compile-time constant (the scale loop is
-    unrolled); 0 loops over ``P1`` at run time, a loop inside the tile loop that Triton does not
-    software-pipeline around."""
-    d = qpos - kpos
-    if PATTERN == 0:
-        ok = d == d
-    elif PATTERN == 1:
-        if CAUSAL:
-            ok = d < P0
-        else:
-            ok = (d <= P0) & (d >= -P0)
-    elif PATTERN == 2:
-        ok = (kpos < P1) | (d < P0)
-    elif PATTERN == 3:
-        ok = _floordiv(qpos, P0) == _floordiv(kpos, P0)
-    elif PATTERN == 4:
-        ok = d == d
-    elif PATTERN == 5:
-        ad = tl.where(d >= 0, d, -d)
-        ok = d != d
-        if SCALES > 0:
-            for s in tl.static_range(SCALES):
-                ok = ok | (((ad & ((1 << s) - 1)) == 0) & (ad < P0 * (1 << s)))
-        else:
-            stride = 1
-            for _s in range(0, P1):
-                ok = ok | (((ad & (stride - 1)) == 0) & (ad < P0 * stride))
-                stride = stride * 2
-    else:
-        win = _floordiv(qpos, P0) - P1 < _floordiv(kpos, P0)
-        kp = tl.where(kpos >= 0, kpos, 0)
-        ok = win | ((kp % P2) < P3)
-    ok = ok & (kpos >= 0)
-    if CAUSAL:
-        ok = ok & (d >= 0)
-    return ok
-
-
-@triton.jit
-def _softcap(s, softcap):
-    # softcap * tanh(s / softcap), tanh through exp (portable to the interpreter).
-    x = s / softcap
-    e = tl.exp(-2.0 * tl.where(x >= 0, x, -x))
-    t = (1.0 - e) / (1.0 + e)
-    t = tl.where(x >= 0, t, -t)
-    return softcap * t
 
 
 @triton.jit
@@ -632,13 +547,19 @@ def _layout_axis_flags(t: torch.Tensor) -> tuple[int, int]:
     return int(t.shape[0] > 1), int(t.shape[1] > 1)
 
 
-def attention_forward(
-    q, k, v, layout, *, scale, softcap=None, sink_logits=None, key_mask=None, pack=1, block_n=None,
-    num_splits=1, out=None, num_warps=None, num_stages=None, causal=None, pattern=None, use_tma=None,
-    full_contig=None, selection=None, structured=None, order=None, fuse_combine=None, sel_fast=None,
-    sel_prefetch=True, sel_lean=True, cuda_structured=None,
+def check_sel_fast(sel_fast) -> None:
+    """ValueError naming ``sel_fast`` unless it is one of the values ``layout_forward`` takes."""
+    if sel_fast not in (None, False, True, 0, 1, 2):
+        raise ValueError(f"sel_fast={sel_fast!r}: allowed are None (default), 0 / False, 1 / True and 2")
+
+
+def layout_forward(
+    q, k, v, layout, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None, key_mask=None, pack=1,
+    num_splits=1, out=None, selection=None, num_warps=None, num_stages=None, use_tma=None, full_contig=None,
+    order=None, fuse_combine=None, sel_fast=None, sel_prefetch=True, sel_lean=True,
 ):
-    """Launch the block-sparse forward.
+    """Launch the Triton forward over a block layout (plus an optional token layout, split-KV with
+    ``num_splits > 1``). ``dispatch.attention_forward`` decides when this kernel runs (``plan``).
 
     Args:
         q: ``(B, Hq, Sq, D)`` (any strides with unit last stride); k, v: ``(B, Hkv, Skv, D)`` likewise.
@@ -646,14 +567,7 @@ def attention_forward(
         pack: query heads per program (divides ``Hq // Hkv``); ``BLOCK_M = pack * layout.block_q``.
         num_splits: split-KV factor (decode); results are merged by ``combine_splits``.
         out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
-        structured: run dense / sliding_window / streaming through ``triton_structured`` (tile ranges by
-            arithmetic, no index lists); default: whenever ``structured_ok`` allows it.
-        cuda_structured: for a structured launch, let the Hopper CUDA kernel take it where
-            ``cuda_dispatch`` allows (default None: yes, unless a Triton tuning argument ``num_warps``,
-            ``num_stages``, ``use_tma`` or ``order`` is given); False: always the Triton kernel.
-            The same holds for a token-layout launch (``selection``, one split, no ``sel_fast``) and the
-            Hopper CUDA token kernel (``cuda_dispatch.try_cuda_token``), and for a token-layout decode
-            (``Sq == 1``, any ``num_splits`` / ``pack``) to the CUDA decode kernel (``try_cuda_decode``).
+        pattern_id, params, causal: the pattern as the kernels see it (``pattern_codes.pattern_code``).
         order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
@@ -674,8 +588,7 @@ def attention_forward(
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and
     ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
-    if sel_fast not in (None, False, True, 0, 1, 2):
-        raise ValueError(f"sel_fast={sel_fast!r}: allowed are None (default), 0 / False, 1 / True and 2")
+    check_sel_fast(sel_fast)
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -683,50 +596,8 @@ def attention_forward(
         raise ValueError(f"pack ({pack}) must divide the group size Hq // Hkv = {G}")
     block_m = layout.block_q * pack
     block_n = layout.block_k
-    pat = layout.pattern if pattern is None else pattern
-    pid, params = pattern_code(pat)
-    is_causal = pat.causal if causal is None else causal
+    pid, is_causal = pattern_id, causal
     geo = layout.geometry
-    from .triton_structured import structured_forward, structured_ok
-
-    if structured is None:
-        structured = structured_ok(pid, bool(is_causal), pack=pack, num_splits=num_splits, selection=selection)
-    if structured:
-        from .cuda_dispatch import try_cuda_structured
-
-        triton_tuning = (num_warps, num_stages, use_tma, order) != (None, None, None, None)
-        if cuda_structured is not False and not triton_tuning:
-            fast = try_cuda_structured(
-                q, k, v, geo, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale, softcap=softcap,
-                sink_logits=sink_logits, key_mask=key_mask, out=out,
-            )
-            if fast is not None:
-                return fast
-        return structured_forward(
-            q, k, v, geo, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale, block_m=block_m,
-            block_n=block_n, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
-            num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, order=order,
-        )
-    if selection is not None and cuda_structured is not False and Sq == 1 and sel_fast is None:
-        from .cuda_dispatch import try_cuda_decode
-
-        if (num_warps, num_stages, use_tma, order) == (None, None, None, None):
-            fast = try_cuda_decode(
-                q, k, v, geo, selection, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale,
-                softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
-            )
-            if fast is not None:
-                return fast
-    if selection is not None and cuda_structured is not False and num_splits == 1 and sel_fast is None:
-        from .cuda_dispatch import try_cuda_token
-
-        if (num_warps, num_stages, use_tma, order) == (None, None, None, None):
-            fast = try_cuda_token(
-                q, k, v, geo, selection, pattern_id=pid, params=params, causal=bool(is_causal), scale=scale,
-                softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
-            )
-            if fast is not None:
-                return fast
     dev = q.device
     NQ = -(-Sq // layout.block_q)  # plain ints: triton.cdiv is a JIT function, slow to call from Python
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
@@ -773,8 +644,8 @@ def attention_forward(
     if heads_first:
         grid = (grid[1], grid[0], num_splits)
     if use_tma is None:  # decode: descriptor set-up costs more than it saves; selections gather rows
-        use_tma = _tma_ok(k, v) and not split and pack == 1 and selection is None
-    sel_args = _selection_args(selection, dev)
+        use_tma = tma_ok(k, v) and not split and pack == 1 and selection is None
+    sel_args = selection_args(selection, dev)
     sel_k = selection.indices.shape[-1] if selection is not None else 1
     fast = 0
     if selection is not None and bool(is_causal) and pid in (1, 2):
@@ -783,7 +654,7 @@ def attention_forward(
         full_contig = False
     elif full_contig is None:
         full_contig = full_tiles_contiguous(layout)
-    k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
+    k_arg, v_arg = (kv_descriptor(k, block_n), kv_descriptor(v, block_n)) if use_tma else (k, v)
     sem = split_counters(dev, grid[0] * grid[1]) if split and fuse_combine is not False else None
     fuse = sem is not None
     if not fuse:
@@ -813,134 +684,6 @@ def attention_forward(
     if split and not fuse:
         combine_splits(o_w, l_w, out, lse, sink_logits)
     return out, lse
-
-
-_COUNTERS: dict = {}
-_RETIRED: list = []  # replaced counter buffers stay alive: a captured CUDA graph may still point at them
-
-
-def split_counters(device, n: int) -> torch.Tensor | None:
-    """Per-(device, stream) int32 arrival counters (at least ``n``) for the fused split merge.
-
-    They are zero between launches: each launch's last arrival resets its tile's counter. One buffer
-    per stream keeps launches on concurrent streams apart. ``None`` while a CUDA graph is captured on
-    a stream without a large enough buffer (no allocation inside a capture: the caller launches the
-    combine kernel instead); a graph captured on a stream that ran the same call before merges in place."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if buf is not None:
-        _RETIRED.append(buf)
-    buf = _outside_graph_pool(device, lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    _COUNTERS[key] = buf
-    return buf
-
-
-def _outside_graph_pool(device, make):
-    """``make()`` for a buffer kept across calls, allocated where no CUDA-graph memory pool takes it.
-
-    ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) sends every allocation of the thread
-    that warms up or records a graph into the graph's pool, and refuses pool memory that outlives the
-    graph's outputs; so the buffer is made on a helper thread (then synchronised: a one-time cost)."""
-    if torch.device(device).type != "cuda":
-        return make()
-    box: list = []
-
-    def work():
-        try:
-            box.append(make())
-            torch.cuda.synchronize(device)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            box.append(e)
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    worker.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-
-
-_PLACEHOLDERS: dict = {}
-
-
-def placeholder(dev, dtype, ndim: int) -> torch.Tensor:
-    """A cached zero tensor of shape ``(1,) * ndim`` for kernel arguments that a launch never reads
-    (no allocation or fill kernel per call: decode launches are short). Made outside any CUDA-graph
-    pool (``_outside_graph_pool``); while tracing or capturing, an uncached empty tensor instead."""
-    if torch.compiler.is_compiling():  # traced: a graph op (no guard on the cache's contents)
-        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
-    key = (str(dev), dtype, ndim)
-    t = _PLACEHOLDERS.get(key)
-    if t is not None:
-        return t
-    if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.empty((1,) * ndim, dtype=dtype, device=dev)
-    t = _PLACEHOLDERS[key] = _outside_graph_pool(dev, lambda: torch.zeros((1,) * ndim, dtype=dtype, device=dev))
-    return t
-
-
-def _selection_args(sel, dev):
-    """Pointers, strides and sizes of a ``TokenLayout`` in the kernel's order (dummies without one)."""
-    if sel is None:
-        d = placeholder(dev, torch.int32, 4)
-        return (d, d, d, placeholder(dev, torch.int64, 1), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
-    idx, cnt = sel.indices, sel.counts
-    w = sel.weights if sel.weights is not None else idx
-    fb = sel.first_block.to(device=dev, dtype=torch.int64).expand(idx.shape[0]).contiguous()
-    if idx.stride(-1) != 1:
-        idx = idx.contiguous()
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    return (
-        idx, cnt, w, fb, idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), cnt.stride(2),
-        w.stride(0), w.stride(1), w.stride(2), idx.shape[2], sel.query_block,
-    )
-
-
-def full_tiles_contiguous(layout) -> bool:
-    """True when every query tile's full key tiles are one ascending run ``n0, n0 + 1, ...``.
-
-    Sliding-window and dense layouts are; the kernel then skips the per-tile index load. Computed
-    once per layout (kept on it; one host synchronisation)."""
-    cached = getattr(layout, "_full_contig", None)
-    if cached is not None:
-        return cached
-    idx, num = layout.full_kv_indices, layout.full_kv_num_blocks
-    slot = torch.arange(idx.shape[-1], device=idx.device)
-    in_run = (idx.long() - idx[..., :1].long()) == slot
-    ok = bool(torch.where(slot < num.unsqueeze(-1), in_run, torch.ones_like(in_run)).all())
-    try:
-        layout._full_contig = ok
-    except AttributeError:
-        pass
-    return ok
-
-
-def _tma_ok(k, v) -> bool:
-    """TMA descriptors on Hopper+ when K/V collapse to a 16-byte-aligned ``(B * Hkv * Skv, D)`` matrix."""
-    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    for t in (k, v):
-        B, H, S, D = t.shape
-        if t.stride() != (H * S * D, S * D, D, 1) or t.data_ptr() % 16 or (D * t.element_size()) % 16:
-            return False
-    return True
-
-
-def _kv_descriptor(t, block_n):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    B, H, S, D = t.shape
-    return TensorDescriptor(t, [B * H * S, D], [D, 1], [block_n, D])
 
 
 def combine_splits(o_part, lse_part, out, lse, sink_logits=None):

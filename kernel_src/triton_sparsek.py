@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsek import _budget
+from .sparsek_budget import key_budget
 
 __all__ = ["MAX_ITERS", "sparsek_forward", "sparsek_backward", "sparsek_triton"]
 
@@ -217,7 +217,7 @@ def sparsek_forward(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, nee
     if u.dim() < 1 or u.shape[-1] == 0:
         raise ValueError(f"sparsek_forward: `u` must have a non-empty last dimension, got shape {tuple(u.shape)}")
     lead, n = u.shape[:-1], u.shape[-1]
-    kk = _budget(k, lead, u.device).reshape(-1).contiguous()
+    kk = key_budget(k, lead, u.device).reshape(-1).contiguous()
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"sparsek_forward: `mask` must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")

@@ -53,12 +53,10 @@ import triton
 import triton.language as tl
 
 from .memory_order import new_output
-from .triton_fwd import LOG2E, _pattern_rule, _softcap
+from .triton_rules import LOG2E, _pattern_rule, _softcap
+from .triton_tma import kv_descriptor, tma_ok
 
-__all__ = ["STRUCTURED_PATTERNS", "structured_ok", "structured_forward"]
-
-#: Pattern ids (``triton_fwd.PATTERN_IDS``) with arithmetic tile ranges: dense, sliding_window, streaming.
-STRUCTURED_PATTERNS = (0, 1, 2)
+__all__ = ["structured_forward"]
 
 
 @triton.jit
@@ -265,13 +263,6 @@ def _st_fwd(
     tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
 
 
-def structured_ok(pattern_id: int, causal: bool, *, pack: int, num_splits: int, selection) -> bool:
-    """Whether ``structured_forward`` computes this launch (else the layout path runs)."""
-    if pattern_id not in STRUCTURED_PATTERNS or pack != 1 or num_splits != 1 or selection is not None:
-        return False
-    return causal or pattern_id != 2  # streaming is causal only
-
-
 def structured_forward(
     q, k, v, geometry, *, pattern_id, params, causal, scale, block_m, block_n, softcap=None, sink_logits=None,
     key_mask=None, out=None, num_warps=None, num_stages=None, use_tma=None, order=None,
@@ -281,15 +272,13 @@ def structured_forward(
     Args:
         q: ``(B, Hq, Sq, D)``; k, v: ``(B, Hkv, Skv, D)`` (unit last stride).
         geometry: a ``RowGeometry`` (or namespace with ``q_start``/``k_start``/``k_end`` int64 ``(B,)`` or ``(1,)``).
-        pattern_id, params: from ``triton_fwd.pattern_code`` (``P0`` = window, ``P1`` = sinks).
+        pattern_id, params: from ``pattern_codes.pattern_code`` (``P0`` = window, ``P1`` = sinks).
         order: program order (module docstring); default 1 (longest first) for dense causal, else 3 (the
             query heads of a KV group adjacent: on the H100 at long lengths slightly faster than 0 for
             sliding_window and streaming).
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and
     ``lse (B, Hq, Sq)`` float32 (natural log, sink included).
     """
-    from .triton_fwd import _kv_descriptor, _tma_ok
-
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     dev = q.device
@@ -304,11 +293,11 @@ def structured_forward(
     if num_stages is None:
         num_stages = 3 if D <= 128 else 2
     if use_tma is None:
-        use_tma = _tma_ok(k, v)
+        use_tma = tma_ok(k, v)
     if order is None:
         order = 1 if (pattern_id == 0 and causal) else 3
     grid = (NQ, B * Hq) if order != 2 else (B * Hq, NQ)
-    k_arg, v_arg = (_kv_descriptor(k, block_n), _kv_descriptor(v, block_n)) if use_tma else (k, v)
+    k_arg, v_arg = (kv_descriptor(k, block_n), kv_descriptor(v, block_n)) if use_tma else (k, v)
     geo = geometry
     _st_fwd[grid](
         q, k_arg, v_arg, out, lse, sink, kmask, geo.q_start, geo.k_start, geo.k_end,

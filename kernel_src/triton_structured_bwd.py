@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from .triton_bwd import bwd_preprocess
-from .triton_fwd import LOG2E, _kv_descriptor, _pattern_rule, _softcap, _tma_ok
+from .triton_rules import LOG2E, _pattern_rule, _softcap
+from .triton_tma import kv_descriptor, tma_ok
 
 __all__ = ["structured_backward", "bwd_config"]
 
@@ -437,8 +438,8 @@ def structured_backward(
     dv = torch.empty_like(v)
     bn1, bm1, w1, s1, bm2, bn2, w2, s2 = config if config is not None else bwd_config(D, dev.type)
     if use_tma is None:
-        use_tma = _tma_ok(q, do) and _tma_ok(k, v)
-    use_tma = bool(use_tma) and _tma_ok(q, do) and _tma_ok(k, v)
+        use_tma = tma_ok(q, do) and tma_ok(k, v)
+    use_tma = bool(use_tma) and tma_ok(q, do) and tma_ok(k, v)
     if index64 is None:
         index64 = _needs_int64((Sq, q.stride(2)), (Sq, do.stride(2)), (Skv, k.stride(2)), (Skv, v.stride(2)),
                                (Sq, Hq * D), (Skv, D))
@@ -454,10 +455,10 @@ def structured_backward(
     atomic_mode = 0
     if atomic_dq:
         atomic_mode = 2 if (atomic_dq == "tma" and use_tma) else 1
-    dqd = _kv_descriptor(dq_acc, bm1) if atomic_mode == 2 else dq_acc
-    qd, dod = (_kv_descriptor(q, bm1), _kv_descriptor(do, bm1)) if use_tma else (q, do)
-    kv_tma = bool(use_tma if kv_tma is None else kv_tma) and Skv % bn1 == 0 and _tma_ok(k, v)
-    kd1, vd1 = (_kv_descriptor(k, bn1), _kv_descriptor(v, bn1)) if kv_tma else (k, v)
+    dqd = kv_descriptor(dq_acc, bm1) if atomic_mode == 2 else dq_acc
+    qd, dod = (kv_descriptor(q, bm1), kv_descriptor(do, bm1)) if use_tma else (q, do)
+    kv_tma = bool(use_tma if kv_tma is None else kv_tma) and Skv % bn1 == 0 and tma_ok(k, v)
+    kd1, vd1 = (kv_descriptor(k, bn1), kv_descriptor(v, bn1)) if kv_tma else (k, v)
     _st_dkdv[(triton.cdiv(Skv, bn1), B * Hkv)](
         q, k, v, do, lse2, delta, dk, dv, dq_acc, qd, dod, kd1, vd1, dqd, kmask, geo.q_start, geo.k_start, geo.k_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -471,7 +472,7 @@ def structured_backward(
         dq = torch.empty_like(q).copy_(dq_acc)
     else:
         dq = torch.empty_like(q)
-        kd, vd = (_kv_descriptor(k, bn2), _kv_descriptor(v, bn2)) if dq_tma else (k, v)
+        kd, vd = (kv_descriptor(k, bn2), kv_descriptor(v, bn2)) if dq_tma else (k, v)
         _st_dq[(triton.cdiv(Sq, bm2), B * Hq)](
             q, k, v, kd, vd, do, lse2, delta, dq, kmask, geo.q_start, geo.k_start, geo.k_end,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

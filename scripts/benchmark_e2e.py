@@ -14,7 +14,9 @@ variant and length:
   the selection boundary; the reason is printed with the row). A failed check voids the row's times.
 * **prefill**: ``model(ids, logits_to_keep=1)`` on ``L`` random tokens (median of ``--repeats`` after
   one warm-up run), peak memory (``torch.cuda.max_memory_allocated``), and the top kernels of one
-  prefill (profiler) with the attention kernel named.
+  prefill (profiler) with the attention kernel named: for the sparse variants the kernels
+  ``sparse_k.plan`` named for the warm-up run's launches (``plan.recording``), for sdpa /
+  flex_attention the profiler's kernel names.
 * **decode**: the context is prefilled (the variant itself; sparse variants use
   ``hf_sparse_attention.SparseCache``, the bounded / selection-keeping cache a user passes to
   ``generate``), then greedy decode steps. Warm-up steps repeat until a whole warm-up round compiles
@@ -69,7 +71,8 @@ def variant_spec(name: str, args) -> dict:
     }[name]
 
 
-#: Substrings of kernel names that identify which attention kernel ran (first match names the row's kernel).
+#: Substrings of kernel names that identify which attention kernel ran (first match names the row's
+#: kernel) where ``sparse_k.plan`` recorded none (sdpa, flex_attention).
 ATTENTION_KERNELS = (
     ("structured_fwd_kernel", "CUDA sm90 structured"), ("token_fwd_kernel", "CUDA sm90 token"),
     ("decode_kernel", "CUDA sm90 decode"), ("_st_fwd", "Triton structured"), ("_attn_fwd", "Triton layout / split-KV"),
@@ -317,6 +320,19 @@ def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, st
     return total, [(k[:80], round(v, 4)) for k, v in top], attention
 
 
+def planned_kernels(fn) -> str | None:
+    """Run ``fn()`` once; the kernels ``sparse_k.plan`` named for its attention launches, with counts
+    (e.g. "cuda_sm90_structured x8"), or None when none went through ``sparse_k`` (sdpa, flex)."""
+    from sparse_k import plan
+
+    with plan.recording() as seen:
+        fn()
+    counts: dict[str, int] = {}
+    for p in seen:
+        counts[p.kernel] = counts.get(p.kernel, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in counts.items()) or None
+
+
 @torch.no_grad()
 def measure_prefill(model, name: str, length: int, args) -> dict:
     device = args.device
@@ -326,7 +342,7 @@ def measure_prefill(model, name: str, length: int, args) -> dict:
     def step():
         return model(ids, logits_to_keep=1, use_cache=False)
 
-    step()  # warm-up: compiles, layout caches, allocator growth
+    planned = planned_kernels(step)  # warm-up: compiles, layout caches, allocator growth
     _sync(device)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -339,10 +355,11 @@ def measure_prefill(model, name: str, length: int, args) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
-    row = {"prefill_ms": 1e3 * statistics.median(times), "prefill_peak_gb": peak / 1e9 if peak is not None else None}
+    row = {"prefill_ms": 1e3 * statistics.median(times), "prefill_peak_gb": peak / 1e9 if peak is not None else None,
+           "prefill_attention_kernel": planned}
     if not args.no_profile:
         gpu_ms, top, attention = _profile_kernels(step, device)
-        row.update(prefill_gpu_ms=gpu_ms, prefill_top_kernels=top, prefill_attention_kernel=attention)
+        row.update(prefill_gpu_ms=gpu_ms, prefill_top_kernels=top, prefill_attention_kernel=planned or attention)
     return row
 
 
@@ -385,12 +402,19 @@ def measure_decode(model, name: str, length: int, args) -> dict:
         nxt = o.logits[:, -1:].argmax(-1)
         pos += 1
 
-    rounds, compiled_in_warmup = 0, 0
+    rounds, compiled_in_warmup, planned = 0, 0, None
+
+    def warm_round():
+        for _ in range(args.warmup_steps):
+            step()
+
     with CompileCounter() as cc:
         while rounds < args.max_warmup_rounds:
             before = cc.triton + cc.dynamo_graphs()
-            for _ in range(args.warmup_steps):
-                step()
+            if rounds == 0:  # the kernels of the decode steps (a replayed CUDA graph runs no Python)
+                planned = planned_kernels(warm_round)
+            else:
+                warm_round()
             _sync(device)
             rounds += 1
             new = cc.triton + cc.dynamo_graphs() - before
@@ -409,10 +433,10 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
     row = {"decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms, "decode_peak_gb": peak / 1e9 if peak is not None else None,
            "warmup_rounds": rounds, "compiles_in_warmup": compiled_in_warmup, "compiles_in_timed_steps": compiled_in_timed,
-           "decode_mode": args.decode_mode, "batch": args.decode_batch}
+           "decode_mode": args.decode_mode, "batch": args.decode_batch, "decode_attention_kernel": planned}
     if not args.no_profile:
         gpu_ms, top, attention = _profile_kernels(step, device, steps=4)
-        row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=attention,
+        row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=planned or attention,
                    decode_host_bound_ratio=ms / gpu_ms if gpu_ms else None)
     return row
 

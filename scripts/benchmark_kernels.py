@@ -4,7 +4,10 @@ Same inputs, same process, same BlockMask: FlexAttention gets ``layout.to_block_
 very layout our kernel runs (default ``kernel_options``, ``torch.compile``d). Every row is checked
 before it is timed: against the exact float64 reference on a small shape of the same pattern, and
 against the PyTorch path on the first and last query rows of the large shape; a failed check voids
-the row (its time is not reported).
+the row (its time is not reported). A row's ``kernel`` (and ``token_kernel``, ``sw3072_kernel``) is
+the name ``sparse_k.plan`` gave the call's launches (``plan.recording``; e.g. ``cuda_sm90_structured``,
+``triton_split_kv``, ``forward / backward`` pairs such as ``cuda_sm90_structured / cuda_sm90_structured_bwd``);
+where it is a CUDA kernel, the Triton kernel is timed beside it (``cuda=False``).
 
 Sections (each fits in a few minutes on an H100):
 
@@ -42,7 +45,7 @@ Sections (each fits in a few minutes on an H100):
   ``(B, H, S, D)`` tensors, ``flash_api.flash_attn_func`` on ``(B, S, H, D)`` tensors, ``sparse_attention``
   on transposed views of ``(B, S, H, D)`` storage (what a Transformers layer passes), and that call
   followed by the adapter's ``out.transpose(1, 2).contiguous()``; each row names the forward kernel that
-  ran (``cuda_sm90``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
+  ran (e.g. ``cuda_sm90_structured``: the Hopper CUDA kernel took the call) and its time relative to the contiguous
   call; then forward + backward (gradients of q, k, v) from contiguous leaves and from ``(B, S, H, D)``
   leaves passed transposed (a layer in training; with ``--layouts-bwd``), the kernels named
   ``forward / backward``. The calls of a group are timed in turn, ``--rounds`` times (``ms``: the
@@ -275,27 +278,28 @@ def _inputs(B, S, D, dtype, dev, seed):
     return q, k, v
 
 
-def _forward_kernel_name(q, k, v, layout) -> str:
-    """Which forward kernel ``block_attn`` runs for this eager call: "cuda_sm90", "triton_structured" or
-    "triton_layout" (the dispatch of ``triton_fwd.attention_forward``)."""
-    from sparse_k import triton_fwd
-    from sparse_k.cuda_dispatch import cuda_structured_applies
-    from sparse_k.triton_structured import structured_ok
+def ran(fn):
+    """``(fn(), label)``: the kernels ``sparse_k.plan`` named for the launches of one call of ``fn``
+    (``plan.recording``), e.g. "cuda_sm90_structured" or "cuda_sm90_structured / cuda_sm90_structured_bwd"."""
+    from sparse_k import plan
 
-    pid, _ = triton_fwd.pattern_code(layout.pattern)
-    if not structured_ok(pid, bool(layout.pattern.causal), pack=1, num_splits=1, selection=None):
-        return "triton_layout"
-    if cuda_structured_applies(q, k, v, layout.geometry, pattern_id=pid, causal=layout.pattern.causal):
-        return "cuda_sm90"
-    return "triton_structured"
+    with plan.recording() as seen:
+        result = fn()
+    return result, " / ".join(dict.fromkeys(x.kernel for x in seen)) or "none"
+
+
+def _is_cuda(label: str) -> bool:
+    return all(name.startswith("cuda_") for name in label.split(" / "))
 
 
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import bigbird_tiles, tile_config
+    from sparse_k.plan import plan_tiles
 
-    bm, bn = bigbird_tiles(p.block, D, "cuda", False, S) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", False)
+    tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False,
+                       bigbird_block=p.block if isinstance(p, sparse_k.BigBird) else None)  # the backend's tiles
+    bm, bn = tiles.block_q, tiles.block_k
     t0 = time.time()
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
     row["layout_build_s"] = round(time.time() - t0, 3)
@@ -304,7 +308,7 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     scale = D ** -0.5
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    out, _ = block_attn(q, k, v, layout, scale=scale)
+    (out, _), row["kernel"] = ran(lambda: block_attn(q, k, v, layout, scale=scale))
     torch.cuda.synchronize()
     row["extra_mem_gb"] = round((torch.cuda.max_memory_allocated() - base_mem - out.numel() * out.element_size()) / 2**30, 3)
     err_large = large_check(q, k, v, layout, out)
@@ -314,11 +318,10 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     if not ok:
         row["error"] = "correctness check failed: row void"
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
-    row["kernel"] = _forward_kernel_name(q, k, v, layout)
-    if ok and row["kernel"] == "cuda_sm90":  # the portable Triton kernel beside it, same inputs
-        from sparse_k import triton_fwd
+    if ok and _is_cuda(row["kernel"]):  # the portable Triton kernel beside it, same inputs
+        from sparse_k import dispatch
 
-        triton_call = lambda: triton_fwd.attention_forward(q, k, v, layout, scale=scale, cuda_structured=False)
+        triton_call = lambda: dispatch.attention_forward(q, k, v, layout, scale=scale, cuda=False)
         row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
         if row["err_large_triton"] < TOL:
             row["triton_ms"] = bench(triton_call)
@@ -369,12 +372,13 @@ def _token_fwd_rows(args, results):
             q, k, v = _inputs(1, S, D, dtype, dev, S + 5)
             geo = row_geometry(1, S, S, None, device=dev)
             sel = token_selection(1, S, S, p_tok, dev)
-            from sparse_k.triton_backend import selection_prefill_config
+            from sparse_k.plan import plan_tiles
 
-            rows_, pack, bn = selection_prefill_config(HQ // HKV, "cuda", D)  # the backend's own tiles
+            tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=True)
+            rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k  # the backend's own tiles
             row["tile"] = f"{rows_ * pack}x{bn} pack {pack}"  # the Triton token kernel's (token_kernel: which ran)
             lay = build_block_layout(p_tok, S, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
-            out, _ = block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack)
+            (out, _), row["token_kernel"] = ran(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
             errs = []
             for q0 in (0, S - 256):
                 ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p_tok, backend="torch", selection=sel, q_start=q0)
@@ -384,30 +388,25 @@ def _token_fwd_rows(args, results):
             if row["err_large"] < TOL:
                 row["ours_ms"] = bench(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
                 row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
-                from sparse_k import triton_fwd
-                from sparse_k.cuda_dispatch import cuda_token_applies
+                from sparse_k import dispatch
 
-                pid_tok, _ = triton_fwd.pattern_code(p_tok)
-                if cuda_token_applies(q, k, v, geo, sel, pattern_id=pid_tok, causal=True):
-                    row["token_kernel"] = "cuda_sm90"  # the Triton token kernel too, for comparison
-                    row["token_triton_ms"] = bench(lambda: triton_fwd.attention_forward(
-                        q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda_structured=False))
+                if _is_cuda(row["token_kernel"]):  # the Triton token kernel too, for comparison
+                    row["token_triton_ms"] = bench(lambda: dispatch.attention_forward(
+                        q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack, cuda=False))
                     row["tflops_token_triton"] = 4.0 * pairs * D / row["token_triton_ms"] / 1e9
-                else:
-                    row["token_kernel"] = "triton"
             else:
                 row["error"] = "correctness check failed: row void"
             lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
             sw_flops = 4.0 * allowed_pairs(lay_sw, S) * HQ * D
+            _, row["sw3072_kernel"] = ran(lambda: block_attn(q, k, v, lay_sw, scale=D ** -0.5))
             sw_ms = bench(lambda: block_attn(q, k, v, lay_sw, scale=D ** -0.5))
-            row["sw3072_kernel"] = _forward_kernel_name(q, k, v, lay_sw)
             row["sw3072_ms"] = sw_ms
             row["sw3072_tflops"] = sw_flops / sw_ms / 1e9
-            if row["sw3072_kernel"] == "cuda_sm90":  # the Triton sliding-window kernel too (token rows are Triton)
-                from sparse_k import triton_fwd
+            if _is_cuda(row["sw3072_kernel"]):  # the Triton sliding-window kernel too
+                from sparse_k import dispatch
 
                 row["sw3072_triton_ms"] = bench(
-                    lambda: triton_fwd.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda_structured=False))
+                    lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda=False))
                 row["sw3072_triton_tflops"] = sw_flops / row["sw3072_triton_ms"] / 1e9
             if row.get("tflops_ours"):
                 row["tflops_ratio_vs_sw3072"] = row["tflops_ours"] / row["sw3072_tflops"]
@@ -445,21 +444,16 @@ def section_bwd(args, results):
 
 
 def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
-    """Which backward kernel the op ran ("cuda_sm90" or "triton") and, for the CUDA one, the Triton
-    backward beside it on the same inputs (gradients compared, then timed)."""
-    from sparse_k import triton_bwd, triton_fwd
-    from sparse_k.cuda_dispatch import cuda_structured_backward_applies
+    """Which backward kernel runs (``plan``'s name, recorded on the same inputs) and, for a CUDA one, the
+    Triton backward beside it on the same inputs (gradients compared, then timed)."""
+    from sparse_k import dispatch
 
-    pid, _ = triton_fwd.pattern_code(p)
     with torch.no_grad():
         out, lse = block_attn(q, k, v, layout, scale=scale)
-    cuda = pid in (0, 1, 2) and cuda_structured_backward_applies(do, q, k, v, out, lse, layout.geometry, pattern_id=pid,
-                                                                 causal=p.causal)
-    row["kernel"] = "cuda_sm90" if cuda else "triton"
-    if not cuda:
+    grads, row["kernel"] = ran(lambda: dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3])
+    if not _is_cuda(row["kernel"]):
         return
-    grads = triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale)[:3]
-    triton_call = lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda_structured=False)
+    triton_call = lambda: dispatch.attention_backward(do, q, k, v, out, lse, layout, scale=scale, cuda=False)
     row["err_grads_vs_triton"] = max(rel_err(a, b) for a, b in zip(grads, triton_call()[:3]))
     if row["err_grads_vs_triton"] < TOL:
         row["triton_ms"] = bench(triton_call)
@@ -474,7 +468,7 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
     do = torch.randn_like(out)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.triton_backend import tile_config
+    from sparse_k.plan import tile_config
 
     bm, bn = (128, 128) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", True)
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
@@ -535,27 +529,27 @@ def _decode_token_row(q, k, v, S, D, B, row):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
     ref = sparse_k.sparse_attention(q, k, v, p, backend="torch", selection=sel)
     row["err"] = rel_err(out, ref)
-    from sparse_k import triton_fwd
-    from sparse_k.cuda_dispatch import cuda_decode_applies
-    from sparse_k.triton_backend import _num_splits, decode_config
+    from sparse_k import dispatch
+    from sparse_k.plan import plan_tiles, split_count
 
-    rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
+    tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
+    rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
     geo = row_geometry(B, 1, S, None, device=q.device)
     klay = build_block_layout(p, 1, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
     tiles = klay.kv_indices.shape[-1] + klay.full_kv_indices.shape[-1] + 2048 // bn
-    splits = _num_splits(B * HKV * (HQ // HKV // pack), tiles, q.device, gathered=True)
+    splits = split_count(B * HKV * (HQ // HKV // pack), tiles, q.device, gathered=True)
     row["splits"] = splits
 
     def fn():
         return block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel)
 
     def triton_fn():
-        return triton_fwd.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
-                                            selection=sel, cuda_structured=False)
+        return dispatch.attention_forward(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits,
+                                          selection=sel, cuda=False)
 
-    cuda = cuda_decode_applies(q, k, v, klay.geometry, sel, pattern_id=triton_fwd.pattern_code(p)[0], causal=True)
-    row["kernel"] = "cuda_sm90" if cuda else "triton"
-    row["err_kernel"] = rel_err(fn()[0], ref)
+    (o_k, _), row["kernel"] = ran(fn)
+    cuda = _is_cuda(row["kernel"])
+    row["err_kernel"] = rel_err(o_k, ref)
     nbytes = 2 * B * HKV * 2049 * D * k.element_size()
     if max(row["err"], row["err_kernel"]) < TOL:
         row["ours_us"] = 1e3 * bench(fn)
@@ -596,12 +590,13 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
     keys = min(S, args.window + (args.sinks if name == "streaming" else 0)) if name != "dense" else S
     nbytes = 2 * B * HKV * keys * D * k.element_size()
     if row["err"] < TOL:
-        from sparse_k.triton_backend import _num_splits, decode_config
+        from sparse_k.plan import plan_tiles, split_count
 
-        rows_, pack, bn = decode_config(1, HQ // HKV, "cuda", D)
+        tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
+        rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
         klay = build_block_layout(p, 1, S, geo, block_q=rows_, block_k=bn, num_kv_heads=HKV)
         tiles = klay.kv_indices.shape[-1] + klay.full_kv_indices.shape[-1]
-        splits = _num_splits(B * HKV * (HQ // HKV // pack), tiles, q.device)
+        splits = split_count(B * HKV * (HQ // HKV // pack), tiles, q.device)
         o_k, _ = block_attn(q, k, v, klay, scale=D ** -0.5, pack=pack, num_splits=splits)
         row["err_kernel"] = rel_err(o_k, ref)
         row["splits"] = splits
@@ -628,7 +623,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
 
 def section_tune(args, results):
     """Sweep tile shapes, warps, stages and TMA for the sliding-window forward (first of --seqlens)."""
-    from sparse_k import triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -651,7 +646,7 @@ def section_tune(args, results):
                 pairs = allowed_pairs(lay, S) * (HQ if lay.kv_num_blocks.shape[1] == 1 else HQ // HKV)
 
                 def fn():
-                    return triton_fwd.attention_forward(q, k, v, lay, scale=scale, num_warps=warps, num_stages=stages, use_tma=tma)
+                    return dispatch.attention_forward(q, k, v, lay, scale=scale, num_warps=warps, num_stages=stages, use_tma=tma)
 
                 out, _ = fn()
                 row["err_large"] = large_check(q, k, v, lay, out)
@@ -677,7 +672,7 @@ def section_tune(args, results):
 
 def section_tune_bwd(args, results):
     """Sweep tile shapes, warps and stages of the backward (sliding window, first of --seqlens)."""
-    from sparse_k import triton_bwd, triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -692,11 +687,11 @@ def section_tune_bwd(args, results):
         row = dict(section="tune_bwd", pattern=p.name, S=S, D=D, tile=f"{bm}x{bn}", warps=warps, stages=stages)
         try:
             lay = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
-            out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
+            out, lse = dispatch.attention_forward(q, k, v, lay, scale=scale)
 
             def fn():
-                return triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
-                                                     num_stages=stages, structured=False)
+                return dispatch.attention_backward(do, q, k, v, out, lse, lay, scale=scale, num_warps=warps,
+                                                   num_stages=stages, structured=False)
 
             grads = fn()[:3]
             if ref_grads is None:
@@ -752,7 +747,8 @@ def section_tune_structured(args, results):
     dense / sliding_window / streaming: the structured kernel over ``STRUCTURED_VARIANTS``; other
     patterns (bigbird): the layout path over ``LAYOUT_VARIANTS`` (each with its own layout; Flex gets
     the 128x128 one)."""
-    from sparse_k import triton_fwd, triton_structured
+    from sparse_k import dispatch, triton_structured
+    from sparse_k.pattern_codes import STRUCTURED_PATTERNS, pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -763,9 +759,9 @@ def section_tune_structured(args, results):
     for name in args.patterns:
         p = pats[name]
         lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
-        pid, params = triton_fwd.pattern_code(p)
+        pid, params = pattern_code(p)
         fns = {}
-        if pid in triton_structured.STRUCTURED_PATTERNS:
+        if pid in STRUCTURED_PATTERNS:
             for bm, bn, stages, warps, order in STRUCTURED_VARIANTS[: args.variants or None]:
                 fns[f"st {bm}x{bn} s{stages} w{warps} o{order}"] = (
                     lambda bm=bm, bn=bn, stages=stages, warps=warps, order=order: triton_structured.structured_forward(
@@ -775,7 +771,7 @@ def section_tune_structured(args, results):
             for bm, bn, stages, warps in LAYOUT_VARIANTS:
                 lay_v = lay if (bm, bn) == (128, 128) else build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
                 fns[f"layout {bm}x{bn} s{stages} w{warps}"] = (
-                    lambda lay_v=lay_v, stages=stages, warps=warps: triton_fwd.attention_forward(
+                    lambda lay_v=lay_v, stages=stages, warps=warps: dispatch.attention_forward(
                         q, k, v, lay_v, scale=scale, structured=False, num_stages=stages, num_warps=warps))
         if S <= args.flex_max:
             bmask = lay.to_block_mask(1, HQ)
@@ -846,7 +842,8 @@ def section_tune_structured_bwd(args, results):
 
     Every variant's gradients are compared with the layout path's (itself checked against the float64
     reference by ``--section bwd`` and the GPU tests)."""
-    from sparse_k import triton_bwd, triton_fwd, triton_structured_bwd
+    from sparse_k import dispatch, triton_structured_bwd
+    from sparse_k.pattern_codes import pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -856,9 +853,9 @@ def section_tune_structured_bwd(args, results):
     scale = D ** -0.5
     do = torch.randn_like(q)
     lay = build_block_layout(p, S, S, geo, block_q=64, block_k=64, num_kv_heads=HKV)
-    out, lse = triton_fwd.attention_forward(q, k, v, lay, scale=scale)
-    pid, params = triton_fwd.pattern_code(p)
-    fns = {"layout path": lambda: triton_bwd.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
+    out, lse = dispatch.attention_forward(q, k, v, lay, scale=scale)
+    pid, params = pattern_code(p)
+    fns = {"layout path": lambda: dispatch.attention_backward(do, q, k, v, out, lse, lay, scale=scale, structured=False)[:3]}
     for cfg, tma, dq_tma, atomic in STRUCTURED_BWD_VARIANTS[: args.variants or None]:
         label = ("st " + "/".join(map(str, cfg)) + {True: " tma", "kv": " kv-tma"}.get(tma, "")
                  + (" dq-tma" if dq_tma else "") + {True: " atomic-dq", "tma": " tma-reduce-dq"}.get(atomic, ""))
@@ -908,7 +905,7 @@ def section_tune_structured_bwd(args, results):
 
 def section_l2(args, results):
     """Program order vs L2 behaviour (timing here; hit rates from ncu over ``--single-launch``)."""
-    from sparse_k import resolve_l2_segment, triton_fwd
+    from sparse_k import dispatch, resolve_l2_segment
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -927,7 +924,7 @@ def section_l2(args, results):
         pairs = allowed_pairs(lay, S) * HQ
         for order in ((0, 2) if name == "l2_aligned" else (0, 1, 2, 3) if name == "dense" else (0, 2, 3)):
             row = dict(section="l2", pattern=name, S=S, D=D, tile=f"order {order}")
-            fn = lambda order=order: triton_fwd.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
+            fn = lambda order=order: dispatch.attention_forward(q, k, v, lay, scale=scale, order=order)  # noqa: E731
             try:
                 out = fn()[0]
                 torch.cuda.synchronize()
@@ -951,31 +948,10 @@ def section_l2(args, results):
 
 
 def _which_kernels(fn):
-    """Run ``fn()`` once; return its result and the kernels that ran, forward and (when ``fn`` runs one)
-    backward: "cuda_sm90" when the Hopper CUDA kernel took every such call
-    (``cuda_dispatch.try_cuda_structured`` / ``try_cuda_structured_backward``), else "triton"."""
-    from sparse_k import cuda_dispatch
-
-    seen = {"try_cuda_structured": [], "try_cuda_structured_backward": []}
-    real = {name: getattr(cuda_dispatch, name) for name in seen}
-
-    def spy(name):
-        def call(*a, **kw):
-            r = real[name](*a, **kw)
-            seen[name].append(r is not None)
-            return r
-        return call
-
-    for name in seen:
-        setattr(cuda_dispatch, name, spy(name))
-    try:
-        out = fn()
-        torch.cuda.synchronize()
-    finally:
-        for name in seen:
-            setattr(cuda_dispatch, name, real[name])
-    names = ["cuda_sm90" if all(v) else "triton" for v in seen.values() if v]
-    return out, " / ".join(names) or "triton"
+    """Run ``fn()`` once (then synchronise); return its result and the kernels ``plan`` named for it."""
+    out, label = ran(fn)
+    torch.cuda.synchronize()
+    return out, label
 
 
 def _median(xs):

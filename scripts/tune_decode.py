@@ -55,7 +55,7 @@ def _us(ms):
 
 
 def part_decode(args, rows):
-    from sparse_k import triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, B, D, S = args.device, args.dtype, 8, 128, args.kv_len
     g = torch.Generator(device=dev).manual_seed(S + 1)
@@ -103,9 +103,9 @@ def part_decode(args, rows):
                            lean=lean, fast=fast, splits=splits)
 
                 def fn(lay=lay, splits=splits, warps=warps, stages=stages, fuse=fuse, pf=pf, lean=lean, fast=fast):
-                    return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=4, num_splits=splits,
-                                                        num_warps=warps, num_stages=stages, selection=s,
-                                                        fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
+                    return dispatch.attention_forward(q, k, v, lay, scale=scale, pack=4, num_splits=splits,
+                                                      num_warps=warps, num_stages=stages, selection=s,
+                                                      fuse_combine=fuse, sel_prefetch=pf, sel_lean=lean, sel_fast=fast)
 
                 try:
                     row["err"] = bk.rel_err(fn()[0], ref)
@@ -163,7 +163,7 @@ def part_decode(args, rows):
 
 
 def part_token(args, rows):
-    from sparse_k import triton_fwd
+    from sparse_k import dispatch
 
     dev, dtype, D, S = args.device, args.dtype, 128, args.seqlen
     p_tok = get_pattern("sparse_k", sinks=0, window=1024, top_k=2048, query_block=128)
@@ -175,7 +175,7 @@ def part_token(args, rows):
     refs = [(q0, sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p_tok, backend="torch", selection=sel, q_start=q0))
             for q0 in (0, S - 256)]
     lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
-    sw_ms = bk.bench(lambda: triton_fwd.attention_forward(q, k, v, lay_sw, scale=scale))
+    sw_ms = bk.bench(lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=scale))
     sw_tf = 4.0 * bk.allowed_pairs(lay_sw, S) * HQ * D / sw_ms / 1e9
     rows.append(dict(part="token", S=S, what="sw3072 (default forward)", ms=round(sw_ms, 3), tflops=round(sw_tf, 1)))
     print(json.dumps(rows[-1]), flush=True)
@@ -188,9 +188,9 @@ def part_token(args, rows):
                 pairs = (bk.allowed_pairs(lay, S) + bk.selected_pairs(sel, S, S)) * HQ
 
             def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf, lean=lean):
-                return triton_fwd.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
-                                                    num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
-                                                    sel_lean=lean)
+                return dispatch.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
+                                                  num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
+                                                  sel_lean=lean)
 
             out = fn()[0]
             row["err"] = max(bk.rel_err(out[:, :, q0 : q0 + 256], r) for q0, r in refs)

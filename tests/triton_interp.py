@@ -34,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TEST = pytest.mark.interpreted_kernel_test
 
 
+#: Kernel modules that import the shared Triton device functions, and the modules that hold those.
+ATTENTION_KERNELS = ("triton_fwd", "triton_bwd", "triton_structured", "triton_structured_bwd")
+SHARED_KERNEL_MODULES = ("triton_rules",)
+
+
 def _compiled_mode(module) -> bool:
     from triton.runtime.jit import JITFunction
 
@@ -54,11 +59,14 @@ def import_kernels(*names: str) -> tuple[bool, bool, list]:
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
-        modules = [importlib.import_module(f"sparse_k.{name}") for name in names]
+        # The attention kernels share the device functions of ``triton_rules``: imported (and, where
+        # needed, reloaded) first, so that the kernel modules bind the interpreted ones.
+        shared = [n for n in SHARED_KERNEL_MODULES if n not in names and any(x in ATTENTION_KERNELS for x in names)]
+        modules = [importlib.import_module(f"sparse_k.{name}") for name in (*shared, *names)]
         in_process = ON_GPU or isinstance(tl.zeros, InterpretedFunction)
         if in_process and not ON_GPU:
             modules = [importlib.reload(m) if _compiled_mode(m) else m for m in modules]
-        return True, in_process, modules
+        return True, in_process, modules[len(shared):]
     except ImportError:  # pragma: no cover - triton missing
         return False, False, []
     finally:

@@ -33,6 +33,13 @@ def _case_inputs(B, Hq, Hkv, S, dtype, seed):
     return q, k, v, do
 
 
+def _stats(do, out, lse):
+    """``(delta, lse2)`` the CUDA backward reads, from the Triton preparation pass (as ``dispatch`` does)."""
+    from sparse_k.triton_bwd import bwd_preprocess
+
+    return bwd_preprocess(do, out, lse)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
@@ -50,7 +57,7 @@ def test_matches_reference(case):
     lse = ref_lse.detach().float().contiguous()
     dk = torch.full_like(k, float("nan"))
     dv = torch.full_like(v, float("nan"))
-    dq_acc = cb._launch(do, q, k, v, out, lse, dk, dv, pid, window, sinks, scale)
+    dq_acc = cb._launch(do, q, k, v, out, lse, dk, dv, pid, window, sinks, scale, _stats(do, out, lse))
     dq = dq_acc[:, :, :S].to(dtype)
     if dq_acc.shape[2] > S:  # padded rows see no key: nothing is added there
         assert float(dq_acc[:, :, S:].abs().max()) == 0.0, seed
@@ -81,11 +88,12 @@ def test_strided_views_match_reference(case, layout):
     lse = ref_lse.detach().float().contiguous()
     assert cb.cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pid)
     dk, dv = nan_bshd(B, Hkv, S, dtype), nan_bshd(B, Hkv, S, dtype)
-    dq_acc = cb._launch(do, q, k, v, out, lse, dk, dv, pid, window, sinks, scale)
+    dq_acc = cb._launch(do, q, k, v, out, lse, dk, dv, pid, window, sinks, scale, _stats(do, out, lse))
     for name, a, b in zip(("dq", "dk", "dv"), (dq_acc[:, :, :S], dk, dv), refs):
         assert not a.isnan().any(), (name, seed)
         assert rel_err(a, b) < TOL[dtype], (name, rel_err(a, b), seed)
-    grads = cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=pid, window=window, sinks=sinks, scale=scale)
+    grads = cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=pid, window=window, sinks=sinks, scale=scale,
+                                        stats=_stats(do, out, lse))
     for name, a, t, b in zip(("dq", "dk", "dv"), grads, (q, k, v), refs):
         assert a.shape == t.shape and a.dtype == t.dtype and a.transpose(1, 2).is_contiguous(), name
         assert rel_err(a, b) < TOL[dtype], (name, rel_err(a, b), seed)
@@ -105,12 +113,13 @@ def test_public_backward_and_contract():
     assert not cb.cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=3)
     assert not cb.cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=2, softcap=30.0)
     assert not cb.cuda_structured_bwd_ok(do.transpose(2, 3).contiguous().transpose(2, 3), q, k, v, out, lse, pattern_id=2)
-    grads = cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=2, window=100, sinks=4, scale=0.1)
+    grads = cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=2, window=100, sinks=4, scale=0.1,
+                                        stats=_stats(do, out, lse))
     for a, t, b in zip(grads, (q, k, v), refs):
         assert a.dtype == t.dtype and a.shape == t.shape and a.is_contiguous()
         assert rel_err(a, b) < TOL[torch.bfloat16]
     with pytest.raises(ValueError, match="window"):
-        cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=0, scale=0.1)
+        cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=0, scale=0.1, stats=None)
     with pytest.raises(ValueError, match="contract"):
         cb.cuda_structured_backward(do[..., :64], q[..., :64], k[..., :64], v[..., :64], out[..., :64], lse,
-                                    pattern_id=1, window=8, scale=0.1)
+                                    pattern_id=1, window=8, scale=0.1, stats=None)

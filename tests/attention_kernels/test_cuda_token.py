@@ -13,7 +13,7 @@ import pytest
 import sparse_k
 import torch
 from helpers import VIEW_LAYOUTS, bshd_views, nan_bshd, needs_sm90, random_slots, rel_err
-from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
+from sparse_k import get_pattern, plan, reference_attention, row_geometry
 from sparse_k import cuda_token as ct
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -91,7 +91,7 @@ def test_strided_views_match_reference(case, layout):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_dispatch_takes_token_prefill(monkeypatch):
+def test_dispatch_takes_token_prefill():
     """``sparse_attention`` (Triton backend, plain prefill) runs the CUDA token kernel and matches the
     reference; a query_block of 64 and a padded batch stay on the Triton path."""
     B, Hq, Hkv, S, D, QB, K = 1, 8, 2, 1300, 128, 128, 256
@@ -100,11 +100,9 @@ def test_dispatch_takes_token_prefill(monkeypatch):
     q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
     sel = _selection(B, Hkv, S, QB, K, True, g, full=True)
     p = get_pattern("sparse_k", sinks=4, window=200, top_k=K, query_block=QB)
-    taken = []
-    real = cuda_dispatch.try_cuda_token
-    monkeypatch.setattr(cuda_dispatch, "try_cuda_token", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
-    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
-    assert taken and taken[-1] is not None, "the CUDA token kernel did not take the call"
+    with plan.recording() as seen:
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+    assert [x.kernel for x in seen] == ["cuda_sm90_token"], f"the CUDA token kernel did not take the call: {seen}"
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5, selection=sel)
     assert rel_err(out, ref) < TOL[torch.bfloat16], seed

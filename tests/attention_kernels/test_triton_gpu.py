@@ -182,7 +182,8 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
     and the structured backward at its GPU tile shapes (default, atomic dQ, TMA reduce-add dQ, TMA loads),
     against float64 autograd of the reference."""
-    from sparse_k import triton_fwd, triton_structured_bwd
+    from sparse_k import triton_structured_bwd
+    from sparse_k.pattern_codes import pattern_code
 
     B, Hq, Hkv, D = 2, 8, 2, 128
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
@@ -197,7 +198,7 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     assert rel(out, ref) < TOL[torch.bfloat16]
     do = torch.randn_like(out)
     refs = torch.autograd.grad(ref, leaves, do.double())
-    pid, params = triton_fwd.pattern_code(pattern)
+    pid, params = pattern_code(pattern)
     from sparse_k.triton_structured import structured_forward
 
     o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
@@ -217,8 +218,8 @@ def test_token_layout_inference_packed_bf16(fast):
     """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
     with left padding, sinks and window, against the float64 reference, with and without the far-tile
     shortcut (``sel_fast``)."""
-    from sparse_k import triton_fwd
-    from sparse_k.triton_backend import selection_prefill_config
+    from sparse_k import dispatch
+    from sparse_k.plan import selection_prefill_config
 
     B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
@@ -242,8 +243,8 @@ def test_token_layout_inference_packed_bf16(fast):
     assert (rows, pack, bn) == (32, 4, 64)
     lay = sparse_k.build_block_layout(p, S, S, geo, block_q=rows, block_k=bn, num_kv_heads=Hkv)
     out = torch.full_like(q, float("nan"))
-    triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, key_mask=mask, out=out,
-                                 sel_fast=fast)
+    dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, key_mask=mask, out=out,
+                               sel_fast=fast)
     assert not out.isnan().any()
     assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
 
@@ -253,7 +254,7 @@ def test_decode_split_merge_under_cuda_graph():
     merges) and on a stream that ran the call before (its counters exist: the last split program
     merges in place); replayed with new queries, eager launches in between; each replay against the
     float64 reference."""
-    from sparse_k import triton_fwd
+    from sparse_k import dispatch, launch_buffers
 
     B, Hq, Hkv, S, D = 4, 16, 4, 9000, 128
     _, k, v = _inputs(B, Hq, Hkv, 1, S, D, torch.bfloat16, seed=11)
@@ -264,7 +265,7 @@ def test_decode_split_merge_under_cuda_graph():
     sink = torch.randn(Hq, device="cuda")
 
     def call():
-        return triton_fwd.attention_forward(q_static, k, v, lay, scale=D ** -0.5, pack=4, num_splits=6, sink_logits=sink)
+        return dispatch.attention_forward(q_static, k, v, lay, scale=D ** -0.5, pack=4, num_splits=6, sink_logits=sink)
 
     call()  # compile and load the kernel outside the captures (default stream)
     torch.cuda.synchronize()
@@ -275,7 +276,7 @@ def test_decode_split_merge_under_cuda_graph():
         if warm:
             with torch.cuda.stream(stream):
                 call()
-            assert (str(torch.device("cuda", torch.cuda.current_device())), stream.cuda_stream) in triton_fwd._COUNTERS
+            assert (str(torch.device("cuda", torch.cuda.current_device())), stream.cuda_stream) in launch_buffers._COUNTERS
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out, _ = call()
@@ -294,7 +295,7 @@ def test_decode_split_merge_under_cuda_graph():
 
 def test_bigbird_block128_prefill_on_64_tiles():
     """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
-    from sparse_k.triton_backend import bigbird_tiles
+    from sparse_k.plan import bigbird_tiles
 
     p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
     B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128

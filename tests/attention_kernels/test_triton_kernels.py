@@ -26,7 +26,8 @@ if HAVE_TRITON:
     triton_fwd, triton_bwd, triton_structured, triton_structured_bwd = _kernels
 
 import sparse_k
-from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k import block_layout, build_block_layout, dispatch, get_pattern, launch_buffers, reference_attention, row_geometry
+from sparse_k.pattern_codes import pattern_code
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -105,7 +106,7 @@ def test_forward_every_pattern(name):
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
     lay = _layout(p, Sq, Skv, geo, Hkv)
     out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
-    o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, softcap=softcap, sink_logits=sink, out=out)
+    o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, softcap=softcap, sink_logits=sink, out=out)
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, softcap=softcap, sink_logits=sink)
     assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
     assert rel(o, ro) < TOL32
@@ -182,6 +183,38 @@ def test_transposed_views_without_copies(name, monkeypatch):
 
 
 @_SUBPROCESS_ONLY
+def test_dispatch_runs_what_the_plan_names():
+    """``dispatch`` launches the kernel ``plan`` names for the launch (recorded by ``plan.recording``,
+    equal to ``plan_forward`` / ``plan_backward`` asked directly), and every one matches the reference:
+    structured, layout and split-KV forwards, structured and layout-path backwards."""
+    from sparse_k import plan
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, S, D = 1, 4, 2, 37, 16
+    q, k, v, do = (rand(B, h, S, D, gen=g) for h in (Hq, Hkv, Hkv, Hq))
+    geo = row_geometry(B, S, S, None, device=DEV)
+    cases = [("sliding_window", 1, 1, "triton_structured", "triton_structured_bwd"),
+             ("dilated", 1, 1, "triton_layout", "triton_layout_bwd"), ("streaming", 2, 3, "triton_split_kv", None)]
+    for name, pack, splits, kernel, bwd_kernel in cases:
+        p = PATTERNS[name]
+        lay = _layout(p, S, S, geo, Hkv, bq=16 // pack)
+        with plan.recording() as seen:
+            o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits)
+        launch = plan.Launch(q, k, v, geo, pattern_code(p)[0], p.causal, pack=pack, num_splits=splits)
+        assert [x.kernel for x in seen] == [kernel] and seen == [plan.plan_forward(launch)], (name, seen)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ro, _ = reference_attention(*leaves, p, geo, scale=D ** -0.5)
+        assert rel(o, ro) < TOL32, name
+        if bwd_kernel is None:
+            continue
+        with plan.recording() as seen:
+            grads = dispatch.attention_backward(do, q, k, v, o, lse, lay, scale=D ** -0.5)[:3]
+        assert [x.kernel for x in seen] == [bwd_kernel] and seen == [plan.plan_backward(launch, do, o, lse)], name
+        for a, b in zip(grads, torch.autograd.grad(ro, leaves, do)):
+            assert rel(a, b) < 5 * TOL32, name
+
+
+@_SUBPROCESS_ONLY
 @pytest.mark.parametrize("pack", [2, 4])
 def test_gqa_packing(pack):
     """Several query heads of one KV group share a tile (BLOCK_M = pack * block_q)."""
@@ -191,7 +224,7 @@ def test_gqa_packing(pack):
     q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
     lay = _layout(p, Sq, Skv, geo, Hkv, bq=16 // pack)
-    o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
+    o, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert rel(o, ro) < TOL32
 
@@ -215,7 +248,7 @@ def test_decode_split_kv_strided_cache(q_len):
     geo = row_geometry(B, q_len, S_max, None, device=DEV)
     lay = _layout(PATTERNS["sliding_window"], q_len, S_max, geo, Hkv, bq=4)
     for splits in (1, 2, 5):
-        o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
+        o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
         ro, rl = reference_attention(q, k, v, PATTERNS["sliding_window"], geo, scale=D ** -0.5, sink_logits=sink)
         assert rel(o, ro) < TOL32
         assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
@@ -238,18 +271,18 @@ def test_decode_split_merge_fused_and_separate(fuse):
         ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink)
         for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
             out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
-            o, lse = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
-                                                  sink_logits=sink, out=out, fuse_combine=fuse)
+            o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
+                                                sink_logits=sink, out=out, fuse_combine=fuse)
             assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
             assert rel(o, ro) < TOL32
             assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
         if fuse:
-            assert not triton_fwd.split_counters(torch.device(DEV), 1).any()
+            assert not launch_buffers.split_counters(torch.device(DEV), 1).any()
 
 
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
     """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
-    from sparse_k.triton_backend import decode_config
+    from sparse_k.plan import decode_config
 
     for group in range(1, 17):
         for q_len in range(1, 17):
@@ -338,10 +371,10 @@ def test_tma_descriptors_and_contiguous_runs():
         p = PATTERNS["sliding_window"]
         geo = row_geometry(B, Skv, Skv, None, device=DEV)
         lay = _layout(p, Skv, Skv, geo, Hkv)
-        assert triton_fwd.full_tiles_contiguous(lay)
+        assert block_layout.full_tiles_contiguous(lay)
         ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
         for tma, contig in ((True, True), (False, False)):
-            o, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, use_tma=tma, full_contig=contig)
+            o, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, use_tma=tma, full_contig=contig)
             assert rel(o, ro) < TOL32
 
 
@@ -404,7 +437,7 @@ def test_custom_op_registration():
     q, k, v = (rand(1, h, 20, 16, gen=g).requires_grad_() for h in (2, 1, 1))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 1)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
     torch.library.opcheck(ops.block_attn_fwd, args,
@@ -423,7 +456,7 @@ def test_custom_op_fake_follows_query_order():
     q, k, v = (rand(1, 20, h, 16, gen=g).transpose(1, 2) for h in (4, 2, 2))
     geo = row_geometry(1, 20, 20, None, device=DEV)
     lay = _layout(p, 20, 20, geo, 2)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     args = (q, k, v, *ops.layout_args(lay, need_transposed=True), geo.q_start, geo.k_start, geo.k_end, None, None,
             pid, True, list(params), 16, 16, 1, 1, 0.25, 0.0, True)
     assert ops.block_attn_fwd(*args)[0].transpose(1, 2).is_contiguous()
@@ -548,7 +581,7 @@ def test_token_layout_far_tiles_skip_the_element_rule(pack):
         outs = []
         for fast in (2, 1, 0):
             out = torch.full_like(q, float("nan"))
-            triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
+            dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, sel_fast=fast, out=out)
             assert rel(out, ref) < TOL32, fast
             outs.append(out)
         for out in outs[1:]:
@@ -576,8 +609,8 @@ def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
     outs = []
     for prefetch, lean, fast in ((True, True, 2), (False, False, 0), (True, False, 1), (True, True, 0)):
         out = torch.full_like(q, float("nan"))
-        triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
-                                     sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
+        dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits, selection=sel,
+                                   sel_prefetch=prefetch, sel_lean=lean, sel_fast=fast, out=out)
         assert rel(out, ref) < tol, (prefetch, lean, fast)
         outs.append(out)
     for out in outs[1:]:
@@ -589,7 +622,7 @@ def test_sel_fast_rejects_unknown_values(bad):
     """``sel_fast`` takes None, 0 / False, 1 / True or 2; anything else is a ValueError naming it."""
     q = torch.zeros(1, 1, 1, 16)
     with pytest.raises(ValueError, match="sel_fast"):
-        triton_fwd.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
+        dispatch.attention_forward(q, q, q, None, scale=1.0, sel_fast=bad)
 
 
 STRUCTURED_CASES = {
@@ -638,7 +671,7 @@ def test_structured_tile_ranges(name):
     sink = rand(Hq, gen=g) if Sq % 2 else None
     softcap = 5.0 if "bidir" in name else None
     ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink, softcap=softcap, key_mask=key_mask)
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     for order in range(4):
         out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
         o, lse = triton_structured.structured_forward(
@@ -651,8 +684,8 @@ def test_structured_tile_ranges(name):
         assert torch.equal(torch.isfinite(lse), finite)
         assert torch.allclose(lse[finite].double(), rl[finite], atol=LSE_ATOL, rtol=1e-4)
     lay = _layout(p, Sq, Skv, geo, Hkv)
-    o_lay, _ = triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
-                                            key_mask=key_mask, structured=False)
+    o_lay, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, sink_logits=sink, softcap=softcap,
+                                          key_mask=key_mask, structured=False)
     assert rel(o_lay, ro) < TOL32
 
 
@@ -671,7 +704,7 @@ def test_structured_backward(name):
     ro, _ = reference_attention(*leaves[:3], p, geo, scale=D ** -0.5, sink_logits=leaves[3], softcap=softcap, key_mask=key_mask)
     do = rand(*ro.shape, gen=g)
     refs = torch.autograd.grad(ro, leaves, do.double())
-    pid, params = triton_fwd.pattern_code(p)
+    pid, params = pattern_code(p)
     o, lse = triton_structured.structured_forward(
         q, k, v, geo, pattern_id=pid, params=params, causal=p.causal, scale=D ** -0.5, block_m=16, block_n=16,
         softcap=softcap, sink_logits=sink, key_mask=key_mask,
@@ -693,7 +726,7 @@ def test_structured_backward(name):
 def test_selection_prefill_config():
     """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
     power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
-    from sparse_k.triton_backend import selection_prefill_config, tile_config
+    from sparse_k.plan import selection_prefill_config, tile_config
 
     for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
         assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
@@ -707,16 +740,16 @@ def test_decode_split_count_fills_one_wave(monkeypatch):
     (token-layout) keys, never more splits than tiles, at least one."""
     from types import SimpleNamespace
 
-    from sparse_k.triton_backend import _num_splits
+    from sparse_k.plan import split_count
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
     dev = torch.device("cuda")
-    assert _num_splits(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
-    assert _num_splits(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
-    assert _num_splits(8, 66, dev) == 16
-    assert _num_splits(8, 5, dev) == 5
-    assert _num_splits(500, 66, dev) == 1
-    assert _num_splits(1, 10_000, dev) == 64
+    assert split_count(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
+    assert split_count(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
+    assert split_count(8, 66, dev) == 16
+    assert split_count(8, 5, dev) == 5
+    assert split_count(500, 66, dev) == 1
+    assert split_count(1, 10_000, dev) == 64
 
 
 
@@ -750,7 +783,7 @@ def test_bigbird_tiles_dividing_the_block():
     q, k, v = rand(B, Hq, S, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
     geo = row_geometry(B, S, S, None, device=DEV)
     out = torch.full((B, Hq, S, D), float("nan"), device=DEV)
-    o, _ = triton_fwd.attention_forward(q, k, v, _layout(p, S, S, geo, Hkv), scale=D ** -0.5, out=out)
+    o, _ = dispatch.attention_forward(q, k, v, _layout(p, S, S, geo, Hkv), scale=D ** -0.5, out=out)
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert not o.isnan().any()
     assert rel(o, ro) < TOL32

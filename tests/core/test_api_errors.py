@@ -75,7 +75,7 @@ def test_packed_sequences_need_batch_one_and_matching_offsets():
 
 def test_learned_pattern_without_selection_warns_once():
     q, k, v = _qkv()
-    sk.api._WARNED.clear()
+    sk.warn._WARNED.clear()
     with pytest.warns(UserWarning, match="without a selection"):
         sk.sparse_attention(q, k, v, sk.SparseK(sinks=2, window=4, top_k=3), backend="torch")
 

@@ -15,7 +15,7 @@ import sparse_k
 import torch
 from helpers import needs_sm90, random_slots, rel_err
 from sparse_k import cuda_decode as cd
-from sparse_k import cuda_dispatch, get_pattern, reference_attention, row_geometry
+from sparse_k import geometry, get_pattern, plan, reference_attention, row_geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -98,21 +98,19 @@ def test_dispatch_takes_decode(monkeypatch, grad):
     sel = sparse_k.TokenLayout(one.indices.expand(B, Hkv, 1, K), one.counts.expand(B, Hkv, 1), QB,
                                one.first_block.expand(B).contiguous())
     p = get_pattern("sparse_k", sinks=0, window=1, top_k=K, query_block=QB)
-    taken = []
-    real = cuda_dispatch.try_cuda_decode
-    monkeypatch.setattr(cuda_dispatch, "try_cuda_decode", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
-    out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
-    assert taken and taken[-1] is not None, "the CUDA decode kernel did not take the call"
+    with plan.recording() as seen:
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+    assert [x.kernel for x in seen] == ["cuda_sm90_decode"], f"the CUDA decode kernel did not take the call: {seen}"
     geo = row_geometry(B, 1, S, None, device="cuda")
     ref, _ = reference_attention(q.detach().double(), k.double(), v.double(), p, geo, scale=D ** -0.5, selection=sel)
     assert rel_err(out, ref) < TOL[torch.bfloat16], seed
-    monkeypatch.setenv(cuda_dispatch.CUDA_ENV, "0")
-    taken.clear()
-    out_off = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
-    assert not any(r is not None for r in taken), "SPARSE_K_CUDA=0 must keep the decode on Triton"
+    monkeypatch.setenv(plan.CUDA_ENV, "0")
+    with plan.recording() as seen:
+        out_off = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
+    assert seen and not any(x.cuda for x in seen), f"SPARSE_K_CUDA=0 must keep the decode on Triton: {seen}"
     assert rel_err(out_off, ref) < TOL[torch.bfloat16], seed
-    assert not cuda_dispatch.decode_geometry(row_geometry(B, 1, S, None, q_start=S - 2, device="cuda"), 1, S)
-    assert cuda_dispatch.decode_geometry(geo, 1, S)
+    assert not geometry.decode_geometry(row_geometry(B, 1, S, None, q_start=S - 2, device="cuda"), 1, S)
+    assert geometry.decode_geometry(geo, 1, S)
     assert not cd.cuda_decode_ok(q, k, v, sel, pattern_id=2, decode_geometry=False)
     assert not cd.cuda_decode_ok(q, k, v, sel, pattern_id=0)
     assert not cd.cuda_decode_ok(q[..., :64], k[..., :64], v[..., :64], sel, pattern_id=1)
@@ -134,14 +132,14 @@ def test_decode_plan_and_geometry():
     assert cd.decode_plan(131072, 1, 0, 1, 2048, 64, 132)[1:] == (2, 1025)  # B=8, Hkv=8 on an H100: 128 CTAs
     assert cd.decode_plan(131072, 1, 0, 1, 4096, 64, 132)[1:] == (2, 2049)  # two batches of keys a CTA, one wave
     geo = row_geometry(2, 1, 77, None)
-    assert cuda_dispatch.decode_geometry(geo, 1, 77)
-    assert not cuda_dispatch.decode_geometry(geo, 2, 77)
-    assert not cuda_dispatch.decode_geometry(row_geometry(2, 1, 77, None, q_start=70), 1, 77)
-    assert not cuda_dispatch.decode_geometry(row_geometry(2, 1, 77, torch.ones(2, 77, dtype=torch.bool)), 1, 77)
+    assert geometry.decode_geometry(geo, 1, 77)
+    assert not geometry.decode_geometry(geo, 2, 77)
+    assert not geometry.decode_geometry(row_geometry(2, 1, 77, None, q_start=70), 1, 77)
+    assert not geometry.decode_geometry(row_geometry(2, 1, 77, torch.ones(2, 77, dtype=torch.bool)), 1, 77)
     chunk = row_geometry(2, 5, 77, None)  # chunked prefill: bottom-right, not plain, not a decode step
-    assert cuda_dispatch.bottom_right_geometry(chunk, 5, 77)
-    assert not cuda_dispatch.plain_geometry(chunk, 5, 77) and not cuda_dispatch.decode_geometry(chunk, 5, 77)
-    assert cuda_dispatch.plain_geometry(row_geometry(2, 77, 77, None), 77, 77)
+    assert geometry.bottom_right_geometry(chunk, 5, 77)
+    assert not geometry.plain_geometry(chunk, 5, 77) and not geometry.decode_geometry(chunk, 5, 77)
+    assert geometry.plain_geometry(row_geometry(2, 77, 77, None), 77, 77)
 
 
 @pytest.mark.gpu
@@ -169,7 +167,7 @@ def test_cuda_graph_replay():
 
 @pytest.mark.gpu
 @needs_sm90
-def test_transformers_decode_steps_run_the_cuda_kernel(monkeypatch):
+def test_transformers_decode_steps_run_the_cuda_kernel():
     """A bf16 Llama (head dim 128, 8 query / 2 KV heads) with the learned ``sparse_k`` pattern
     (training-free selection) generating from a 300-token prompt: its decode steps reach the CUDA
     decode kernel through Transformers' cache tensors, and each step's logits are as close to one
@@ -191,17 +189,16 @@ def test_transformers_decode_steps_run_the_cuda_kernel(monkeypatch):
     torch_bf16 = copy.deepcopy(model)
     hf_sparse_attention.configure(torch_bf16, "sparse_k", backend="torch", **params)
     ref_model = copy.deepcopy(torch_bf16).float()
-    taken = []
-    real = cuda_dispatch.try_cuda_decode
-    monkeypatch.setattr(cuda_dispatch, "try_cuda_decode", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
     prompt, new = 300, 12
     ids = torch.randint(1, cfg.vocab_size, (2, prompt), device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), plan.recording() as seen:
         gen = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
         steps = slice(prompt - 1, prompt - 1 + new)
         ref = ref_model(gen.sequences, use_cache=False).logits[:, steps].float()
         base = torch_bf16(gen.sequences, use_cache=False).logits[:, steps].float()
-    assert sum(r is not None for r in taken) == new - 1, f"CUDA decode took {sum(r is not None for r in taken)} steps"
+    taken = sum(x.kernel == "cuda_sm90_decode" for x in seen)
+    assert taken == new - 1, f"CUDA decode took {taken} steps"
     got = torch.stack(gen.logits, 1).float()
     assert rel_err(got, ref) <= 2 * rel_err(base, ref) + 1e-3, (rel_err(got, ref), rel_err(base, ref))

@@ -25,7 +25,7 @@ if HAVE_TRITON:
     (triton_fwd,) = _kernels
 
 import sparse_k
-from sparse_k import TokenLayout, block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k import TokenLayout, block_layout, dispatch, get_pattern, row_geometry
 from sparse_k.decode_layout import DecodeLayout, decode_layout, decode_tile_bound
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -121,8 +121,8 @@ def test_decode_layout_matches_reference(name):
                     lay = decode_layout(p, q_len, S, geo, block_q=16 // pack, block_k=16, num_kv_heads=Hkv)
                     assert isinstance(lay, DecodeLayout)
                     o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
-                    triton_fwd.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
-                                                 sink_logits=sink, key_mask=mask, out=o, structured=False)
+                    dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
+                                               sink_logits=sink, key_mask=mask, out=o, structured=False)
                     assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
 
 

@@ -8,7 +8,6 @@ distinct ``layer_types`` entry. ``check_family(model_type)`` runs the family che
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch

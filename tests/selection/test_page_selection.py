@@ -156,7 +156,7 @@ def test_decode_equals_recompute(prefill, monkeypatch):
 
 
 def test_decode_without_memo_warns_once():
-    from sparse_k.api import _WARNED
+    from sparse_k.warn import _WARNED
 
     pattern = sparse_k.SparseK(sinks=2, window=9, top_k=16, query_block=8)
     q, k, v = _inputs(1, 2, 1, 60, 4, seed=3)

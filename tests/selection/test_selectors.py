@@ -56,7 +56,7 @@ def test_sparsek_selection_matches_definition(B, Hq, Hkv, S, pad):
 def test_fallback_is_the_page_selection_and_warns_once():
     """Without a selector: the query-aware page selection (its definition: tests/selection/test_page_selection.py),
     unweighted, with one warning that names the trained alternative."""
-    from sparse_k.api import _WARNED
+    from sparse_k.warn import _WARNED
 
     pattern = sparse_k.SparseK(sinks=2, window=8, top_k=5, query_block=8)
     q, k, v = _inputs(2, 2, 1, 61, 61, 4, seed=3)
