@@ -253,8 +253,8 @@ class SelectionLayer(_KeptKeysLayer):
         pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
         self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
         for name in ("block", "q"):
-            if name in self.memo:
-                self.memo[name] = pick(self.memo[name])
+            if name in self.memo:  # buffers written in place (sparse_k.step_state)
+                self.memo[name].copy_(pick(self.memo[name]))
         if self.state is not None:
             for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
                 setattr(self.state, name, pick(getattr(self.state, name)))

@@ -24,13 +24,15 @@ candidates, all of them. The result is an ordinary ``TokenLayout``: every attent
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
 saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
 the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the
-call's first query and warns once (as the DSA indexer does).
+call's first query and warns once (as the DSA indexer does). The memo's tensors are buffers written in
+place (``sparse_k.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .step_state import state_buffers
 from .warn import warn_once
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "top_indices", "top_pages"]
@@ -154,24 +156,22 @@ def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, b
         p0 = [max(0, p) for p in p0] * (B if rows == 1 else 1)
         rows_host = {"first": [p // query_block for p in p0], "mid": [p % query_block != 0 for p in p0],
                      "last": [(p + Sq - 1) // query_block for p in p0]}
-    old = memo.get("block") if memo is not None else None
-    usable = old is not None and old.shape[0] == B and old.device == first.device and memo["q"].shape == qb[:, :, 0].shape
-    if rows_host is not None and any(rows_host["mid"]):
-        known = memo.get("block_host") if usable else None
+    usable = memo is not None and state_buffers(
+        memo, {"block": ((B,), torch.int64, -1), "q": ((B, Hq, D), qb.dtype, 0.0)}, first.device)
+    if usable and rows_host is not None and any(rows_host["mid"]):
+        known = memo.get("block_host")
         if known is None or any(m and kb != fb for m, kb, fb in zip(rows_host["mid"], known, rows_host["first"])):
             _warn_memo()
-    if usable:
-        use = need & (old == first)
-        qb[:, :, 0] = torch.where(use[:, None, None], memo["q"].to(qb.dtype), qb[:, :, 0])
-    if memo is not None:
+    elif rows_host is not None and any(rows_host["mid"]):
+        _warn_memo()
+    if memo is not None:  # buffers written in place (sparse_k.step_state: CUDA-graph safe)
+        use = need & (memo["block"] == first)
+        qb[:, :, 0] = torch.where(use[:, None, None], memo["q"], qb[:, :, 0])
         last = block_ok.sum(-1) - 1  # (B,) each row's last block
         seen = inside.gather(1, last[:, None]).squeeze(1)
         q_last = qb[torch.arange(B, device=query.device), :, last]  # (B, Hq, D)
-        blk = torch.where(seen, first + last, torch.full_like(first, -1))
-        if usable:
-            blk = torch.where(seen, blk, old)
-            q_last = torch.where(seen[:, None, None], q_last, memo["q"].to(q_last.dtype))
-        memo["block"], memo["q"] = blk, q_last.detach()
+        memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
+        memo["q"].copy_(torch.where(seen[:, None, None], q_last.detach(), memo["q"]))
         memo["block_host"] = None if rows_host is None else list(rows_host["last"])
     return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
 

@@ -153,7 +153,8 @@ class LightningIndexer(nn.Module):
             self.w_proj = nn.Linear(num_q_heads * head_dim, indexer_heads)
             self.k_proj = nn.Linear(num_kv_heads * head_dim, indexer_dim, bias=False)
         # Decode memo: the indexer query of the current block's first query, for calls that start
-        # inside a block (the block's first query arrived in an earlier call). Not a buffer.
+        # inside a block (the block's first query arrived in an earlier call). Not a module buffer: a dict of
+        # tensors written in place (sparse_k.step_state), created at the first call; None resets it.
         self._block_memo: dict | None = None
 
     @property

@@ -45,6 +45,7 @@ from .patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
 from .page_selection import page_summaries, quest_layout, top_indices as _top_indices, top_pages
 from .sparsek import sparsek
+from .step_state import new_state_dict, state_buffers
 from .token_layout import TokenLayout
 
 __all__ = ["build_selection", "selection_blocks", "selection_from_scores", "training_free_scores"]
@@ -187,11 +188,14 @@ def build_selection(
     Hkv, Skv = key.shape[1], key.shape[2]
     host = geometry.host_offsets()
     nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
-    if max_c == 0:
-        return None
     K = min(pattern.top_k, max_c)
     reuse_key = _decode_reuse_key(pattern, host, query.shape, Hkv, nb, K, span, query.device) \
         if selector is None and memo is not None else None
+    if memo is not None and reuse_key is None:  # a prefill, a traced step: the next decode call selects afresh
+        memo.pop("layout_key", None)
+        memo.pop("layout", None)
+    if max_c == 0:
+        return None
     if reuse_key is not None and memo.get("layout_key") == reuse_key:
         return memo["layout"]
     first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
@@ -203,7 +207,7 @@ def build_selection(
             key=f"{pattern.name}: training-free selection",
         )
         layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
-        if memo is not None:
+        if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
             memo["layout_key"], memo["layout"] = reuse_key, layout
         return layout
     if isinstance(selector, SparseKScorer):
@@ -415,35 +419,33 @@ def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_b
     wb = w[b_ix, qi.clamp(0, Sq - 1)]
     need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
     memo = indexer._block_memo
-    memo_ok = memo is not None and memo["block"].shape[0] == B and memo["block"].device == first.device
+    if memo is None:
+        memo = new_state_dict(indexer, "_block_memo")
+    # Buffers written in place (sparse_k.step_state: CUDA-graph safe), block ids -1 until a block's first query is seen.
+    memo_ok = state_buffers(memo, {"block": ((B,), torch.int64, -1), "q": (tuple(qb.shape[:1] + qb.shape[2:]), qb.dtype, 0.0),
+                                   "w": ((B, wb.shape[-1]), wb.dtype, 0.0)}, first.device)
     if host is not None:
         p0 = [qs - ks for qs, ks in zip(*host[:2])]
         if any(p > 0 and p % query_block != 0 for p in p0):
             if memo_ok and bool((memo["block"][need] == first[need]).all()):
-                qb[:, 0] = torch.where(need[:, None, None], memo["q"].to(qb.dtype), qb[:, 0])
-                wb[:, 0] = torch.where(need[:, None], memo["w"].to(wb.dtype), wb[:, 0])
+                qb[:, 0] = torch.where(need[:, None, None], memo["q"], qb[:, 0])
+                wb[:, 0] = torch.where(need[:, None], memo["w"], wb[:, 0])
             else:
                 warn_once(
                     "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
                     "selector on every call of a generation); using the call's first query for that block"
                 )
-    elif memo_ok:
+    else:
         use = need & (memo["block"] == first)
-        qb[:, 0] = torch.where(use[:, None, None], memo["q"].to(qb.dtype), qb[:, 0])
-        wb[:, 0] = torch.where(use[:, None], memo["w"].to(wb.dtype), wb[:, 0])
+        qb[:, 0] = torch.where(use[:, None, None], memo["q"], qb[:, 0])
+        wb[:, 0] = torch.where(use[:, None], memo["w"], wb[:, 0])
     last = block_ok.sum(-1) - 1  # (B,) each row's last block
     ql = qi.gather(1, last[:, None]).squeeze(1)
     seen = (ql >= 0) & (ql < Sq)  # rows whose last block's first query is in this call
     rows = torch.arange(B, device=query.device)
-    new = {"block": torch.where(seen, first + last, torch.full_like(first, -1)),
-           "q": qb[rows, last].detach(), "w": wb[rows, last].detach()}
-    if memo_ok:
-        new = {
-            "block": torch.where(seen, new["block"], memo["block"]),
-            "q": torch.where(seen[:, None, None], new["q"], memo["q"].to(new["q"].dtype)),
-            "w": torch.where(seen[:, None], new["w"], memo["w"].to(new["w"].dtype)),
-        }
-    indexer._block_memo = new
+    memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
+    memo["q"].copy_(torch.where(seen[:, None, None], qb[rows, last].detach(), memo["q"]))
+    memo["w"].copy_(torch.where(seen[:, None], wb[rows, last].detach(), memo["w"]))
     return qb, wb
 
 

@@ -172,10 +172,10 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
         if mask.shape != u.shape:
             mask = mask.expand(u.shape)
     finite = torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all()
-    if u.device.type == "cpu":
+    if u.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(finite):
             raise ValueError("sparsek: candidate scores `u` must be finite")
-    else:  # checked on the device, without a host synchronisation (a device-side assert)
+    else:  # on the device or inside a traced graph: an assert without a host synchronisation
         torch._assert_async(finite, "sparsek: candidate scores `u` must be finite")
     kernels = _triton_kernels(u, backend)
     if kernels is not None:

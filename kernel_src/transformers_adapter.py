@@ -45,6 +45,7 @@ from .warn import warn_once
 from .config import pattern_for_layer, validate_sparse_config
 from .geometry import row_geometry
 from .patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
+from .step_state import new_state_dict
 
 __all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern", "CACHE_LAYER_ATTR"]
 
@@ -361,8 +362,13 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
         return None
     geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
     selector = getattr(module, "_sparse_k_selector", None)
-    # The training-free selection's decode memo (the current block's first query) lives on the module.
-    memo = module.__dict__.setdefault(SELECTION_MEMO_ATTR, {}) if selector is None and hasattr(module, "__dict__") else None
+    # The training-free selection's decode memo (the current block's first query) lives on the module; it is
+    # created outside any traced graph (sparse_k.step_state), so a compiled step that finds it traces without a break.
+    memo = None
+    if selector is None and hasattr(module, "__dict__"):
+        memo = module.__dict__.get(SELECTION_MEMO_ATTR)
+        if memo is None:
+            memo = new_state_dict(module, SELECTION_MEMO_ATTR)
     return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo)
 
 

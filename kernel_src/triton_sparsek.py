@@ -227,7 +227,8 @@ def sparsek_forward(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, nee
             raise ValueError(f"sparsek_forward: `mask` shape {tuple(mask.shape)} does not broadcast to {tuple(u.shape)}") from None
     u2 = u.detach().to(torch.float32).reshape(-1, n).contiguous()
     R = u2.shape[0]
-    m2 = mask.reshape(R, n).contiguous().view(torch.uint8) if mask is not None else u2
+    # A conversion, not a bitcast view: Inductor cannot lower ``view(torch.uint8)`` of a bool tensor.
+    m2 = mask.reshape(R, n).to(torch.uint8).contiguous() if mask is not None else u2
     p = _empty((R, n), torch.float32, u.device)
     tau = _empty((R,), torch.float64, u.device)
     iters = _empty((R,), torch.int32, u.device)

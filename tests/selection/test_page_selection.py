@@ -350,3 +350,19 @@ def test_prefix_best_lists_matches_sequential_definition(n_chunks, Z, M):
                 assert got == want, (b, h, c)
                 valid = L[b, h, c][L[b, h, c] >= 0]
                 assert bool((valid[1:] > valid[:-1]).all())
+
+
+def test_decode_reuse_never_crosses_a_new_prompt():
+    """Two generations of the same shape through one memo: the second prompt's prefill drops the first's
+    reused layout, so its decode steps select from its own keys (equal to a recompute)."""
+    pattern = sparse_k.SparseK(sinks=2, window=9, top_k=16, query_block=8)
+    B, S = 1, 92
+    memo = {}
+    for seed, prefill in ((1, 84), (2, 88)):  # the second's first decode call is in the first's last block (11)
+        q, k, v = _inputs(B, 4, 2, S, 6, seed=100 + seed)
+        want = _layout_sets(_quiet_build(pattern, q, k, v, sparse_k.row_geometry(B, S, S)), sparse_k.row_geometry(B, S, S), S, B)
+        for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]:
+            geo = sparse_k.row_geometry(B, t1 - t0, t1)
+            lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
+            for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+                assert idx == want[key], f"generation {seed}, step {t1}, {key}"
