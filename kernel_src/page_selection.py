@@ -20,6 +20,9 @@ equals recompute), per query head; the page score of a KV head is the sum of the
 query heads. Per block and KV head, the ``top_k // page`` candidate pages with the largest score are
 taken and expanded to their candidate keys (so at most ``top_k`` keys); with at most ``top_k``
 candidates, all of them. The result is an ordinary ``TokenLayout``: every attention path consumes it.
+Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELEMENTS_CUDA`` on a
+GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
+shapes (no device read).
 
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
 saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
@@ -41,6 +44,11 @@ __all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "qu
 DEFAULT_PAGE = 16
 #: How the bounds of a KV head's query heads combine into its page score: "sum" (default) or "max".
 HEAD_REDUCE = "sum"
+#: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
+CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS_CUDA = 1 << 27
+QUERY_MODE = "first"
+QUERY_REDUCE = "max"
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def top_pages(scores: torch.Tensor, cand_pages: torch.Tensor, n_sel: int):
     pages = top_indices(torch.where(cand_pages, scores, neg), n)  # ties to the earlier page
     chosen = cand_pages.expand_as(scores).gather(-1, pages)
     big = scores.shape[-1]
-    pages, order = torch.sort(torch.where(chosen, pages, torch.full_like(pages, big)), dim=-1)
+    pages = torch.sort(torch.where(chosen, pages, torch.full_like(pages, big)), dim=-1).values
     chosen = pages < big
     return pages, chosen
 
@@ -127,7 +135,7 @@ def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch
     ``n_keys (B,)`` valid keys of each row. Returns ``positions (B, H, NB, width)`` int64 ascending
     (-1 past the count) and ``counts (B, H, NB)`` int64. ``width`` must be ``>=`` the largest count.
     """
-    B, H, NB, n = pages.shape
+    B, H, NB = pages.shape[:3]
     pos = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)  # (B, H, NB, n*page)
     ok = chosen.repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
         & (pos < n_keys[:, None, None, None])
@@ -191,7 +199,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     """
     from .token_layout import TokenLayout
 
-    B, Hq, Sq, D = query.shape
+    B, Hq, Sq = query.shape[:3]
     Hkv = key.shape[1]
     page = max(1, min(page or DEFAULT_PAGE, pattern.top_k))
     NB = block_start.shape[1]
@@ -202,13 +210,22 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     kmin, kmax, ok = page_summaries(key, k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
     q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
     qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, Hq // Hkv)
-    scores = quest_scores(qb, kmin, kmax, ok)  # (B, Hkv, NB, P)
     lo, hi = pattern.candidate_range(block_start)
     p_idx = torch.arange(n_pages, device=key.device)
-    cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, :, None]) \
-        & ((p_idx + 1) * page - 1 <= block_start[:, None, :, None]) & block_ok[:, None, :, None]
-    pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
-    pos, cnt = expand_pages(pages, chosen, page, lo, hi, n_keys, width)
+    limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
+    step = max(1, limit // max(1, B * Hkv * n_pages * (Hq // Hkv)))  # blocks per chunk: bounded score memory
+    pos_parts, cnt_parts = [], []
+    for c0 in range(0, NB, step):  # host-known sizes: no device read
+        c1 = min(NB, c0 + step)
+        scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok)  # (B, Hkv, c1 - c0, P)
+        bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
+        cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, c0:c1, None]) \
+            & ((p_idx + 1) * page - 1 <= bs[:, None, :, None]) & bo[:, None, :, None]
+        pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
+        pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
+        pos_parts.append(pos_c)
+        cnt_parts.append(cnt_c)
+    pos, cnt = torch.cat(pos_parts, 2), torch.cat(cnt_parts, 2)
     # With at most top_k candidates: all of them.
     n_cand = (torch.minimum(hi, n_keys[:, None] - 1) - lo + 1).clamp_min(0) * block_ok  # (B, NB)
     all_pos = lo[..., None] + torch.arange(width, device=key.device)  # (B, NB, width)

@@ -18,7 +18,12 @@ It reports, per variant:
 * retrieval accuracy over ``--depths x --trials-per-depth`` trials per task (``--tasks``):
   ``passkey`` (the landmark format the selectors trained on), ``unseen`` (other filler, needle
   wording and question position) and ``multikey`` (``--multikey-needles`` labelled needles, the
-  asked one scored); ``needle`` (the magic-number sentence) on request;
+  asked one scored); ``needle`` (the magic-number sentence) on request; ``--scoring teacher-forced``
+  scores a trial in one forward pass (every answer token the argmax: what greedy decoding produces
+  first, since decoding equals recomputing) instead of generating;
+
+``--dense-layers`` keeps those layers dense in every sparse variant (counted in the budget: keys per
+query are the sparse layers', the fraction of pairs averages over all layers).
 
 and writes the table, the JSON results and the command line that made them.
 
@@ -78,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multikey-needles", type=bounded_int(2, 8, "an integer from 2 to 8"), default=4)
     p.add_argument("--depths", type=depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--trials-per-depth", type=bounded_int(1, None, "a positive integer"), default=4)
+    p.add_argument("--scoring", choices=["generate", "teacher-forced"], default="generate",
+                   help="retrieval: greedy generation, or one teacher-forced forward pass per trial")
+    p.add_argument("--dense-layers", type=bounded_int(0, None, "a layer index >= 0"), nargs="*", default=[],
+                   help="layers that stay dense in every sparse variant")
+    p.add_argument("--no-streaming", action="store_true", help="leave out the streaming row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON file for the results (the table is printed either way)")
     return p
@@ -90,6 +100,8 @@ def _variants(args) -> list[dict]:
         {"label": "dense", "pattern": "dense", "params": {}},
         {"label": f"streaming ({budget} keys)", "pattern": "streaming", "params": {"sinks": args.sinks, "window": budget - args.sinks}},
     ]
+    if getattr(args, "no_streaming", False):
+        out = out[:1]
     for name, path in args.selector:
         run = os.path.basename(os.path.dirname(os.path.abspath(path)))  # tells several files of one pattern apart
         out.append({"label": f"{name} (trained: {run})", "pattern": name, "params": _trained_params(name, path, learned),
@@ -118,7 +130,7 @@ def _trained_params(name: str, path: str, learned: dict) -> dict:
     return params
 
 
-def _apply(model, variant: dict) -> None:
+def _apply(model, variant: dict, dense_layers=()) -> None:
     import hf_sparse_attention
     from hf_sparse_attention.selectors import detach_selectors
 
@@ -127,7 +139,8 @@ def _apply(model, variant: dict) -> None:
         model.set_attn_implementation("sdpa")
         return
     model.set_attn_implementation("sparse_k")
-    hf_sparse_attention.configure(model, variant["pattern"], selector_path=variant.get("selector_path"), **variant["params"])
+    hf_sparse_attention.configure(model, variant["pattern"], selector_path=variant.get("selector_path"),
+                                  dense_layers=list(dense_layers) or None, **variant["params"])
     if variant.get("selector_path") and not hf_sparse_attention.selectors.get_selectors(model):
         raise FileNotFoundError(f"no selectors could be loaded from {variant['selector_path']!r}")
 
@@ -139,13 +152,14 @@ def _cell(row: dict, task: str) -> str:
 def results_table(rows: list[dict], tasks: list[str]) -> list[str]:
     """Markdown table of the evaluated ``rows`` (dense first): budget, perplexity spread, retrieval per task."""
     dense = rows[0]["perplexity_windows"]
-    head = ["variant", "keys per query", "fraction of pairs", "perplexity (mean ± std)", "min–max", "vs dense"]
+    head = ["variant", "keys per query (sparse layers)" if any(r.get("dense_layers") for r in rows) else "keys per query", "fraction of pairs", "perplexity (mean ± std)", "min–max", "vs dense"]
     lines = ["| " + " | ".join(head + [TASK_COLUMNS[t] for t in tasks]) + " |", "|" + "---|" * (len(head) + len(tasks))]
     for r in rows:
         ratios = [p / d - 1 for p, d in zip(r["perplexity_windows"], dense)]
         mean = sum(ratios) / len(ratios)
         std = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
-        cells = [r["label"], str(r["keys_per_query"]), f"{r['pair_fraction']:.1%}",
+        keys = str(r["keys_per_query"]) + (f" ({r['dense_layers']} dense layers)" if r.get("dense_layers") else "")
+        cells = [r["label"], keys, f"{r['pair_fraction']:.1%}",
                  f"{r['perplexity']:.3f} ± {r['perplexity_std']:.3f}",
                  f"{min(r['perplexity_windows']):.3f}–{max(r['perplexity_windows']):.3f}",
                  f"{mean * 100:+.1f}% ± {std * 100:.1f}"]
@@ -157,22 +171,31 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
+    from sparse_k import get_pattern
+
     from hf_sparse_attention.evaluation import (
         gutenberg_files,
         load_documents,
         load_model,
         retrieval_items,
         run_retrieval_item,
+        run_retrieval_teacher_forced,
         strided_perplexity,
         tokenize_corpus,
     )
-    from hf_sparse_attention.evaluation.budget import attention_budget
-    from hf_sparse_attention.evaluation.perplexity import perplexity_spread, perplexity_windows
-    from sparse_k import get_pattern
+    from hf_sparse_attention.evaluation.budget import layered_budget
+    from hf_sparse_attention.evaluation.perplexity import (
+        perplexity_spread,
+        perplexity_windows,
+    )
 
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)
     model, tok = loaded.model, loaded.tokenizer
+    n_layers = model.config.num_hidden_layers
+    if any(i >= n_layers for i in args.dense_layers):
+        raise SystemExit(f"--dense-layers {args.dense_layers}: the model has layers 0..{n_layers - 1}")
+    score = run_retrieval_teacher_forced if args.scoring == "teacher-forced" else run_retrieval_item
     docs = load_documents("gutenberg", split="test")
     ids = tokenize_corpus(tok, docs, max_tokens=args.ppl_tokens * (1 if args.ppl_seeds == 1 else 8 * args.ppl_seeds))
     try:
@@ -187,16 +210,18 @@ def main(argv=None) -> int:
                                  needles=args.multikey_needles) for t in args.tasks}
     rows = []
     for variant in _variants(args):
-        _apply(model, variant)
+        dense_layers = args.dense_layers if variant["pattern"] != "dense" else []
+        _apply(model, variant, dense_layers)
         t0 = time.perf_counter()
-        budget = attention_budget(get_pattern(variant["pattern"], **variant["params"]), args.context)
+        budget = layered_budget(get_pattern(variant["pattern"], **variant["params"]), args.context, n_layers, dense_layers)
         ppl = [strided_perplexity(model, w.to(device), args.context, args.context // 2,
                                   desc=f"ppl {variant['label']} window {i}")["perplexity"] for i, (_, w) in enumerate(windows)]
         spread = perplexity_spread(ppl)
         row = {**variant, "keys_per_query": budget["keys_per_query"], "pair_fraction": budget["fraction"],
+               "dense_layers": budget["dense_layers"],
                "perplexity": spread["mean"], "perplexity_std": spread["std"], "perplexity_windows": ppl}
         for task, items in trials.items():
-            hits = [run_retrieval_item(model, tok, it, hay)["correct"] for it in tqdm(items, desc=f"{task} {variant['label']}")]
+            hits = [score(model, tok, it, hay)["correct"] for it in tqdm(items, desc=f"{task} {variant['label']}")]
             row[f"{task}_correct"], row[f"{task}_trials"] = int(sum(hits)), len(hits)
         rows.append({**row, "seconds": time.perf_counter() - t0})
     lines = [
@@ -204,7 +229,8 @@ def main(argv=None) -> int:
         f"(sinks {args.sinks}, window {args.window}, top_k {args.top_k}); held-out Gutenberg "
         f"({', '.join(f.rsplit('/', 1)[-1] for f in gutenberg_files('test')[:2])}, ...), {args.ppl_seeds} window(s) of "
         f"{args.ppl_tokens} tokens at offsets {[off for off, _ in windows]}; retrieval: {len(args.depths)} depths x "
-        f"{args.trials_per_depth} trials per task",
+        f"{args.trials_per_depth} trials per task, scored by {args.scoring}"
+        + (f"; layers {args.dense_layers} dense in every sparse variant" if args.dense_layers else ""),
         "",
         *results_table(rows, args.tasks),
     ]

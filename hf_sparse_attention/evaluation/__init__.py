@@ -10,7 +10,7 @@ from .models import DEFAULT_MODEL, LoadedModel, apply_variant, default_gguf, loa
 from .perplexity import strided_perplexity, tokenize_corpus
 from .report import SCHEMA_PATH, load_schema, validate_results, write_outputs
 from .retrieval import (RetrievalItem, passkey_prompt, retrieval_items, run_retrieval_batch, run_retrieval_item,
-                        score_answer)
+                        run_retrieval_teacher_forced, score_answer)
 from .speed import benchmark_lengths
 from .variants import DEFAULT_PATTERNS, Variant, make_variants, preset_params
 
@@ -35,6 +35,7 @@ __all__ = [
     "retrieval_items",
     "run_retrieval_batch",
     "run_retrieval_item",
+    "run_retrieval_teacher_forced",
     "score_answer",
     "strided_perplexity",
     "tokenize_corpus",

@@ -14,6 +14,10 @@ For a causal prefill of ``S`` tokens there are ``S (S + 1) / 2`` causal (query, 
 ``sinks + window + top_k`` once the context is long enough); ``fraction`` is attended pairs over
 causal pairs. Per-head and per-layer rules (bigbird's random blocks) are counted for layer 0,
 KV head 0.
+
+``layered_budget(pattern, S, num_layers, dense_layers)`` counts a model whose ``dense_layers`` stay
+dense: ``keys_per_query`` is the sparse layers' figure, ``dense_layers`` says how many layers attend
+every causal key, and ``fraction`` / ``mean_keys_per_query`` average over all ``num_layers`` layers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 from sparse_k import get_pattern
 
-__all__ = ["attention_budget", "variant_budget"]
+__all__ = ["attention_budget", "layered_budget", "variant_budget"]
 
 
 def _learned_counts(pattern, qpos: torch.Tensor) -> torch.Tensor:
@@ -58,3 +62,19 @@ def variant_budget(variant, context: int) -> dict:
     """``attention_budget`` of an evaluation ``Variant`` (dense: every causal pair), with its label."""
     return {"variant": variant.label, "pattern": variant.pattern,
             **attention_budget(get_pattern(variant.pattern, **variant.params), context)}
+
+
+def layered_budget(pattern, context: int, num_layers: int, dense_layers=()) -> dict:
+    """``attention_budget`` of a ``num_layers``-layer model running ``pattern`` except on ``dense_layers``
+    (which attend every causal pair), averaged over the layers (module docstring); adds ``layers`` and
+    ``dense_layers`` (how many)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    dense = sorted(set(dense_layers))
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+        raise ValueError(f"dense_layers must be layer indices in [0, {num_layers - 1}], got {list(dense_layers)!r}")
+    sparse = attention_budget(pattern, context)
+    n_dense, causal = len(dense), sparse["causal_pairs"]
+    pairs = (sparse["pairs"] * (num_layers - n_dense) + causal * n_dense) / num_layers
+    return {**sparse, "pairs": pairs, "fraction": pairs / causal, "mean_keys_per_query": pairs / context,
+            "layers": num_layers, "dense_layers": n_dense}

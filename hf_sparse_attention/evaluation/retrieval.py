@@ -45,6 +45,7 @@ __all__ = [
     "retrieval_items",
     "run_retrieval_batch",
     "run_retrieval_item",
+    "run_retrieval_teacher_forced",
     "score_answer",
 ]
 
@@ -219,3 +220,29 @@ def run_retrieval_batch(model, tokenizer, items: list[RetrievalItem], haystack_i
 def run_retrieval_item(model, tokenizer, item: RetrievalItem, haystack_ids=None, max_new_tokens: int = 7) -> dict:
     """Greedy-generate the answer to one item and score it; a JSON-friendly record."""
     return run_retrieval_batch(model, tokenizer, [item], haystack_ids, max_new_tokens)[0]
+
+
+@torch.no_grad()
+def run_retrieval_teacher_forced(model, tokenizer, item: RetrievalItem, haystack_ids=None) -> dict:
+    """Score one item in a single forward pass: correct when every token of `` <key>`` is the argmax
+    given the prompt and the answer's earlier tokens.
+
+    That is what greedy decoding produces first (when decoding equals recomputing, which every
+    pattern keeps), without the decode steps; stricter than ``run_retrieval_item`` (an answer that
+    starts with another token, e.g. a quote, before the key counts as wrong). Same record fields.
+    """
+    prompt = build_prompt(tokenizer, item, haystack_ids)
+    p_ids = tokenizer(prompt)["input_ids"]
+    a_ids = tokenizer(" " + str(item.key), add_special_tokens=False)["input_ids"]
+    device = next(model.parameters()).device
+    ids = torch.tensor([p_ids + a_ids], device=device)
+    t0 = time.perf_counter()
+    logits = model(ids, logits_to_keep=len(a_ids) + 1).logits[0, :-1]
+    pred = logits.argmax(-1).cpu()
+    correct = bool((pred == torch.tensor(a_ids)).all())
+    generated = tokenizer.decode(pred.tolist(), skip_special_tokens=True)
+    rec = {**item.to_dict(), "prompt_tokens": len(p_ids), "prediction": generated.strip(), "correct": correct,
+           "seconds": time.perf_counter() - t0, "batch_size": 1, "scoring": "teacher-forced"}
+    if item.task == "multikey":
+        rec["answered_other"] = any(score_answer(generated, k) for k in rec["distractor_keys"])
+    return rec

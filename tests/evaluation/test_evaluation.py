@@ -673,3 +673,63 @@ def test_new_retrieval_flags_are_validated():
     with pytest.raises(ValueError, match="windows of 300 tokens"):
         run("evaluate_perplexity", [*TINY, "--corpus", __file__, "--ppl-tokens", "300", "--ppl-seeds", "500",
                                     "--patterns", "streaming"])
+
+
+@pytest.mark.filterwarnings("ignore:sparse_k. no trained selector")
+def test_budget_bounds_the_training_free_selection_and_counts_dense_layers():
+    """The training-free page selection attends at most the counted pairs, and at most one page of keys
+    fewer per query (a chosen page can straddle the candidate range's end); dense layers count every
+    causal pair in the model's average."""
+    import sparse_k
+    from sparse_k import build_selection, pattern_mask
+
+    from hf_sparse_attention.evaluation.budget import attention_budget, layered_budget
+
+    S, page = 211, 16
+    pat = sparse_k.SparseK(sinks=3, window=21, top_k=32, query_block=16)
+    q, k, v = (torch.randn(1, h, S, 8, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
+    geo = sparse_k.row_geometry(1, S, S)
+    sel = build_selection(pat, q, k, v, geo, layer_idx=0)
+    mask, _ = pattern_mask(pat, geo, S, S, num_kv_heads=2, selection=sel)
+    b = attention_budget(pat, S)
+    counted = torch.tensor([min(S, i + 1) for i in range(S)]).clamp_max(b["keys_per_query"])
+    for h in range(mask.shape[1]):
+        rows = mask[0, h].sum(-1)
+        assert int(rows.sum()) <= b["pairs"] and int(rows.max()) <= b["keys_per_query"]
+        assert bool((rows >= counted.clamp_max(rows.max()) - page).all())
+    lb = layered_budget(pat, S, num_layers=6, dense_layers=[0, 1])
+    assert lb["keys_per_query"] == b["keys_per_query"] and lb["dense_layers"] == 2 and lb["layers"] == 6
+    assert lb["pairs"] == pytest.approx((4 * b["pairs"] + 2 * b["causal_pairs"]) / 6)
+    assert lb["fraction"] == pytest.approx(lb["pairs"] / b["causal_pairs"])
+    assert layered_budget(pat, S, 6)["fraction"] == pytest.approx(b["fraction"])
+    for bad in ([6], [-1], [True]):
+        with pytest.raises(ValueError, match="dense_layers"):
+            layered_budget(pat, S, 6, bad)
+    with pytest.raises(ValueError, match="num_layers"):
+        layered_budget(pat, S, 0)
+
+
+def test_teacher_forced_retrieval_reads_the_answer_positions(tiny):
+    """One forward pass: correct exactly when every answer token is the argmax at the position before it."""
+    from types import SimpleNamespace
+
+    from hf_sparse_attention.evaluation import run_retrieval_teacher_forced
+
+    tok = tiny.tokenizer
+    (item,) = retrieval_items("unseen", [256], [0.5], 1, seed=3)
+
+    class Copier(torch.nn.Module):
+        """Logits whose argmax at position i is the input token at i + 1 + shift (the true next token for shift 0)."""
+
+        def __init__(self, shift):
+            super().__init__()
+            self.shift, self.p = shift, torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids, logits_to_keep):
+            nxt = torch.roll(ids, -1 - self.shift, 1)
+            logits = torch.nn.functional.one_hot(nxt, 50000).float()
+            return SimpleNamespace(logits=logits[:, -logits_to_keep:])
+
+    good = run_retrieval_teacher_forced(Copier(0), tok, item)
+    assert good["correct"] and good["prediction"] == str(item.key) and good["scoring"] == "teacher-forced"
+    assert not run_retrieval_teacher_forced(Copier(1), tok, item)["correct"]

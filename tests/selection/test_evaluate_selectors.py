@@ -56,3 +56,20 @@ def test_bad_flags_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
         _script().build_parser().parse_args(bad)
     assert bad[0] in capsys.readouterr().err
+
+
+def test_scoring_dense_layers_and_streaming_flags():
+    mod = _script()
+    args = mod.build_parser().parse_args(["--training-free", "sparse_k", "--scoring", "teacher-forced",
+                                          "--dense-layers", "0", "1", "--no-streaming"])
+    assert args.scoring == "teacher-forced" and args.dense_layers == [0, 1]
+    assert [r["label"] for r in mod._variants(args)] == ["dense", "sparse_k (training-free)"]
+    rows = [{"label": "dense", "keys_per_query": 4096, "pair_fraction": 1.0, "perplexity": 10.0, "perplexity_std": 0.0,
+             "perplexity_windows": [10.0], "dense_layers": 0},
+            {"label": "sparse_k (training-free)", "keys_per_query": 516, "pair_fraction": 0.3, "perplexity": 10.5,
+             "perplexity_std": 0.0, "perplexity_windows": [10.5], "dense_layers": 2}]
+    head, _, dense, sparse = mod.results_table(rows, [])
+    assert "keys per query (sparse layers)" in head and sparse.startswith("| sparse_k (training-free) | 516 (2 dense layers) |")
+    for bad in (["--dense-layers", "-1"], ["--scoring", "beam"]):
+        with pytest.raises(SystemExit):
+            mod.build_parser().parse_args(bad)

@@ -88,13 +88,17 @@ def _quiet_build(*args, **kw):
         return build_selection(*args, layer_idx=0, **kw)
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,S,pad,page,top_k", [
-    (2, 4, 2, 203, 17, 4, 12),   # GQA, left padding, pages smaller than the budget
-    (1, 3, 3, 97, 0, 8, 16),     # MHA, odd length
-    (2, 6, 2, 151, 9, 16, 10),   # a page larger than top_k shrinks to top_k
+@pytest.mark.parametrize("B,Hq,Hkv,S,pad,page,top_k,chunk", [
+    (2, 4, 2, 203, 17, 4, 12, None),   # GQA, left padding, pages smaller than the budget
+    (1, 3, 3, 97, 0, 8, 16, None),     # MHA, odd length
+    (2, 6, 2, 151, 9, 16, 10, None),   # a page larger than top_k shrinks to top_k
+    (2, 4, 2, 203, 17, 4, 12, 700),    # query blocks scored in chunks of 1-2 blocks
 ])
-def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k):
+def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, monkeypatch):
     import sparse_k.page_selection as ps
+
+    if chunk is not None:
+        monkeypatch.setattr(ps, "CHUNK_ELEMENTS", chunk)
 
     pattern = sparse_k.SparseK(sinks=3, window=19, top_k=top_k, query_block=16)
     q, k, v = _inputs(B, Hq, Hkv, S, 8, seed=S + page)
