@@ -122,12 +122,31 @@ class SparseKFunction(torch.autograd.Function):
         return grad_u, None, None
 
 
+_TRITON_MODULE = None
+
+
+def _triton_module():
+    """``triton_sparsek``, imported once (ImportError without triton). The module is kept in a global so a traced
+    call (``torch.compile``) reads it instead of tracing an import, which Dynamo cannot."""
+    global _TRITON_MODULE
+    if _TRITON_MODULE is None:
+        _TRITON_MODULE = importlib.import_module(".triton_sparsek", __package__)
+    return _TRITON_MODULE
+
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available():
+    try:  # on a GPU machine, before any compiled call looks for it (CPU runs import it on first use, interpreted)
+        _triton_module()
+    except ImportError:
+        pass
+
+
 def _triton_kernels(u: torch.Tensor, backend: str):
     """The ``triton_sparsek`` module if ``backend`` selects it for ``u``, else None."""
     if backend == "torch" or (backend == "auto" and not (AUTO_TRITON_ON_CUDA and u.is_cuda and u.dtype != torch.float64)):
         return None
     try:
-        mod = importlib.import_module(".triton_sparsek", __package__)
+        mod = _TRITON_MODULE if _TRITON_MODULE is not None else _triton_module()
     except ImportError as e:
         if backend == "auto":
             return None
