@@ -255,6 +255,8 @@ class SelectionLayer(_KeptKeysLayer):
         for name in ("block", "q"):
             if name in self.memo:  # buffers written in place (sparse_k.step_state)
                 self.memo[name].copy_(pick(self.memo[name]))
+        for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
+            self.memo.pop(name, None)
         if self.state is not None:
             for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
                 setattr(self.state, name, pick(getattr(self.state, name)))

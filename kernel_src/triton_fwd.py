@@ -9,19 +9,7 @@ flash-decoding); each split writes a partial result (its normalised output and l
 and the last split program of each tile to finish merges them and adds the sink logit once
 (``_combine_last``, arrival counters from ``split_counters``), or ``combine_splits`` does in a second launch.
 
-Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``:
-
-====  ===============  =====================================================================
- id    pattern          parameters
-====  ===============  =====================================================================
- 0     dense            —
- 1     sliding_window   P0 = window
- 2     streaming        P0 = window, P1 = sinks
- 3     block_diagonal   P0 = block
- 4     bigbird          — (aligned tiles only: a listed tile is allowed as a whole)
- 5     dilated          P0 = window, P1 = scales
- 6     l2_aligned       P0 = block, P1 = window_blocks, P2 = segment, P3 = anchor
-====  ===============  =====================================================================
+Pattern ids (``PATTERN`` constexpr) and their run-time parameters ``P0..P3``: ``pattern_codes``.
 """
 
 from __future__ import annotations

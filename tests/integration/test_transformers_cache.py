@@ -169,3 +169,21 @@ def test_padded_batch_is_refused_by_learned_layers():
     with torch.no_grad(), pytest.raises(ValueError, match="SparseCache supports unpadded batches only"):
         model.generate(ids, attention_mask=mask, past_key_values=SparseCache(model), max_new_tokens=3,
                        do_sample=False, pad_token_id=0)
+
+
+def test_beam_reorder_drops_the_reused_decode_layout():
+    """A training-free layer reuses its decode layout inside a query block; a beam reorder permutes the rows,
+    so the layout of the old order must not be reused (the memo's block queries are permuted in place)."""
+    model = tiny_model("llama", seed=21)
+    hf_sparse_attention.configure(model, "sparse_k", sinks=2, window=8, top_k=16, query_block=16)
+    ids = torch.randint(1, VOCAB, (2, 60))
+    cache = SparseCache(model)
+    with torch.no_grad(), pytest.warns(UserWarning, match="training-free"):
+        out = model(ids, past_key_values=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    memos = [layer.memo for layer in cache.layers if hasattr(layer, "memo")]
+    assert memos and all("layout" in m for m in memos)
+    block = [m["block"].clone() for m in memos]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert all("layout" not in m and "layout_key" not in m for m in memos)
+    assert all(torch.equal(m["block"], b.flip(0)) for m, b in zip(memos, block))
