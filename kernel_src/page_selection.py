@@ -47,8 +47,6 @@ HEAD_REDUCE = "sum"
 #: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
 CHUNK_ELEMENTS = 1 << 22
 CHUNK_ELEMENTS_CUDA = 1 << 27
-QUERY_MODE = "first"
-QUERY_REDUCE = "max"
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
