@@ -89,6 +89,9 @@ def _patterns(window: int, sinks: int):
         "sliding_window": get_pattern("sliding_window", window=window),
         "streaming": get_pattern("streaming", window=window, sinks=sinks),
         "bigbird": get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3),
+        # blocks as long as the window, so each query row does the same work as sliding_window's
+        "block_diagonal": get_pattern("block_diagonal", block=window),
+        "dilated": get_pattern("dilated", window=window // 4, scales=3),
     }
 
 
