@@ -207,9 +207,9 @@ def load_frozen_model(args, device, dtype):
     return model, tok
 
 
-
 def lr_lambda(args):
     """Learning-rate factor of a step: linear warm-up over ``args.warmup`` steps, then cosine decay to 0.1."""
+
     def f(step):
         if step < args.warmup:
             return (step + 1) / max(1, args.warmup)
@@ -217,7 +217,6 @@ def lr_lambda(args):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
     return f
-
 
 
 def main(argv=None) -> int:
