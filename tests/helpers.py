@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import sparse_k as sk
 import torch
 from sparse_k.cuda_build import sm90_available
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` imported as a module (the scripts folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def random_pattern(name: str, rng: torch.Generator | None = None, *, causal: bool = True, max_len: int = 256) -> sk.Pattern:

@@ -2,7 +2,9 @@
 passkey / needle-in-a-haystack retrieval, speed, report writing and ``accelerate`` work splitting.
 
 Entry points: ``hfsa-evaluate`` (``main.py``), ``scripts/evaluate_perplexity.py``,
-``scripts/evaluate_retrieval.py``, ``scripts/benchmark_model.py``.
+``scripts/evaluate_retrieval.py``, ``scripts/benchmark_model.py`` (all ``cli.main_for``);
+``scripts/evaluate_selectors.py`` (``evaluate_selectors``: trained selectors vs streaming vs dense) and
+``scripts/selection_ceiling.py`` (``selection_ceiling``, with the oracle selections of ``oracle``).
 """
 
 from .corpora import GUTENBERG_TEST_PLAYS, gutenberg_files, load_documents

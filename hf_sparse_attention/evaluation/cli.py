@@ -48,7 +48,7 @@ DESCRIPTIONS = {
 
 def bounded_int(low: int, high: int | None, what: str):
     """An argparse type: an int in ``[low, high]`` (``high=None``: no upper bound; ``what`` names the
-    allowed values in the error). Shared with ``scripts/evaluate_selectors.py``."""
+    allowed values in the error). Shared with ``evaluate_selectors``."""
 
     def parse(text: str) -> int:
         try:

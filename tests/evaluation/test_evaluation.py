@@ -1,6 +1,6 @@
-"""Evaluation library, scripts, main job and metrics (CPU, tiny configurations).
+"""Evaluation library, tools, main job and metrics (CPU, tiny configurations).
 
-Script runs use a tiny random-weight Llama (``--random-weights tiny``) with the SmolLM2 tokenizer,
+Tool runs (``main_for(tool)``, which ``scripts/<tool>.py`` calls) use a tiny random-weight Llama (``--random-weights tiny``) with the SmolLM2 tokenizer,
 256-token contexts and 2 trials, check results.json against the schema kept in the repository and
 that every plot is a valid PNG. One slow test loads the real SmolLM2-135M.
 """
@@ -11,7 +11,6 @@ import glob
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 
@@ -28,11 +27,11 @@ from hf_sparse_attention.evaluation import (
     strided_perplexity,
     validate_results,
 )
+from hf_sparse_attention.evaluation.cli import main_for
 from hf_sparse_attention.evaluation.distributed import run_items
 from hf_sparse_attention.evaluation.models import load_model
 from hf_sparse_attention.evaluation.retrieval import KEY_LINE
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--random-weights", "tiny", "--contexts", "256", "--no-progress", "--seed", "0"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -42,16 +41,10 @@ def tiny():
     return load_model(random_weights="tiny", device="cpu", dtype="float32", seed=0)
 
 
-def _run_script(name: str, args: list[str], out_dir) -> dict:
-    """Run scripts/<name>.py in this process (as ``__main__``) and return its results.json."""
-    argv = sys.argv
-    sys.argv = [name, *args, "--output-dir", str(out_dir)]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            runpy.run_path(os.path.join(REPO, "scripts", f"{name}.py"), run_name="__main__")
-        assert exc.value.code == 0
-    finally:
-        sys.argv = argv
+def _run_tool(name: str, args: list[str], out_dir) -> dict:
+    """Run evaluation tool ``name`` (the ``main`` of ``scripts/<name>.py``) in this process and return its
+    results.json."""
+    assert main_for(name)([*args, "--output-dir", str(out_dir)]) == 0
     (run_dir,) = glob.glob(os.path.join(str(out_dir), "*"))
     return _check_outputs(run_dir)
 
@@ -181,10 +174,10 @@ def test_schema_rejects_bad_results(tmp_path):
         validate_results(bad)
 
 
-# ----- scripts and main job (tiny configuration) ------------------------------------------------
+# ----- tools and main job (tiny configuration) ------------------------------------------------
 
 def test_evaluate_perplexity_script(tmp_path):
-    res = _run_script("evaluate_perplexity", [*TINY, "--ppl-tokens", "400", "--stride", "128", "--patterns", "streaming", "bigbird"], tmp_path)
+    res = _run_tool("evaluate_perplexity", [*TINY, "--ppl-tokens", "400", "--stride", "128", "--patterns", "streaming", "bigbird"], tmp_path)
     rows = res["perplexity"]
     assert [r["variant"] for r in rows] == ["dense", "streaming", "bigbird"]
     assert all(r["tokens"] == 399 and r["context"] == 256 for r in rows)
@@ -195,7 +188,7 @@ def test_evaluate_perplexity_script(tmp_path):
 
 
 def test_evaluate_retrieval_script(tmp_path):
-    res = _run_script("evaluate_retrieval", [*TINY, "--depths", "0.25", "0.75", "--trials-per-depth", "1",
+    res = _run_tool("evaluate_retrieval", [*TINY, "--depths", "0.25", "0.75", "--trials-per-depth", "1",
                                              "--needle-depths", "0.5", "--baseline-context", "0",
                                              "--patterns", "sliding_window"], tmp_path)
     summary = {(s["task"], s["variant"]): s for s in res["retrieval_summary"]}
@@ -209,7 +202,7 @@ def test_evaluate_retrieval_script(tmp_path):
 
 
 def test_benchmark_model_script(tmp_path):
-    res = _run_script("benchmark_model", ["--random-weights", "tiny", "--no-progress", "--speed-lengths", "64", "128",
+    res = _run_tool("benchmark_model", ["--random-weights", "tiny", "--no-progress", "--speed-lengths", "64", "128",
                                           "--decode-tokens", "2", "--repeats", "1", "--patterns", "streaming"], tmp_path)
     rows = res["speed"]
     assert [(r["variant"], r["length"]) for r in rows] == [("dense", 64), ("dense", 128), ("streaming", 64), ("streaming", 128)]
@@ -641,7 +634,7 @@ def test_perplexity_windows_differ_by_seed_and_give_a_spread():
 
 
 def test_perplexity_seeds_and_budgets_in_results_and_report(tmp_path):
-    res = _run_script("evaluate_perplexity", [*TINY, "--ppl-tokens", "300", "--ppl-seeds", "3", "--patterns", "streaming"],
+    res = _run_tool("evaluate_perplexity", [*TINY, "--ppl-tokens", "300", "--ppl-seeds", "3", "--patterns", "streaming"],
                       tmp_path)
     rows = res["perplexity"]
     assert sorted((r["variant"], r["window"]) for r in rows) == [(v, w) for v in ("dense", "streaming") for w in range(3)]

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import sparse_k as sk
 import torch
-from helpers import load_script
 
 kernels = pytest.importorskip("kernels")
 
@@ -73,13 +72,26 @@ def schema_violations(cfg: dict) -> list[str]:
     return problems
 
 
-def _load_build_script():
-    return load_script("build_kernel")
+BUILD_SCRIPT = Path("scripts") / "build_kernel.py"
 
 
-@pytest.fixture(scope="module")
-def build_script():
-    return _load_build_script()
+def run_builder(root: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``python <root>/scripts/build_kernel.py --out <out> <flags>``: the builder builds the repository it
+    sits in (``root``)."""
+    return subprocess.run([sys.executable, str(root / BUILD_SCRIPT), "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def repo_copy(tmp_path: Path, build_toml: str | None = None, sources: bool = True) -> Path:
+    """``tmp_path/repo``: the builder, ``build.toml`` (or the text ``build_toml``) and, with ``sources``,
+    ``kernel_src/`` of this checkout."""
+    root = tmp_path / "repo"
+    (root / BUILD_SCRIPT).parent.mkdir(parents=True)
+    shutil.copy(REPO / BUILD_SCRIPT, root / BUILD_SCRIPT)
+    (root / "build.toml").write_text((REPO / "build.toml").read_text() if build_toml is None else build_toml)
+    if sources:
+        shutil.copytree(REPO / "kernel_src", root / "kernel_src", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +109,7 @@ def repo_id(build_cfg) -> str:
 def hub_dir(tmp_path_factory) -> Path:
     """The hub layout of this checkout, built by the CLI into a temporary directory."""
     out = tmp_path_factory.mktemp("hub") / "sparse-k"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "build_kernel.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )
+    proc = run_builder(REPO, out)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -141,43 +150,53 @@ def test_build_toml_parses_with_kernels_own_schema(build_cfg, tmp_path):
         rust.Build.open(tmp_path)
 
 
-def test_build_script_rejects_what_kernel_builder_rejects(build_script, build_cfg):
-    cfg = json.loads(json.dumps(build_cfg))
-    assert build_script.validate_build_config(cfg) is cfg
-    bad = json.loads(json.dumps(build_cfg))
-    bad["general"]["typo"] = 1
-    with pytest.raises(build_script.BuildConfigError, match="typo"):
-        build_script.validate_build_config(bad)
-    bad = json.loads(json.dumps(build_cfg))
-    bad["general"]["python-depends"] = ["triton"]
-    with pytest.raises(build_script.BuildConfigError, match="allow-list"):
-        build_script.validate_build_config(bad)
-    bad = json.loads(json.dumps(build_cfg))
-    bad["general"]["edition"] = 4
-    with pytest.raises(build_script.BuildConfigError, match="edition"):
-        build_script.validate_build_config(bad)
-    with pytest.raises(ValueError, match="overwrite the repository"):
-        build_script.build_hub_layout(REPO)
+def test_build_script_rejects_what_kernel_builder_rejects(tmp_path):
+    """A build.toml outside the edition-5 schema or the kernels allow-list fails with a message naming it,
+    before anything is written; so does an output directory that would overwrite the repository."""
+    text = (REPO / "build.toml").read_text()
+    assert text.count("[general]\n") == 1 and text.count("\nedition = 5\n") == 1
+    cases = {"typo": text.replace("[general]\n", "[general]\ntypo = 1\n"),
+             "allow-list": text.replace("[general]\n", '[general]\npython-depends = ["triton"]\n'),
+             "edition": text.replace("\nedition = 5\n", "\nedition = 4\n")}
+    for i, (message, bad) in enumerate(cases.items()):
+        root = repo_copy(tmp_path / str(i), bad, sources=False)
+        proc = run_builder(root, tmp_path / str(i) / "out")
+        assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
+        assert not (tmp_path / str(i) / "out").exists()
+    root = repo_copy(tmp_path / "whole")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    proc = run_builder(root, root)
+    assert proc.returncode == 2 and "overwrite the repository" in proc.stderr, proc.stderr
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
 
-def test_build_script_never_overwrites_a_foreign_directory(build_script, tmp_path):
+def test_build_script_never_overwrites_a_foreign_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("not a kernel build")
-    with pytest.raises(ValueError, match="not empty"):
-        build_script.build_hub_layout(tmp_path)
+    proc = run_builder(REPO, tmp_path)
+    assert proc.returncode == 2 and "not empty" in proc.stderr, proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg, build_script):
+def _files(folder: Path) -> set[Path]:
+    """Files under ``folder`` (relative), bytecode caches left out."""
+    return {p.relative_to(folder) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg):
     general = build_cfg["general"]
-    shipped = build_script.shipped_files(REPO / "kernel_src", build_cfg["torch-noarch"].get("pyext", ["py"]), "sparse_k")
-    assert Path("__init__.py") in shipped and Path("hub_attention.py") in shipped
+    # Shipped: every file of kernel_src/ with an extension of pyext, except _ops.py (each variant gets its own).
+    pyext = build_cfg["torch-noarch"].get("pyext", ["py"])
+    shipped = {rel for rel in _files(REPO / "kernel_src") if rel.suffix[1:] in pyext and rel != Path("_ops.py")}
+    assert Path("__init__.py") in shipped and any(rel.name == "hub_attention.py" for rel in shipped)
+    assert _files(hub_dir / "torch-ext" / "sparse_k") == shipped
     allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
     ids = set()
     for backend in general["backends"]:
         variant = hub_dir / "build" / f"torch-{backend}"
+        assert _files(variant) == shipped | {Path("_ops.py"), Path("metadata.json"), Path("sparse_k", "__init__.py")}
         for rel in shipped:
             assert (variant / rel).read_bytes() == (REPO / "kernel_src" / rel).read_bytes(), rel
-            assert (hub_dir / "torch-ext" / "sparse_k" / rel).is_file()
+            assert (hub_dir / "torch-ext" / "sparse_k" / rel).read_bytes() == (variant / rel).read_bytes(), rel
         assert (variant / "sparse_k" / "__init__.py").is_file()
         meta = _metadata(hub_dir, f"torch-{backend}")
         assert meta["name"] == general["name"] and meta["version"] == general["version"]
@@ -215,14 +234,15 @@ def test_every_variant_imports_as_kernels_imports_it(hub_dir, build_cfg):
         assert callable(module.flash_attn_forward) and module.supports_flash_attn()
 
 
-def test_unique_id_follows_the_shipped_content(build_script, tmp_path):
-    root = tmp_path / "repo"
-    shutil.copytree(REPO / "kernel_src", root / "kernel_src", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "build.toml", root / "build.toml")
-    first = build_script.build_hub_layout(tmp_path / "a", repo_root=root)
-    again = build_script.build_hub_layout(tmp_path / "b", repo_root=root)
-    (root / "kernel_src" / "geometry.py").write_text((root / "kernel_src" / "geometry.py").read_text() + "\n")
-    changed = build_script.build_hub_layout(tmp_path / "c", repo_root=root, repo_id="some-org/sparse-k")
+def test_unique_id_follows_the_shipped_content(tmp_path):
+    root = repo_copy(tmp_path)
+    for out in ("a", "b"):
+        proc = run_builder(root, tmp_path / out)
+        assert proc.returncode == 0, proc.stderr
+    (root / "kernel_src" / "__init__.py").write_text((root / "kernel_src" / "__init__.py").read_text() + "\n")
+    proc = run_builder(root, tmp_path / "c", "--repo-id", "some-org/sparse-k")
+    assert proc.returncode == 0, proc.stderr
+    first, again, changed = (tmp_path / d for d in "abc")
     ids = [_metadata(d, "torch-cpu")["id"] for d in (first, again, changed)]
     assert ids[0] == ids[1] != ids[2]
     assert "some-org/sparse-k" in (changed / "README.md").read_text()

@@ -1,18 +1,16 @@
-"""scripts/evaluate_selectors.py: the variants it evaluates follow the selector files (no model run)."""
+"""hf_sparse_attention.evaluation.evaluate_selectors (``scripts/evaluate_selectors.py``): the variants it
+evaluates follow the selector files, the table and the flags (no model run)."""
 
 import pytest
 import sparse_k
-from helpers import load_script, tiny_llama
+from helpers import tiny_llama
 
-
-def _script():
-    return load_script("evaluate_selectors")
+from hf_sparse_attention.evaluation import evaluate_selectors as mod
 
 
 def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):
     from hf_sparse_attention.selectors import create_selectors, save_selectors
 
-    mod = _script()
     model = tiny_llama()
     paths = {}
     for run, qb in (("init", 1), ("trained", 4)):
@@ -20,7 +18,7 @@ def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):
         paths[run] = save_selectors(create_selectors(model, pattern, per_kv_head=True), str(tmp_path / run), pattern=pattern)
     args = mod.build_parser().parse_args(["--selector", f"dsa={paths['init']}", "--selector", f"dsa={paths['trained']}",
                                           "--training-free", "sparse_k"])
-    rows = mod._variants(args)
+    rows = mod.selector_variants(args)
     assert [r["label"] for r in rows] == ["dense", "streaming (516 keys)", "dsa (trained: init)", "dsa (trained: trained)",
                                          "sparse_k (training-free)"]
     assert [r["params"].get("query_block") for r in rows[2:4]] == [1, 4]
@@ -28,11 +26,10 @@ def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):
     wrong = sparse_k.DSA(sinks=4, window=128, top_k=256)
     bad = save_selectors(create_selectors(model, wrong), str(tmp_path / "bad"), pattern=wrong)
     with pytest.raises(SystemExit, match="window=128"):
-        mod._variants(mod.build_parser().parse_args(["--selector", f"dsa={bad}"]))
+        mod.selector_variants(mod.build_parser().parse_args(["--selector", f"dsa={bad}"]))
 
 
 def test_table_states_budgets_spread_and_both_formats():
-    mod = _script()
     rows = [
         {"label": "dense", "keys_per_query": 2048, "pair_fraction": 1.0, "perplexity": 11.0, "perplexity_std": 1.0,
          "perplexity_windows": [10.0, 11.0, 12.0], "passkey_correct": 4, "passkey_trials": 5,
@@ -54,21 +51,20 @@ def test_table_states_budgets_spread_and_both_formats():
                                  ["--ppl-tokens", "1"]])
 def test_bad_flags_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
-        _script().build_parser().parse_args(bad)
+        mod.build_parser().parse_args(bad)
     assert bad[0] in capsys.readouterr().err
 
 
 def test_scoring_dense_layers_and_streaming_flags():
-    mod = _script()
     args = mod.build_parser().parse_args(["--training-free", "sparse_k", "--scoring", "teacher-forced",
                                           "--dense-layers", "0", "1", "--no-streaming"])
     assert args.scoring == "teacher-forced" and args.dense_layers == [0, 1]
-    assert [r["label"] for r in mod._variants(args)] == ["dense", "sparse_k (training-free)"]
+    assert [r["label"] for r in mod.selector_variants(args)] == ["dense", "sparse_k (training-free)"]
     rows = [{"label": "dense", "keys_per_query": 4096, "pair_fraction": 1.0, "perplexity": 10.0, "perplexity_std": 0.0,
              "perplexity_windows": [10.0], "dense_layers": 0},
             {"label": "sparse_k (training-free)", "keys_per_query": 516, "pair_fraction": 0.3, "perplexity": 10.5,
              "perplexity_std": 0.0, "perplexity_windows": [10.5], "dense_layers": 2}]
-    head, _, dense, sparse = mod.results_table(rows, [])
+    head, _, _, sparse = mod.results_table(rows, [])
     assert "keys per query (sparse layers)" in head and sparse.startswith("| sparse_k (training-free) | 516 (2 dense layers) |")
     for bad in (["--dense-layers", "-1"], ["--scoring", "beam"]):
         with pytest.raises(SystemExit):

@@ -1,19 +1,18 @@
-"""scripts/selection_ceiling.py: oracle masses, selections and attention against brute force (float64, GQA,
-odd lengths), and the model-level identity "top_k covering every candidate == dense"."""
+"""hf_sparse_attention.evaluation.oracle (the oracles of ``scripts/selection_ceiling.py``): oracle masses,
+selections and attention against brute force (float64, GQA, odd lengths), and the model-level identity
+"top_k covering every candidate == dense"."""
 
 from types import SimpleNamespace
 
 import pytest
 import sparse_k
 import torch
-from helpers import load_script, tiny_llama
+from helpers import tiny_llama
 from sparse_k.geometry import row_geometry
 from sparse_k.reference import masked_attention
 from sparse_k.selectors import selection_from_scores
 
-
-def _script():
-    return load_script("selection_ceiling")
+from hf_sparse_attention.evaluation import oracle as mod
 
 
 def _brute_probs(q, k, scale):
@@ -48,7 +47,6 @@ def _brute_selection(P, Hkv, pattern, mode):
 
 @pytest.mark.parametrize("mode", ["future", "candidate", "causal", "block"])
 def test_oracle_selection_and_attention_match_brute_force(mode):
-    mod = _script()
     torch.manual_seed(3)
     B, Hq, Hkv, S, D = 2, 6, 3, 75, 8
     q, k, v = (torch.randn(B, h, S, D, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
@@ -61,7 +59,7 @@ def test_oracle_selection_and_attention_match_brute_force(mode):
     got = {(b, g, n): sorted(int(j) for j in layout.indices[b, g, n] if j >= 0)
            for b in range(B) for g in range(Hkv) for n in range(layout.indices.shape[2])}
     assert got == want
-    # the mass is float32 (train_selector.block_attention_mass): sums of ~1e3 probabilities
+    # the mass is float32 (training.distill.block_attention_mass): sums of ~1e3 probabilities
     assert kept == pytest.approx(want_kept, rel=1e-5) and total == pytest.approx(want_total, rel=1e-5)
     assert 0 < kept < total
 
@@ -80,7 +78,6 @@ def test_oracle_selection_and_attention_match_brute_force(mode):
 def test_oracle_covering_every_candidate_equals_dense_model():
     """With query_block 1 and top_k >= every candidate, each oracle attends to all causal keys: the model's logits
     equal sdpa's (with larger blocks, keys between the first query's window and a later query's are never candidates)."""
-    mod = _script()
     model = tiny_llama()
     ids = torch.randint(0, 50, (1, 37), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -98,7 +95,6 @@ def test_oracle_covering_every_candidate_equals_dense_model():
 
 
 def test_errors():
-    mod = _script()
     with pytest.raises(ValueError, match="oracle mode"):
         mod.oracle_scores(torch.zeros(1, 1, 1, 4), "mean", torch.ones(1, 1, 4, dtype=torch.bool))
     q = torch.randn(1, 2, 16, 4)

@@ -1,17 +1,22 @@
-"""scripts/train_selector.py end to end on CPU with a tiny random Llama: train, resume, load back."""
+"""hf_sparse_attention.training (``scripts/train_selector.py``) end to end on CPU with a tiny random Llama:
+train, resume, load back; the distillation loss and the passkey data; ``scripts/compare_loss_curves.py``."""
 
 import json
 import os
 import string
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import sparse_k
 import torch
-from helpers import load_script
 
+from hf_sparse_attention.training import distill
+from hf_sparse_attention.training import train_selector as trainer
+from hf_sparse_attention.training.data import TokenStream
 
-def _script():
-    return load_script("train_selector")
+COMPARE_LOSS_CURVES = Path(__file__).resolve().parents[2] / "scripts" / "compare_loss_curves.py"
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +51,14 @@ def _selectors(path):
 
 
 def test_train_resume_and_load_back(tiny_model, tmp_path):
-    mod = _script()
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    assert mod.main(_args(tiny_model, straight, 4, "--save-every", "2")) == 0
-    assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--max-minutes", "0")) == 0  # stops after 1 step
+    assert trainer.main(_args(tiny_model, straight, 4, "--save-every", "2")) == 0
+    assert trainer.main(_args(tiny_model, split, 4, "--save-every", "2", "--max-minutes", "0")) == 0  # stops after 1 step
     # A run stopped by --max-minutes still leaves its latest selectors, equal to its last checkpoint.
     early = _selectors(os.path.join(split, "sparse_k_selectors.safetensors"))
     last = _selectors(os.path.join(split, "checkpoint-000001", "selectors.safetensors"))
     assert all(torch.equal(early[i].weight, last[i].weight) for i in early)
-    assert mod.main(_args(tiny_model, split, 4, "--save-every", "2", "--resume", "latest")) == 0
+    assert trainer.main(_args(tiny_model, split, 4, "--save-every", "2", "--resume", "latest")) == 0
 
     with open(os.path.join(straight, "log.jsonl")) as f:
         log = [json.loads(line) for line in f]
@@ -82,44 +86,43 @@ def test_train_resume_and_load_back(tiny_model, tmp_path):
 
 
 def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
-    mod = _script()
     out = str(tmp_path / "lm")
-    assert mod.main(_args(tiny_model, out, 1, "--loss", "both", "--global-batch", "1")) == 0
+    assert trainer.main(_args(tiny_model, out, 1, "--loss", "both", "--global-batch", "1")) == 0
     init_gain = torch.log(torch.tensor(8.0))
     sel = _selectors(os.path.join(out, "sparse_k_selectors.safetensors"))
     # log_gain only learns through the attention (LM) loss: it must have moved.
     assert any(not torch.allclose(s.log_gain, init_gain.expand_as(s.log_gain)) for s in sel.values())
 
     out_dsa = str(tmp_path / "dsa")
-    assert mod.main(_args(tiny_model, out_dsa, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8")) == 0
+    assert trainer.main(_args(tiny_model, out_dsa, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8")) == 0
     dsa = _selectors(os.path.join(out_dsa, "sparse_k_selectors.safetensors"))
     assert all(type(s).__name__ == "LightningIndexer" and s.per_kv_head for s in dsa.values())
     with pytest.raises(SystemExit):
-        mod.parse_args(["--pattern", "dsa", "--loss", "lm"])
+        trainer.parse_args(["--pattern", "dsa", "--loss", "lm"])
     with pytest.raises(SystemExit):
-        mod.parse_args(["--pattern", "dsa", "--no-per-kv-head", "--init", "attention"])
+        trainer.parse_args(["--pattern", "dsa", "--no-per-kv-head", "--init", "attention"])
     # The measured recipes are the defaults (README table): dsa per query, per KV head, from the attention.
-    args = mod.parse_args(["--pattern", "dsa"])
+    args = trainer.parse_args(["--pattern", "dsa"])
     assert (args.query_block, args.indexer_heads, args.distill_blocks, args.init) == (1, 2, 256, "attention")
     assert (args.steps, args.lr, args.passkey_fraction, args.seq_len, args.global_batch) == (40, 1e-3, 0.5, 4096, 8)
-    args = mod.parse_args([])
+    args = trainer.parse_args([])
     assert (args.pattern, args.query_block, args.steps, args.lr, args.distill_blocks) == ("sparse_k", 64, 150, 1e-2, 0)
     # With lr 0 the saved indexers are the attention initialisation: key maps pick rotary pairs
     # (i, i + D/2) of their own KV head, head weights +1 / -1.
     out_init = str(tmp_path / "dsa_init")
-    assert mod.main(_args(tiny_model, out_init, 1, "--pattern", "dsa", "--indexer-dim", "4", "--lr", "0")) == 0
+    assert trainer.main(_args(tiny_model, out_init, 1, "--pattern", "dsa", "--indexer-dim", "4", "--lr", "0")) == 0
     for sel in _selectors(os.path.join(out_init, "sparse_k_selectors.safetensors")).values():
         torch.testing.assert_close(sel.w_bias, torch.tensor([[1.0, -1.0]] * sel.num_kv_heads))
         picked = sel.k_weight.nonzero()[:, 2].view(sel.num_kv_heads, 4)  # (Hkv, d_I) kept dims
         assert torch.equal(picked[:, 2:], picked[:, :2] + sel.head_dim // 2)
     shared = str(tmp_path / "dsa_shared")
-    assert mod.main(_args(tiny_model, shared, 1, "--pattern", "dsa", "--no-per-kv-head")) == 0
+    assert trainer.main(_args(tiny_model, shared, 1, "--pattern", "dsa", "--no-per-kv-head")) == 0
     assert not any(s.per_kv_head for s in _selectors(os.path.join(shared, "sparse_k_selectors.safetensors")).values())
 
     # Per-query DSA (query_block 1) on sampled blocks, every sequence a passkey one (both styles),
     # with the answer-query term: runs, logs finite losses and moves the indexers.
     out_q = str(tmp_path / "dsa_q")
-    assert mod.main(_args(tiny_model, out_q, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8",
+    assert trainer.main(_args(tiny_model, out_q, 2, "--pattern", "dsa", "--indexer-heads", "2", "--indexer-dim", "8",
                           "--query-block", "1", "--distill-blocks", "8", "--passkey-fraction", "1",
                           "--answer-weight", "4", "--seq-len", "400")) == 0
     with open(os.path.join(out_q, "log.jsonl")) as f:
@@ -129,9 +132,8 @@ def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
 def test_passkey_samples_mark_their_answer_queries(tiny_model):
     from transformers import AutoTokenizer
 
-    mod = _script()
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    stream = mod.TokenStream(tok, ["the quick brown fox jumps over the lazy dog. " * 40], 400, 0, 1.0, "mixed")
+    stream = TokenStream(tok, ["the quick brown fox jumps over the lazy dog. " * 40], 400, 0, 1.0, "mixed")
     styles = set()
     for slot in range(8):
         ids, ans = stream.sample(0, slot)
@@ -144,7 +146,7 @@ def test_passkey_samples_mark_their_answer_queries(tiny_model):
         # The answer queries predict " NNNNN.": the tokens after them spell the answer.
         assert spell(ids[1:][ans[:-1]]).strip() == f"{key}."
     assert styles == {True, False}
-    blocks = mod.distill_blocks(sparse_k.SparseK(sinks=2, window=24, top_k=12, query_block=16), 400, 5, 0, 3, 1)
+    blocks = distill.distill_blocks(sparse_k.SparseK(sinks=2, window=24, top_k=12, query_block=16), 400, 5, 0, 3, 1)
     assert blocks.tolist() == sorted(blocks.tolist()) and min(blocks.tolist()) >= 3 and len(set(blocks.tolist())) == 5
 
 
@@ -153,13 +155,12 @@ def test_distill_loss_is_zero_for_a_perfect_student():
     and a uniform student does not."""
     from sparse_k.scorers import SparseKScorer
 
-    mod = _script()
     pattern = sparse_k.SparseK(sinks=1, window=6, top_k=3, query_block=4)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 40, 8, generator=g)
     k = torch.randn(1, 1, 40, 8, generator=g)
     scale = 8 ** -0.5
-    mass = mod.block_attention_mass(q, k, scale, 4)
+    mass = distill.block_attention_mass(q, k, scale, 4)
     probs = torch.softmax((q @ k.transpose(-1, -2)) * scale + torch.full((40, 40), float("-inf")).triu(1), -1)
     torch.testing.assert_close(mass[0, 0, 3], probs[0, :, 12:16].sum((0, 1)))
 
@@ -173,9 +174,9 @@ def test_distill_loss_is_zero_for_a_perfect_student():
 
     last = mass[:, :, 9]  # (1, 1, 40): the block of queries 36..39
     q_last = q[:, :, 36:]
-    kl = mod.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
+    kl = distill.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
     assert float(kl.abs().max()) < 1e-5  # float32 logs of probabilities
-    kl_uniform = mod.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
+    kl_uniform = distill.distill_loss(pattern, Fixed(torch.zeros(1, 1, 40)), q_last, k, k, scale)
     assert float(kl_uniform.min()) > 1e-3
 
 
@@ -184,13 +185,12 @@ def test_per_kv_head_dsa_distills_each_head_to_its_own_group():
     equal to it, > 0 for the heads swapped)."""
     from sparse_k.scorers import LightningIndexer
 
-    mod = _script()
     pattern = sparse_k.DSA(sinks=1, window=6, top_k=3, query_block=1, indexer_heads=2, indexer_dim=4)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 40, 8, generator=g)
     k = torch.randn(1, 2, 40, 8, generator=g)
     scale = 8 ** -0.5
-    last = mod.block_attention_mass(q, k, scale, 1)[:, :, 39]  # (1, Hkv, 40): the last query
+    last = distill.block_attention_mass(q, k, scale, 1)[:, :, 39]  # (1, Hkv, 40): the last query
 
     class Fixed(LightningIndexer):
         def __init__(self, logits):
@@ -201,21 +201,27 @@ def test_per_kv_head_dsa_distills_each_head_to_its_own_group():
             return self.fixed[:, None]  # (1, N=1, Hkv, S)
 
     q_last = q[:, :, 39:]
-    good = mod.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
+    good = distill.distill_loss(pattern, Fixed(torch.log(last.clamp_min(1e-30))), q_last, k, k, scale)
     assert float(good.abs().max()) < 1e-5
-    swapped = mod.distill_loss(pattern, Fixed(torch.log(last.flip(1).clamp_min(1e-30))), q_last, k, k, scale)
+    swapped = distill.distill_loss(pattern, Fixed(torch.log(last.flip(1).clamp_min(1e-30))), q_last, k, k, scale)
     assert float(swapped.min()) > 1e-3
 
 
-def test_compare_loss_curves(tmp_path, capsys):
-    mod = load_script("compare_loss_curves")
+def test_compare_loss_curves(tmp_path):
+    """The command line (standard library only): exit status 0 within the tolerance, 1 beyond it, 2 without
+    a common step; a repeated step (a resumed log) counts once, its last record."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n" for s in range(1, 21)))
     # Step 5 differs by 10% (before the skip), step 15 by 1.5%; a resumed log repeats step 20.
     b.write_text("".join(json.dumps({"step": s, "loss": (2.0 - s / 100) * (1.1 if s == 5 else 1.015 if s == 15 else 1.0)}) + "\n"
                          for s in [*range(1, 21), 20]))
-    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.02"]) == 0
-    assert "PASS" in capsys.readouterr().out
-    assert mod.main([str(a), str(b), "--skip", "10", "--tolerance", "0.01"]) == 1
-    assert mod.main([str(a), str(b), "--skip", "4", "--tolerance", "0.02"]) == 1
-    assert mod.main([str(a), str(b), "--skip", "30"]) == 2
+
+    def run(*flags):
+        return subprocess.run([sys.executable, str(COMPARE_LOSS_CURVES), str(a), str(b), *flags], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    ok = run("--skip", "10", "--tolerance", "0.02")
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr
+    assert run("--skip", "10", "--tolerance", "0.01").returncode == 1
+    assert run("--skip", "4", "--tolerance", "0.02").returncode == 1
+    assert run("--skip", "30").returncode == 2
