@@ -75,7 +75,7 @@ def summary(runs: list[dict], retrieval_bar: float, ppl_bar: float) -> list[str]
         mean = sum(ratios) / len(ratios)
         std = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
 
-        def col(task):
+        def col(task, tf=tf, dense=dense):
             if task + "_trials" not in tf:
                 return "—"
             return f"{tf[task + '_correct']}/{tf[task + '_trials']} ({dense[task + '_correct']})"
@@ -106,8 +106,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppl-bar", type=float, default=0.05)
     args = p.parse_args(own)
 
-    import hf_sparse_attention.evaluation as ev
     import sparse_k.page_selection as ps
+
+    import hf_sparse_attention.evaluation as ev
 
     real_load = ev.load_model
 
