@@ -17,9 +17,10 @@ summary of a page is the channel-wise ``min`` and ``max`` of its keys; for a que
 ``q . k`` over the page's keys (one matmul against ``[kmax, kmin]``). The query side of block ``b``
 is the block's *first* query (the only query of the block that exists when it starts: decode
 equals recompute), per query head; the page score of a KV head is the sum of the bounds of its
-query heads. Per block and KV head, the ``top_k // page`` candidate pages with the largest score are
-taken and expanded to their candidate keys (so at most ``top_k`` keys); with at most ``top_k``
-candidates, all of them. The result is an ordinary ``TokenLayout``: every attention path consumes it.
+query heads (``HEAD_REDUCE``: or their max; or ``"rank"``: pages chosen per query head, merged round
+robin: a page's priority is its best rank among the group's query heads, ties by the summed bound). Per
+block and KV head, the ``top_k // page`` candidate pages with the highest score are taken and expanded
+to their candidate keys (so at most ``top_k`` keys); with at most ``top_k`` candidates, all of them. The result is an ordinary ``TokenLayout``: every attention path consumes it.
 Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELEMENTS_CUDA`` on a
 GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
 shapes (no device read).
@@ -38,11 +39,13 @@ import torch
 from .step_state import state_buffers
 from .warn import warn_once
 
-__all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "top_indices", "top_pages"]
+__all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "rank_merge", "top_indices",
+           "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
-#: How the bounds of a KV head's query heads combine into its page score: "sum" (default) or "max".
+#: How the bounds of a KV head's query heads combine into its page score: "sum" (default), "max" or
+#: "rank" (pages chosen per query head, merged round robin: module docstring).
 HEAD_REDUCE = "sum"
 #: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
 CHUNK_ELEMENTS = 1 << 22
@@ -82,17 +85,47 @@ def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     return kmin, kmax, ok.view(B, n_pages, page).any(-1)[:, None]
 
 
-def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Page scores ``(B, Hkv, NB, P)`` float32: for every block's query heads ``q_blocks (B, Hkv, NB, G, D)``
-    the Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` summed (``HEAD_REDUCE``: or maxed) over the ``G`` heads; pages without a
-    key (``ok (B, 1, P)`` False) score 0 here (the caller masks them)."""
+def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
+                 cand_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """Page scores ``(B, Hkv, NB, P)``, higher is better: for every block's query heads ``q_blocks (B, Hkv, NB, G, D)``
+    the Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` summed over the ``G`` heads (float32; ``HEAD_REDUCE``
+    "max": maxed; "rank": the round-robin priority of ``rank_merge`` over ``cand_pages (B, 1|Hkv, NB, P)``,
+    float64). Pages without a key (``ok (B, 1, P)`` False) score 0 here (the caller masks them)."""
     B, H, NB, G, D = q_blocks.shape
     q = q_blocks.to(kmin.dtype)
     qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G, 2 * D)
     okf = ok[..., None]
     kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
     per_head = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, -1)
+    if HEAD_REDUCE == "rank":
+        if cand_pages is None:
+            raise ValueError("quest_scores: HEAD_REDUCE 'rank' needs cand_pages")
+        return rank_merge(per_head, cand_pages)
+    if HEAD_REDUCE not in ("sum", "max"):
+        raise ValueError(f"page_selection.HEAD_REDUCE must be 'sum', 'max' or 'rank', got {HEAD_REDUCE!r}")
     return per_head.amax(3) if HEAD_REDUCE == "max" else per_head.sum(3)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = best) of every entry along the last dim of ``x``, descending, ties to the smaller index."""
+    order = top_indices(x, x.shape[-1])
+    n = x.shape[-1]
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=x.device).expand_as(order))
+
+
+def rank_merge(per_head: torch.Tensor, cand_pages: torch.Tensor) -> torch.Tensor:
+    """Pages chosen per query head, merged round robin: ``(B, H, NB, P)`` float64 priorities (higher first).
+
+    ``per_head (B, H, NB, G, P)`` the query heads' page scores; ``cand_pages (B, 1|H, NB, P)`` bool. Each
+    query head ranks the candidate pages (best first, ties to the earlier page); a page's priority orders
+    by its best rank over the ``G`` heads, then by the summed score (ties to the earlier page), so the top
+    ``n`` pages hold every head's best ``n // G`` pages. Every priority is distinct (exact in float64).
+    """
+    neg = torch.full((), float("-inf"), dtype=per_head.dtype, device=per_head.device)
+    P = per_head.shape[-1]
+    best = _ranks(torch.where(cand_pages[:, :, :, None, :], per_head, neg)).amin(3)  # (B, H, NB, P)
+    tie = _ranks(torch.where(cand_pages, per_head.sum(3), neg))
+    return -(best * P + tie).to(torch.float64)
 
 
 def top_indices(x: torch.Tensor, K: int, *, fused: bool | None = None) -> torch.Tensor:
@@ -215,10 +248,10 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     pos_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
-        scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok)  # (B, Hkv, c1 - c0, P)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
         cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, c0:c1, None]) \
             & ((p_idx + 1) * page - 1 <= bs[:, None, :, None]) & bo[:, None, :, None]
+        scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
         pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
         pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
         pos_parts.append(pos_c)

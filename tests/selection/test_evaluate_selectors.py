@@ -69,3 +69,31 @@ def test_scoring_dense_layers_and_streaming_flags():
     for bad in (["--dense-layers", "-1"], ["--scoring", "beam"]):
         with pytest.raises(SystemExit):
             mod.build_parser().parse_args(bad)
+
+
+def test_sweep_settings_and_acceptance_check():
+    """scripts/sweep_training_free.py: setting strings parse (bad ones are refused), and a run meets the bars
+    only when unseen retrieval reaches the share of dense's count and every perplexity window is within the bar."""
+    import argparse
+
+    mod = load_script("sweep_training_free")
+    s = mod._setting("qb=16,page=8,heads=rank,dense=0-1")
+    assert (s["qb"], s["page"], s["heads"], s["dense"]) == (16, 8, "rank", [0, 1])
+    assert mod._cell("8192:4:508:512") == {"context": 8192, "sinks": 4, "window": 508, "top_k": 512}
+    for bad in ("qb=16,pages=8", "heads=mean", "qb"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            mod._setting(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        mod._cell("4096:4:256")
+
+    def run(unseen, windows):
+        dense = {"perplexity_windows": [10.0, 20.0, 30.0], "unseen_correct": 10, "unseen_trials": 20}
+        tf = {"perplexity_windows": windows, "unseen_correct": unseen, "unseen_trials": 20, "pair_fraction": 0.25}
+        return {"cell": mod._cell("4096:4:256:256"), "setting": s, "rows": [dense, tf]}
+
+    runs = [run(7, [10.4, 20.8, 31.4]), run(6, [10.4, 20.8, 31.4]), run(7, [10.4, 20.8, 31.6])]
+    lines = mod.summary(runs, 0.7, 0.05)
+    assert [r["check"]["retrieval"] for r in runs] == [True, False, True]
+    assert [r["check"]["perplexity"] for r in runs] == [True, True, False]
+    assert lines[2].endswith("| yes |") and "no: retrieval" in lines[3] and "no: perplexity" in lines[4]
+    assert abs(runs[0]["check"]["ppl_ratio_mean"] - (0.04 + 0.04 + 1.4 / 30) / 3) < 1e-9 and "7/20 (10)" in lines[2]

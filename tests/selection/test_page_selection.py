@@ -15,7 +15,19 @@ def _inputs(B, Hq, Hkv, S, D, seed, dtype=torch.float64):
     return tuple(torch.randn(B, h, S, D, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
 
 
-def _brute_force(pattern, q, k, geometry, page, Sq, Skv):
+def _round_robin(per_head, n):
+    """Pages chosen per query head, merged: rank r = 0, 1, ...: the pages some head ranks r-th (each head's
+    ranking best first, ties to the earlier page), not yet taken, by summed score (ties to the earlier page)."""
+    ranked = [sorted(h, key=lambda pg: (-h[pg], pg)) for h in per_head]
+    total = {pg: sum(h[pg] for h in per_head) for pg in per_head[0]}
+    taken = []
+    for r in range(len(total)):
+        new = {order[r] for order in ranked} - set(taken)
+        taken += sorted(new, key=lambda pg: (-total[pg], pg))
+    return taken[:n]
+
+
+def _brute_force(pattern, q, k, geometry, page, Sq, Skv, reduce="sum"):
     """{(b, h, block): sorted key tensor indices} from the module docstring's definition, in float64 loops."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
@@ -38,19 +50,23 @@ def _brute_force(pattern, q, k, geometry, page, Sq, Skv):
                 if len(cand) <= pattern.top_k:
                     out[(b, h, blk)] = [p + ks[b] for p in cand]
                     continue
-                scores = {}
+                per_head = [{} for _ in range(G)]
                 for pg in range(0, (n_keys + page - 1) // page):
                     members = [p for p in range(pg * page, (pg + 1) * page) if pattern.sinks <= p < n_keys]
                     if not members or pg * page > hi or (pg + 1) * page - 1 > b0:
                         continue
                     kk = k[b, h, [p + ks[b] for p in members]].double()
                     kmin, kmax = kk.min(0).values, kk.max(0).values
-                    s = 0.0
                     for g in range(G):
                         qv = q[b, h * G + g, qi].double()
-                        s += float(torch.maximum(qv * kmin, qv * kmax).sum())
-                    scores[pg] = s
-                best = sorted(scores, key=lambda pg: -scores[pg])[: pattern.top_k // page]
+                        per_head[g][pg] = float(torch.maximum(qv * kmin, qv * kmax).sum())
+                n_sel = pattern.top_k // page
+                if reduce == "rank":
+                    best = _round_robin(per_head, n_sel)
+                else:
+                    red = sum if reduce == "sum" else max
+                    scores = {pg: red(hd[pg] for hd in per_head) for pg in per_head[0]}
+                    best = sorted(scores, key=lambda pg: -scores[pg])[:n_sel]
                 out[(b, h, blk)] = sorted(p + ks[b] for pg in best for p in range(pg * page, (pg + 1) * page)
                                           if p in cand)
     return out
@@ -88,17 +104,22 @@ def _quiet_build(*args, **kw):
         return build_selection(*args, layer_idx=0, **kw)
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,S,pad,page,top_k,chunk", [
-    (2, 4, 2, 203, 17, 4, 12, None),   # GQA, left padding, pages smaller than the budget
-    (1, 3, 3, 97, 0, 8, 16, None),     # MHA, odd length
-    (2, 6, 2, 151, 9, 16, 10, None),   # a page larger than top_k shrinks to top_k
-    (2, 4, 2, 203, 17, 4, 12, 700),    # query blocks scored in chunks of 1-2 blocks
+@pytest.mark.parametrize("B,Hq,Hkv,S,pad,page,top_k,chunk,reduce", [
+    (2, 4, 2, 203, 17, 4, 12, None, "sum"),   # GQA, left padding, pages smaller than the budget
+    (1, 3, 3, 97, 0, 8, 16, None, "sum"),     # MHA, odd length
+    (2, 6, 2, 151, 9, 16, 10, None, "sum"),   # a page larger than top_k shrinks to top_k
+    (2, 4, 2, 203, 17, 4, 12, 700, "sum"),    # query blocks scored in chunks of 1-2 blocks
+    (2, 4, 2, 203, 17, 4, 12, None, "max"),
+    (2, 6, 2, 203, 17, 4, 28, None, "rank"),  # pages chosen per query head (3 per KV head), merged
+    (1, 3, 3, 97, 0, 8, 16, None, "rank"),    # MHA: one head per group, the plain ranking
+    (2, 8, 2, 181, 9, 2, 14, 900, "rank"),    # 4 heads per group, 7 pages: unequal shares, chunks
 ])
-def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, monkeypatch):
+def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, reduce, monkeypatch):
     import sparse_k.page_selection as ps
 
     if chunk is not None:
         monkeypatch.setattr(ps, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(ps, "HEAD_REDUCE", reduce)
 
     pattern = sparse_k.SparseK(sinks=3, window=19, top_k=top_k, query_block=16)
     q, k, v = _inputs(B, Hq, Hkv, S, 8, seed=S + page)
@@ -108,7 +129,7 @@ def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, mo
     old, ps.DEFAULT_PAGE = ps.DEFAULT_PAGE, page
     try:
         lay = _quiet_build(pattern, q, k, v, geo)
-        want = _brute_force(pattern, q, k, geo, page, S, S)
+        want = _brute_force(pattern, q, k, geo, page, S, S, reduce)
     finally:
         ps.DEFAULT_PAGE = old
     got = _check_layout(lay, pattern, geo, S, S, B)
@@ -125,11 +146,14 @@ def test_dsa_without_indexer_uses_the_same_selection():
     assert torch.equal(a.indices, b.indices) and torch.equal(a.counts, b.counts)
 
 
-@pytest.mark.parametrize("prefill", [37, 48])
-def test_decode_equals_recompute(prefill, monkeypatch):
+@pytest.mark.parametrize("prefill,reduce", [(37, "sum"), (48, "sum"), (37, "rank")])
+def test_decode_equals_recompute(prefill, reduce, monkeypatch):
     """A prefill then one token per call, the memo carrying each block's first query, padded row 1; a decode
     call inside the block of the call before it returns that call's layout (one selection per block)."""
+    import sparse_k.page_selection as ps
     import sparse_k.selectors as sel
+
+    monkeypatch.setattr(ps, "HEAD_REDUCE", reduce)
 
     computed = []
     quest = sel.quest_layout
