@@ -76,7 +76,7 @@ def test_sweep_settings_and_acceptance_check():
     only when unseen retrieval reaches the share of dense's count and every perplexity window is within the bar."""
     import argparse
 
-    mod = load_script("sweep_training_free")
+    from hf_sparse_attention.evaluation import sweep_training_free as mod
     s = mod._setting("qb=16,page=8,heads=rank,dense=0-1")
     assert (s["qb"], s["page"], s["heads"], s["dense"]) == (16, 8, "rank", [0, 1])
     assert mod._cell("8192:4:508:512") == {"context": 8192, "sinks": 4, "window": 508, "top_k": 512}
