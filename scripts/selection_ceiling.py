@@ -92,11 +92,11 @@ def oracle_selection(pattern, query: torch.Tensor, key: torch.Tensor, scale: flo
     ``key (B, Hkv, S, D)``.
 
     The mass ``M (B, Hkv, NB, S)`` is ``train_selector.block_attention_mass`` (the distillation target);
-    the layout comes from ``sparse_k.selectors.selection_from_scores``. ``kept``/``total``: the mass of
+    the layout comes from ``sparse_k.selection.selectors.selection_from_scores``. ``kept``/``total``: the mass of
     each block's own queries on the selected keys / on all candidates, summed over blocks and heads.
     """
-    from sparse_k.geometry import row_geometry
-    from sparse_k.selectors import selection_blocks, selection_from_scores
+    from sparse_k.layouts.geometry import row_geometry
+    from sparse_k.selection.selectors import selection_blocks, selection_from_scores
 
     B, _, S, _ = query.shape
     mass = _script("train_selector").block_attention_mass(query, key, scale, pattern.query_block)
@@ -116,7 +116,7 @@ def oracle_attention_forward(module, query, key, value, key_mask, *, scaling=Non
     """Transformers attention function: the layer's ``sparse_k`` pattern with the selection of the
     oracle set by ``oracle_mode`` (prefill without padding only: what strided perplexity runs)."""
     from sparse_k import sparse_attention
-    from sparse_k.transformers_adapter import _sparse_config, layer_pattern
+    from sparse_k.integrations.transformers_adapter import _sparse_config, layer_pattern
 
     mode = _STATE["mode"]
     if mode not in ORACLES:

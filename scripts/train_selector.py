@@ -334,7 +334,7 @@ def _student_logits(selector, query, key, value, kpos, first_query):
     """Selector logits on the keys: SparseK ``(B, Hkv, 1, Skv)`` (``u / gain``, one row for all blocks);
     DSA ``(B, 1, N, Skv)`` (per KV head: ``(B, Hkv, N, Skv)``) from the indexer query of each block's
     first query ``first_query (B, N)``."""
-    from sparse_k.scorers import SparseKScorer
+    from sparse_k.selection.scorers import SparseKScorer
 
     if isinstance(selector, SparseKScorer):
         return selector.ranking_logits(value, kpos, key)[:, :, None, :]
@@ -362,8 +362,8 @@ def distill_loss(pattern, selector, query, key, value, scale: float, *, blocks: 
     DSA: over all heads).
     """
     import sparse_k
-    from sparse_k.scorers import SparseKScorer
-    from sparse_k.selectors import selection_blocks
+    from sparse_k.selection.scorers import SparseKScorer
+    from sparse_k.selection.selectors import selection_blocks
 
     B, _, S, _ = query.shape
     Skv = key.shape[2]
@@ -416,7 +416,7 @@ def distill_blocks(pattern, seq_len: int, n: int, seed: int, step: int, slot: in
 def train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered with Transformers during training (dense or sparse + losses)."""
     import sparse_k
-    from sparse_k.selectors import build_selection
+    from sparse_k.selection.selectors import build_selection
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     selector = module.__dict__.get("_sparse_k_selector")

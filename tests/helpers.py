@@ -8,7 +8,7 @@ import os
 import pytest
 import sparse_k as sk
 import torch
-from sparse_k.cuda_build import sm90_available
+from sparse_k.attention.cuda.build import sm90_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .geometry import RowGeometry
+from ..layouts.geometry import RowGeometry
+from ..layouts.patterns import Dense, Pattern, SlidingWindow, Streaming
 from .launch_buffers import placeholder
-from .patterns import Dense, Pattern, SlidingWindow, Streaming
 
 __all__ = ["DecodeLayout", "decode_layout", "decode_tile_bound"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from .launch_buffers import split_counters
 from .pattern_codes import pattern_code
 from .plan import CUDA_ENV, Launch, mark_build_failed, plan_backward, plan_forward, record
-from .warn import warn_once
+from ..warn import warn_once
 
 __all__ = ["attention_backward", "attention_forward"]
 
@@ -41,20 +41,20 @@ def _cuda_forward(kernel: str, launch: Launch, params, scale: float):
     q, k, v = launch.q, launch.k, launch.v
     window, sinks = int(params[0]), int(params[1])
     if kernel == "cuda_sm90_structured":
-        from . import cuda_structured as cs
+        from .cuda import structured as cs
 
         if not _built("forward", cs):
             return None
         return cs.cuda_structured_forward(q, k, v, pattern_id=launch.pattern_id, window=window, sinks=sinks,
                                           scale=scale)
     if kernel == "cuda_sm90_token":
-        from . import cuda_token as ct
+        from .cuda import token as ct
 
         if not _built("token", ct):
             return None
         return ct.cuda_token_forward(q, k, v, launch.selection, pattern_id=launch.pattern_id, window=window,
                                      sinks=sinks, scale=scale)
-    from . import cuda_decode as cd
+    from .cuda import decode as cd
 
     if not _built("decode", cd):
         return None
@@ -92,7 +92,7 @@ def attention_forward(
     unknown = sorted(set(triton_options) - set(TRITON_FORWARD_OPTIONS))
     if unknown:
         raise TypeError(f"attention_forward: unknown option(s) {unknown}; allowed: {', '.join(TRITON_FORWARD_OPTIONS)}")
-    from .triton_fwd import check_sel_fast
+    from .triton.fwd import check_sel_fast
 
     check_sel_fast(triton_options.get("sel_fast"))
     G = q.shape[1] // k.shape[1]
@@ -114,14 +114,14 @@ def attention_forward(
         plan = plan_forward(launch)  # the extension failed to build: the plan now leaves it out
     record(plan)
     if plan.kernel == "triton_structured":
-        from .triton_structured import structured_forward
+        from .triton.structured import structured_forward
 
         return structured_forward(
             q, k, v, geo, pattern_id=pid, params=params, causal=is_causal, scale=scale, block_m=layout.block_q * pack,
             block_n=layout.block_k, softcap=softcap, sink_logits=sink_logits, key_mask=key_mask, out=out,
             **{n: triton_options.get(n) for n in _TUNING},
         )
-    from .triton_fwd import layout_forward
+    from .triton.fwd import layout_forward
 
     return layout_forward(
         q, k, v, layout, pattern_id=pid, params=params, causal=is_causal, scale=scale, softcap=softcap,
@@ -148,7 +148,7 @@ def attention_backward(
     Returns: ``dq, dk, dv`` (input dtypes), ``dsink (Hq,)`` float32 or None, and ``dweights`` (like
     ``selection.weights``, float32) or None.
     """
-    from .triton_bwd import bwd_preprocess
+    from .triton.bwd import bwd_preprocess
 
     do = do.contiguous() if do.stride(-1) != 1 else do
     out = out.contiguous() if out.stride(-1) != 1 else out
@@ -160,7 +160,7 @@ def attention_backward(
                     structured=structured, cuda=cuda, triton_tuned=(num_warps, num_stages) != (None, None))
     plan = plan_backward(launch, do, out, lse)
     while plan.cuda:
-        from . import cuda_structured_bwd as cb
+        from .cuda import structured_bwd as cb
 
         if _built("backward", cb):
             record(plan)
@@ -172,14 +172,14 @@ def attention_backward(
     record(plan)
     prep = bwd_preprocess(do, out, lse)  # (delta, lse2), (B, Hq, Sq) float32 each
     if plan.kernel == "triton_structured_bwd":
-        from .triton_structured_bwd import structured_backward
+        from .triton.structured_bwd import structured_backward
 
         dq, dk, dv, dsink = structured_backward(
             do, q, k, v, out, lse, geo, pattern_id=pid, params=params, causal=causal, scale=scale, softcap=softcap,
             sink_logits=sink_logits, key_mask=key_mask, prep=prep,
         )
         return dq, dk, dv, dsink, None
-    from .triton_bwd import layout_backward
+    from .triton.bwd import layout_backward
 
     return layout_backward(
         do, q, k, v, out, lse, layout, pattern_id=pid, params=params, causal=causal, scale=scale, softcap=softcap,

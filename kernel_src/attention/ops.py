@@ -21,10 +21,10 @@ from types import SimpleNamespace
 
 import torch
 
+from .._ops import add_op_namespace_prefix
+from ..layouts.block_layout import full_tiles_contiguous, transposed_layout
+from ..layouts.geometry import bottom_right_geometry
 from . import dispatch
-from ._ops import add_op_namespace_prefix
-from .block_layout import full_tiles_contiguous, transposed_layout
-from .geometry import bottom_right_geometry
 from .launch_buffers import placeholder
 from .memory_order import new_output
 from .pattern_codes import pattern_code

@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cuda_contract import decode_call_ok, structured_bwd_call_ok, structured_call_ok, token_call_ok
-from .geometry import decode_geometry, plain_geometry
+from .cuda.contract import decode_call_ok, structured_bwd_call_ok, structured_call_ok, token_call_ok
+from ..layouts.geometry import decode_geometry, plain_geometry
 from .pattern_codes import structured_pattern
 
 __all__ = [
@@ -153,7 +153,7 @@ def capability(device) -> Capability:
     if dev.type != "cuda":
         return Capability(device_ok=False, failed=failed, device_note=f"tensors on {dev.type} (the CUDA kernels need "
                                                                       "an sm_90 GPU)")
-    from .cuda_build import sm90_available
+    from .cuda.build import sm90_available
 
     enabled = cuda_enabled()
     return Capability(device_ok=enabled and sm90_available(dev), enabled=enabled, failed=failed)

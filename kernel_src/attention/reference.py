@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import RowGeometry
-from .patterns import Pattern
-from .token_layout import TokenLayout
+from ..layouts.geometry import RowGeometry
+from ..layouts.patterns import Pattern
+from ..layouts.token_layout import TokenLayout
 
 __all__ = ["REFERENCE_MAX_ENTRIES", "check_reference_size", "masked_attention", "pattern_mask", "reference_attention",
            "softmax_with_sink"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .block_layout import BlockLayout
+from ..layouts.block_layout import BlockLayout
+from ..layouts.token_layout import TokenLayout
 from .reference import softmax_with_sink
-from .token_layout import TokenLayout
 
 __all__ = ["torch_sparse_attention"]
 

@@ -20,8 +20,8 @@ Schema (every key optional; JSON-friendly, so it round-trips through ``save_pret
 
 from __future__ import annotations
 
-from .api import available_backends
-from .patterns import Pattern, available_patterns, get_pattern
+from ..attention.backends import available_backends
+from ..layouts.patterns import Pattern, available_patterns, get_pattern
 
 __all__ = ["DEFAULT_SPARSE_CONFIG", "RESERVED_KEYS", "pattern_for_layer", "pattern_to_config", "validate_sparse_config"]
 

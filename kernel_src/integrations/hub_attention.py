@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .warn import warn_once
+from ..warn import warn_once
 from .transformers_adapter import attention_forward
 
 __all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]

@@ -40,12 +40,12 @@ from typing import ClassVar
 
 import torch
 
-from .api import sparse_attention
-from .warn import warn_once
+from ..api import sparse_attention
+from ..warn import warn_once
 from .config import pattern_for_layer, validate_sparse_config
-from .geometry import row_geometry
-from .patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
-from .step_state import new_state_dict
+from ..layouts.geometry import row_geometry
+from ..layouts.patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
+from ..selection.step_state import new_state_dict
 
 __all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern", "CACHE_LAYER_ATTR"]
 
@@ -354,7 +354,7 @@ def _packed_from_position_ids(position_ids: torch.Tensor):
 
 def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module):
     try:
-        from .selectors import build_selection
+        from ..selection.selectors import build_selection
     except ImportError:
         warn_once(
             f"pattern {pattern.name!r}: the selector module is not available; attending to sinks + window only"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .patterns import SparseK
+from ..layouts.patterns import SparseK
 from .sparsek import sparsek
 
 __all__ = ["SparseKDecodeState"]

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from ..warn import warn_once
 from .step_state import state_buffers
-from .warn import warn_once
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "top_indices", "top_pages"]
 
@@ -195,7 +195,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     ``selectors.selection_blocks``; ``width`` the layout's ``K``; ``span`` one past the last key
     index any block can select; ``memo`` a per-layer dict for decoding (or None).
     """
-    from .token_layout import TokenLayout
+    from ..layouts.token_layout import TokenLayout
 
     B, Hq, Sq = query.shape[:3]
     Hkv = key.shape[1]

@@ -39,14 +39,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .warn import warn_once
-from .geometry import RowGeometry
-from .patterns import Pattern, SparseK
+from ..warn import warn_once
+from ..layouts.geometry import RowGeometry
+from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
 from .page_selection import page_summaries, quest_layout, top_indices as _top_indices, top_pages
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
-from .token_layout import TokenLayout
+from ..layouts.token_layout import TokenLayout
 
 __all__ = ["build_selection", "selection_blocks", "selection_from_scores", "training_free_scores"]
 

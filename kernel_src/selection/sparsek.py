@@ -18,7 +18,7 @@ set: ``tau = (sum_{j in F} u_j - (k - |ones|)) / |F|`` where ``F`` are the fract
 Backward: on the fractional set ``F`` (``0 < p_j < 1``), ``dp_i/du_j = [i in F] (delta_ij - [j in F]/|F|)``;
 entries at 0 or 1 have zero gradient. So ``grad_u = 1_F * (g - mean_F(g))``.
 
-A Triton version of the same operator (``triton_sparsek``: threshold search plus an exact solve on
+A Triton version of the same operator (``sparsek_triton``: threshold search plus an exact solve on
 the segment, float64 search arithmetic) runs with ``sparsek(..., backend="triton")``.
 """
 
@@ -126,11 +126,11 @@ _TRITON_MODULE = None
 
 
 def _triton_module():
-    """``triton_sparsek``, imported once (ImportError without triton). The module is kept in a global so a traced
+    """``sparsek_triton``, imported once (ImportError without triton). The module is kept in a global so a traced
     call (``torch.compile``) reads it instead of tracing an import, which Dynamo cannot."""
     global _TRITON_MODULE
     if _TRITON_MODULE is None:
-        _TRITON_MODULE = importlib.import_module(".triton_sparsek", __package__)
+        _TRITON_MODULE = importlib.import_module(".sparsek_triton", __package__)
     return _TRITON_MODULE
 
 
@@ -142,7 +142,7 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_availa
 
 
 def _triton_kernels(u: torch.Tensor, backend: str):
-    """The ``triton_sparsek`` module if ``backend`` selects it for ``u``, else None."""
+    """The ``sparsek_triton`` module if ``backend`` selects it for ``u``, else None."""
     if backend == "torch" or (backend == "auto" and not (AUTO_TRITON_ON_CUDA and u.is_cuda and u.dtype != torch.float64)):
         return None
     try:
@@ -157,7 +157,7 @@ def _triton_kernels(u: torch.Tensor, backend: str):
 
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not isinstance(mod._sparsek_fwd_kernel, InterpretedFunction):
         raise RuntimeError(
-            f"sparsek: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton_sparsek is "
+            f"sparsek: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before sparsek_triton is "
             f"imported for tensors on the CPU; got a tensor on {u.device}"
         )
     return mod
@@ -170,7 +170,7 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
         u: ``(..., n)`` float16/bfloat16/float32/float64 scores (computed in float32 at least).
         k: budget, an int or an integer tensor broadcastable to ``u.shape[:-1]``.
         mask: optional ``(..., n)`` bool candidate mask; ``p = 0`` outside it.
-        backend: ``"torch"`` (the sort-based path above), ``"triton"`` (``triton_sparsek``: CUDA
+        backend: ``"torch"`` (the sort-based path above), ``"triton"`` (``sparsek_triton``: CUDA
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``; computes in float32, float64
             inputs included) or ``"auto"``: the Triton kernel for CUDA tensors other than float64
             (``AUTO_TRITON_ON_CUDA``), else the PyTorch path.

@@ -1,5 +1,5 @@
 """The key budget ``k`` of the SparseK operator, checked and broadcast to one int64 per row (shared
-by the PyTorch path ``sparsek`` and the Triton kernel ``triton_sparsek``)."""
+by the PyTorch path ``sparsek`` and the Triton kernel ``sparsek_triton``)."""
 
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def _block(n: int, block: int | None) -> int:
     if block is None:
         return min(1024, max(16, triton.next_power_of_2(n)))
     if not isinstance(block, int) or block < 16 or block & (block - 1):
-        raise ValueError(f"triton_sparsek: `block` must be a power of two >= 16, got {block!r}")
+        raise ValueError(f"sparsek_triton: `block` must be a power of two >= 16, got {block!r}")
     return block
 
 

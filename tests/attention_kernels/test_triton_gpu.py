@@ -13,7 +13,7 @@ from sparse_k import get_pattern, reference_attention, row_geometry
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or sparse_k.triton_backend is None, reason="needs CUDA and triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or sparse_k.attention.triton.backend is None, reason="needs CUDA and triton"),
 ]
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -134,7 +134,7 @@ def test_bounded_compiles_over_30_lengths():
     """30 different sequence lengths compile a bounded number of forward variants (Triton's
     divisibility-by-16 specialisation of the sizes; the layout path also ``Skv % BLOCK_N``), never one
     per length: the structured kernel (sliding_window) and the layout kernel (dilated)."""
-    from sparse_k import triton_fwd, triton_structured
+    from sparse_k.attention.triton import fwd as triton_fwd, structured as triton_structured
 
     g = torch.Generator().manual_seed(0)
     lengths = sorted(set(torch.randint(600, 6000, (40,), generator=g).tolist()))[:30]
@@ -182,8 +182,8 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
     and the structured backward at its GPU tile shapes (default, atomic dQ, TMA reduce-add dQ, TMA loads),
     against float64 autograd of the reference."""
-    from sparse_k import triton_structured_bwd
-    from sparse_k.pattern_codes import pattern_code
+    from sparse_k.attention.triton import structured_bwd as triton_structured_bwd
+    from sparse_k.attention.pattern_codes import pattern_code
 
     B, Hq, Hkv, D = 2, 8, 2, 128
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
@@ -199,7 +199,7 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     do = torch.randn_like(out)
     refs = torch.autograd.grad(ref, leaves, do.double())
     pid, params = pattern_code(pattern)
-    from sparse_k.triton_structured import structured_forward
+    from sparse_k.attention.triton.structured import structured_forward
 
     o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
                                 block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
@@ -218,8 +218,8 @@ def test_token_layout_inference_packed_bf16(fast):
     """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
     with left padding, sinks and window, against the float64 reference, with and without the far-tile
     shortcut (``sel_fast``)."""
-    from sparse_k import dispatch
-    from sparse_k.plan import selection_prefill_config
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.plan import selection_prefill_config
 
     B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
@@ -254,7 +254,7 @@ def test_decode_split_merge_under_cuda_graph():
     merges) and on a stream that ran the call before (its counters exist: the last split program
     merges in place); replayed with new queries, eager launches in between; each replay against the
     float64 reference."""
-    from sparse_k import dispatch, launch_buffers
+    from sparse_k.attention import dispatch, launch_buffers
 
     B, Hq, Hkv, S, D = 4, 16, 4, 9000, 128
     _, k, v = _inputs(B, Hq, Hkv, 1, S, D, torch.bfloat16, seed=11)
@@ -295,7 +295,7 @@ def test_decode_split_merge_under_cuda_graph():
 
 def test_bigbird_block128_prefill_on_64_tiles():
     """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
-    from sparse_k.plan import bigbird_tiles
+    from sparse_k.attention.plan import bigbird_tiles
 
     p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
     B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128

@@ -21,13 +21,15 @@ from triton_interp import (
     run_file_interpreted,
 )
 
-HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd", "triton_bwd", "triton_structured", "triton_structured_bwd")
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd", "attention.triton.bwd", "attention.triton.structured", "attention.triton.structured_bwd")
 if HAVE_TRITON:
     triton_fwd, triton_bwd, triton_structured, triton_structured_bwd = _kernels
 
 import sparse_k
-from sparse_k import block_layout, build_block_layout, dispatch, get_pattern, launch_buffers, reference_attention, row_geometry
-from sparse_k.pattern_codes import pattern_code
+from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k.layouts import block_layout
+from sparse_k.attention import dispatch, launch_buffers
+from sparse_k.attention.pattern_codes import pattern_code
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -160,7 +162,7 @@ def test_transposed_views_without_copies(name, monkeypatch):
     structured kernels; block_diagonal: the layout path). The output comes back in (B, S, H, D) order
     (so the adapter's ``transpose(1, 2).contiguous()`` copies nothing), the backward receives the
     strided dO itself, and the leaves' gradients are contiguous and match the float64 reference's."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS[name]
     g = torch.Generator().manual_seed(13 + len(name))
@@ -187,7 +189,7 @@ def test_dispatch_runs_what_the_plan_names():
     """``dispatch`` launches the kernel ``plan`` names for the launch (recorded by ``plan.recording``,
     equal to ``plan_forward`` / ``plan_backward`` asked directly), and every one matches the reference:
     structured, layout and split-KV forwards, structured and layout-path backwards."""
-    from sparse_k import plan
+    from sparse_k.attention import plan
 
     g = torch.Generator().manual_seed(5)
     B, Hq, Hkv, S, D = 1, 4, 2, 37, 16
@@ -282,7 +284,7 @@ def test_decode_split_merge_fused_and_separate(fuse):
 
 def test_decode_tiles_are_powers_of_two_for_every_group_size():
     """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
-    from sparse_k.plan import decode_config
+    from sparse_k.attention.plan import decode_config
 
     for group in range(1, 17):
         for q_len in range(1, 17):
@@ -380,8 +382,8 @@ def test_tma_descriptors_and_contiguous_runs():
 
 @_SUBPROCESS_ONLY
 def test_why_unsupported(monkeypatch):
-    from sparse_k.api import AttentionCall
-    from sparse_k.triton_backend import why_unsupported
+    from sparse_k.attention.backends import AttentionCall
+    from sparse_k.attention.triton.backend import why_unsupported
 
     q = torch.randn(1, 2, 8, 24, device=DEV)
     geo = row_geometry(1, 8, 8, None, device=DEV)
@@ -401,7 +403,7 @@ def test_pattern_without_kernel_rule_falls_back():
     """A model's own window around streaming (``WithinWindow``, Gemma 2's local layers) has no kernel rule:
     the backend refuses it by name and the call runs exactly on the PyTorch path (no KeyError)."""
     from sparse_k import Streaming
-    from sparse_k.transformers_adapter import WithinWindow
+    from sparse_k.integrations.transformers_adapter import WithinWindow
 
     p = WithinWindow(base=Streaming(sinks=2, window=5), window=10)
     g = torch.Generator().manual_seed(18)
@@ -430,7 +432,7 @@ def test_bigbird_misaligned_falls_back():
 def test_custom_op_registration():
     """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema, fake-tensor
     and autograd-registration tests (the last needs inputs that require grad)."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(9)
@@ -449,7 +451,7 @@ def test_custom_op_fake_follows_query_order():
     """The fake of ``sparse_k::block_attn_fwd`` allocates its output by the kernels' rule
     (``memory_order.new_output``): for transposed (B, S, H, D) inputs a (B, S, H, D)-ordered output,
     which opcheck's fake-tensor test compares with the kernel's strides."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(19)
@@ -726,7 +728,7 @@ def test_structured_backward(name):
 def test_selection_prefill_config():
     """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
     power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
-    from sparse_k.plan import selection_prefill_config, tile_config
+    from sparse_k.attention.plan import selection_prefill_config, tile_config
 
     for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
         assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
@@ -740,7 +742,7 @@ def test_decode_split_count_fills_one_wave(monkeypatch):
     (token-layout) keys, never more splits than tiles, at least one."""
     from types import SimpleNamespace
 
-    from sparse_k.plan import split_count
+    from sparse_k.attention.plan import split_count
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
     dev = torch.device("cuda")

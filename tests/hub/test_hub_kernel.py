@@ -170,7 +170,10 @@ def test_build_script_never_overwrites_a_foreign_directory(build_script, tmp_pat
 def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg, build_script):
     general = build_cfg["general"]
     shipped = build_script.shipped_files(REPO / "kernel_src", build_cfg["torch-noarch"].get("pyext", ["py"]), "sparse_k")
-    assert Path("__init__.py") in shipped and Path("hub_attention.py") in shipped
+    assert Path("__init__.py") in shipped and Path("integrations/hub_attention.py") in shipped
+    sources = {p.name for p in (REPO / "kernel_src" / "attention" / "cuda" / "csrc").iterdir()}
+    assert {"structured_fwd_sm90.cu", "sm90_common.cuh", "sm90_torch.h", "decode_sm90.cpp"} <= sources
+    assert {Path("attention/cuda/csrc") / name for name in sources} <= set(shipped)  # the CUDA sources ship
     allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
     ids = set()
     for backend in general["backends"]:
@@ -221,7 +224,8 @@ def test_unique_id_follows_the_shipped_content(build_script, tmp_path):
     shutil.copy(REPO / "build.toml", root / "build.toml")
     first = build_script.build_hub_layout(tmp_path / "a", repo_root=root)
     again = build_script.build_hub_layout(tmp_path / "b", repo_root=root)
-    (root / "kernel_src" / "geometry.py").write_text((root / "kernel_src" / "geometry.py").read_text() + "\n")
+    header = root / "kernel_src" / "attention" / "cuda" / "csrc" / "sm90_common.cuh"  # a subfolder's file counts too
+    header.write_text(header.read_text() + "\n")
     changed = build_script.build_hub_layout(tmp_path / "c", repo_root=root, repo_id="some-org/sparse-k")
     ids = [_metadata(d, "torch-cpu")["id"] for d in (first, again, changed)]
     assert ids[0] == ids[1] != ids[2]
@@ -262,15 +266,19 @@ def _custom_op_names(path: Path) -> tuple[list[str], list[str]]:
 def test_custom_ops_of_the_pip_package_and_the_hub_build_coexist(hub):
     """Ops registered under a fixed name (``"sparse_k::op"``) would clash as soon as the pip package
     and a hub build share a process; ``_ops.add_op_namespace_prefix`` gives each its own namespace."""
-    for path in sorted((REPO / "kernel_src").glob("*.py")):
+    registering = []
+    for path in sorted((REPO / "kernel_src").rglob("*.py")):
         prefixed, literal = _custom_op_names(path)
         assert literal == [], f"{path.name} registers {literal}: use _ops.add_op_namespace_prefix(...)"
         if not prefixed:
             continue
-        importlib.import_module(f"sparse_k.{path.stem}")
-        importlib.import_module(f"{hub.__name__}.{path.stem}")
+        module = ".".join(path.relative_to(REPO / "kernel_src").with_suffix("").parts)
+        registering.append(module)
+        importlib.import_module(f"sparse_k.{module}")
+        importlib.import_module(f"{hub.__name__}.{module}")
         for name in prefixed:
             assert hasattr(torch.ops.sparse_k, name) and hasattr(getattr(torch.ops, hub.__name__), name), name
+    assert "attention.ops" in registering, registering  # the walk reaches the subpackages
 
 
 def test_transformers_takes_the_flash_attn_forward_route(hub):
@@ -360,7 +368,7 @@ def test_flash_attn_forward_reduces_the_sdpa_mask(hub, sq, filled, kv_len):
 
 
 def test_sdpa_mask_reduction_cases(monkeypatch):
-    reduce = sk.hub_attention.sdpa_mask_to_key_mask
+    reduce = sk.integrations.hub_attention.sdpa_mask_to_key_mask
     assert reduce(None, 2, 9, 9) == (None, None)
     assert reduce(None, 2, 1, 30) == (None, None)
     key_mask, q_start = reduce(None, 2, 5, 30)  # empty StaticCache prefill: sdpa aligns top-left
@@ -379,7 +387,7 @@ def test_sdpa_mask_reduction_cases(monkeypatch):
     uneven = torch.cat([_sdpa_mask(pad[:1], 3, 10, 20), _sdpa_mask(pad[1:], 3, 15, 20)])
     key_mask, q_start = reduce(uneven, 2, 3, 20)
     assert q_start.tolist() == [10, 15] and key_mask.shape == (2, 20)
-    monkeypatch.setattr(sk.hub_attention, "_CHUNK_ELEMENTS", 7)  # one query row per step
+    monkeypatch.setattr(sk.integrations.hub_attention, "_CHUNK_ELEMENTS", 7)  # one query row per step
     chunked_mask, chunked_start = reduce(uneven, 2, 3, 20)
     assert torch.equal(chunked_mask, key_mask) and torch.equal(chunked_start, q_start)
     bidirectional = _sdpa_mask(pad, 20, 0, 20).clone()

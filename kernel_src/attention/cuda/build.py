@@ -1,11 +1,11 @@
-"""Building the Hopper CUDA extensions (``cuda/*.cu``) with torch's extension tooling, once.
+"""Building the Hopper CUDA extensions (``csrc/*.cu``) with torch's extension tooling, once.
 
 Each extension is compiled on first use with nvcc for ``sm_90a`` (wgmma and setmaxnreg need the
 ``a`` target) into ``$SPARSE_K_CUDA_CACHE`` or ``~/.cache/sparse_k``, in a folder named by the hash
 of its sources, the shared headers and the flags: later processes load the cached build (under a
 second), a changed source builds anew. An extension compiles only the kernels a call can request
 (bf16 and fp16 of each default; no tuning variants), its binding includes only the torch headers it
-needs (``cuda/sm90_torch.h``), and ninja compiles its files in parallel (the decode kernels in one
+needs (``csrc/sm90_torch.h``), and ninja compiles its files in parallel (the decode kernels in one
 file per element type), so the first call waits for its slowest file (timings: docs/history.md).
 """
 
@@ -21,7 +21,7 @@ import torch
 __all__ = ["CUDA_SRC_DIR", "is_sm90", "load_sm90_extension", "sm90_available"]
 
 #: The CUDA sources shipped with the package.
-CUDA_SRC_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
+CUDA_SRC_DIR = pathlib.Path(__file__).resolve().parent / "csrc"
 _HEADERS = (
     "sm90_common.cuh", "sm90_fwd_mainloop.cuh", "sm90_tma_host.h", "sm90_selection_host.h", "sm90_view_host.h",
     "sm90_torch.h", "decode_sm90.cuh",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import is_sm90
+from .build import is_sm90
 
 __all__ = [
     "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_CUDA_PATTERNS", "TOKEN_STATIC_PATTERNS",
@@ -41,7 +41,7 @@ def plain_call_ok(pattern_id: int, causal: bool, plain_geometry: bool, softcap, 
 
 def tma_view_ok(t: torch.Tensor) -> bool:
     """Whether the 4-D tensor ``t (B, H, S, D)`` is a view the kernels read through a 4-D TMA map
-    (``cuda/sm90_tma_host.h``) and write by strides: unit last stride, 16-byte aligned data, and
+    (``csrc/sm90_tma_host.h``) and write by strides: unit last stride, 16-byte aligned data, and
     every other stride a positive multiple of 16 bytes below 2**40 bytes, except that a dimension of
     size 1 may have any stride. Contiguous tensors qualify, and so do the transposed ``(B, S, H, D)``
     projections Transformers passes (strides ``(S*H*D, D, H*D, 1)``) and slices of a fused QKV

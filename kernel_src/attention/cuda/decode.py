@@ -1,4 +1,4 @@
-"""Hopper CUDA decode for a token layout fused with its static part (``cuda/decode_sm90.cuh``).
+"""Hopper CUDA decode for a token layout fused with its static part (``csrc/decode_sm90.cuh``).
 
 One query token per row (``Sq == 1``) at the last key (bottom-right, no padding: ``q_start = Skv -
 1``, every key valid). Its keys form one virtual list: the streaming sinks not inside the window, the
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension
-from .cuda_contract import DECODE_GROUPS, DECODE_STATIC_PATTERNS, decode_call_ok, on_sm90
+from .build import load_sm90_extension
+from .contract import DECODE_GROUPS, DECODE_STATIC_PATTERNS, decode_call_ok, on_sm90
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 

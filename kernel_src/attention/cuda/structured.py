@@ -1,4 +1,4 @@
-"""Hopper CUDA forward for the structured causal patterns (``cuda/structured_fwd_sm90.cu``).
+"""Hopper CUDA forward for the structured causal patterns (``csrc/structured_fwd_sm90.cu``).
 
 An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x128 tiles) for
 dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16, q/k/v contiguous or
@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension
-from .cuda_contract import STRUCTURED_CUDA_PATTERNS, check_pattern_args, on_sm90, structured_call_ok
-from .memory_order import new_output
+from ..memory_order import new_output
+from .build import load_sm90_extension
+from .contract import (
+    STRUCTURED_CUDA_PATTERNS,
+    check_pattern_args,
+    on_sm90,
+    structured_call_ok,
+)
 
 __all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 

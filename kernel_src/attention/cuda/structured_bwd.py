@@ -1,4 +1,4 @@
-"""Hopper CUDA backward for the structured causal patterns (``cuda/structured_bwd_sm90.cu``).
+"""Hopper CUDA backward for the structured causal patterns (``csrc/structured_bwd_sm90.cu``).
 
 An FA3-style kernel: one CTA per 128-key tile of a (batch row, KV head), a TMA producer warpgroup
 streaming 64-row Q / dO tiles of every query head of the group, two wgmma consumer warpgroups (64 keys
@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension
-from .cuda_contract import BWD_ROW_PAD, STRUCTURED_CUDA_PATTERNS, check_pattern_args, on_sm90, structured_bwd_call_ok
+from .build import load_sm90_extension
+from .contract import (
+    BWD_ROW_PAD,
+    STRUCTURED_CUDA_PATTERNS,
+    check_pattern_args,
+    on_sm90,
+    structured_bwd_call_ok,
+)
 
 __all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_ok", "load_extension"]
 

@@ -1,4 +1,4 @@
-"""Hopper CUDA forward for a token layout fused with its static part (``cuda/token_fwd_sm90.cu``).
+"""Hopper CUDA forward for a token layout fused with its static part (``csrc/token_fwd_sm90.cu``).
 
 The inference prefill of the learned ``sparse_k`` pattern: per query block the ``TokenLayout``'s
 selected keys (gathered 128-row K/V tiles, ``cp.async`` into the swizzled layout) plus the static
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_build import load_sm90_extension
-from .cuda_contract import TOKEN_STATIC_PATTERNS, on_sm90, token_call_ok
-from .memory_order import new_output
+from ..memory_order import new_output
+from .build import load_sm90_extension
+from .contract import TOKEN_STATIC_PATTERNS, on_sm90, token_call_ok
 
 __all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
 

@@ -32,11 +32,11 @@ import os
 import torch
 import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
-from .api import AttentionCall, register_backend
-from .decode_layout import DecodeLayout, decode_layout
-from .pattern_codes import PATTERN_IDS
-from .patterns import BigBird
-from .plan import plan_tiles, split_count
+from ...layouts.patterns import BigBird
+from ..backends import AttentionCall, register_backend
+from ..decode_layout import DecodeLayout, decode_layout
+from ..pattern_codes import PATTERN_IDS
+from ..plan import plan_tiles, split_count
 
 __all__ = ["run", "why_unsupported"]
 
@@ -103,7 +103,7 @@ def why_unsupported(call: AttentionCall) -> str | None:
 
 
 def run(call: AttentionCall):
-    from .ops import block_attn
+    from ..ops import block_attn
 
     tiles = _tiles(call)
     bq, bk, pack, decode = tiles.block_q, tiles.block_k, tiles.pack, tiles.decode

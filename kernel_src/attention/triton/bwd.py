@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_layout import transposed_layout
-from .launch_buffers import selection_args
-from .triton_rules import LOG2E, _floordiv, _pattern_rule, _softcap
+from ...layouts.block_layout import transposed_layout
+from ..launch_buffers import selection_args
+from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 
 __all__ = ["bwd_preprocess", "layout_backward"]
 

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_layout import full_tiles_contiguous
-from .launch_buffers import placeholder, selection_args, split_counters
-from .memory_order import new_output
-from .triton_rules import LOG2E, _floordiv, _pattern_rule, _softcap
-from .triton_tma import kv_descriptor, tma_ok
+from ...layouts.block_layout import full_tiles_contiguous
+from ..launch_buffers import placeholder, selection_args, split_counters
+from ..memory_order import new_output
+from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
+from .tma import kv_descriptor, tma_ok
 
 __all__ = ["check_sel_fast", "combine_splits", "layout_forward"]
 

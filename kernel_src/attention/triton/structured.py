@@ -52,9 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .memory_order import new_output
-from .triton_rules import LOG2E, _pattern_rule, _softcap
-from .triton_tma import kv_descriptor, tma_ok
+from ..memory_order import new_output
+from .rules import LOG2E, _pattern_rule, _softcap
+from .tma import kv_descriptor, tma_ok
 
 __all__ = ["structured_forward"]
 

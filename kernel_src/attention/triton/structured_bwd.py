@@ -46,9 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_bwd import bwd_preprocess
-from .triton_rules import LOG2E, _pattern_rule, _softcap
-from .triton_tma import kv_descriptor, tma_ok
+from .bwd import bwd_preprocess
+from .rules import LOG2E, _pattern_rule, _softcap
+from .tma import kv_descriptor, tma_ok
 
 __all__ = ["structured_backward", "bwd_config"]
 
