@@ -5,7 +5,7 @@ path, or a registered kernel backend such as ``"triton"``); the Triton backend a
 its tiles; ``dispatch`` describes each kernel launch (a ``Launch``), asks ``plan_forward`` (a decode step:
 ``plan_decode``) or ``plan_backward``, and launches the kernel the returned ``Plan`` names. Benchmarks
 and tests ask the same functions, or collect the plans of a run with ``recording()``. The CUDA
-kernels' contracts are rules on shapes, strides and dtypes (``cuda_contract``); the device enters only
+kernels' contracts are rules on shapes, strides and dtypes (``cuda.contract``); the device enters only
 through a ``Capability``, so every decision can be asked for CPU or meta tensors.
 
 Backend (``plan_backend``): ``"reference"`` / ``"torch"`` when requested; ``"auto"`` takes the first
@@ -25,7 +25,7 @@ Forward (``plan_forward``), in this order:
    layout (``pattern_codes.structured_pattern``), one query head per program and one split (or
    ``Launch.structured`` forces it on / off). The Hopper CUDA kernel (``cuda_sm90_structured``) when
    CUDA may run (below), the output is the kernel's own (no caller view), the geometry is plain
-   self-attention and ``cuda_contract.structured_call_ok`` holds; else ``triton_structured``.
+   self-attention and ``cuda.contract.structured_call_ok`` holds; else ``triton_structured``.
 2. a token-layout decode step (``Sq == 1``): the CUDA decode kernel (``cuda_sm90_decode``:
    ``decode_call_ok`` on a bottom-right geometry), else as 3 and 4. Every launch with ``Sq == 1`` is
    planned as a decode step (``plan_decode``, entry "decode") by these same rules.
@@ -54,8 +54,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cuda.contract import decode_call_ok, structured_bwd_call_ok, structured_call_ok, token_call_ok
 from ..layouts.geometry import decode_geometry, plain_geometry
+from .cuda.contract import (
+    decode_call_ok,
+    structured_bwd_call_ok,
+    structured_call_ok,
+    token_call_ok,
+)
 from .pattern_codes import structured_pattern
 
 __all__ = [
@@ -72,19 +77,19 @@ CUDA_ENV = "SPARSE_K_CUDA"
 KERNELS = {
     "reference": ("exact dense-mask attention, float64 inside (reference)", None),
     "torch": ("the PyTorch path, block by block (torch_path)", None),
-    "triton": ("the kernel backend: plan_forward / plan_backward name each launch's kernel (triton_backend)", None),
-    "cuda_sm90_structured": ("Hopper CUDA forward, dense / sliding_window / streaming (cuda_structured)", "forward"),
-    "cuda_sm90_token": ("Hopper CUDA forward, token layout + static part (cuda_token)", "token"),
-    "cuda_sm90_decode": ("Hopper CUDA decode step, token layout + static part (cuda_decode)", "decode"),
-    "cuda_sm90_structured_bwd": ("Hopper CUDA backward, dense / sliding_window / streaming (cuda_structured_bwd)",
+    "triton": ("the kernel backend: plan_forward / plan_backward name each launch's kernel (triton.backend)", None),
+    "cuda_sm90_structured": ("Hopper CUDA forward, dense / sliding_window / streaming (cuda.structured)", "forward"),
+    "cuda_sm90_token": ("Hopper CUDA forward, token layout + static part (cuda.token)", "token"),
+    "cuda_sm90_decode": ("Hopper CUDA decode step, token layout + static part (cuda.decode)", "decode"),
+    "cuda_sm90_structured_bwd": ("Hopper CUDA backward, dense / sliding_window / streaming (cuda.structured_bwd)",
                                  "backward"),
-    "triton_structured": ("Triton forward, arithmetic tile ranges (triton_structured)", None),
-    "triton_layout": ("Triton forward over a block layout (triton_fwd)", None),
-    "triton_token": ("Triton forward over a block layout plus a token layout (triton_fwd)", None),
-    "triton_split_kv": ("Triton split-KV forward, splits merged in the kernel or by combine_splits (triton_fwd)",
+    "triton_structured": ("Triton forward, arithmetic tile ranges (triton.structured)", None),
+    "triton_layout": ("Triton forward over a block layout (triton.fwd)", None),
+    "triton_token": ("Triton forward over a block layout plus a token layout (triton.fwd)", None),
+    "triton_split_kv": ("Triton split-KV forward, splits merged in the kernel or by combine_splits (triton.fwd)",
                         None),
-    "triton_structured_bwd": ("Triton backward, arithmetic tile ranges (triton_structured_bwd)", None),
-    "triton_layout_bwd": ("Triton backward over a block layout (triton_bwd)", None),
+    "triton_structured_bwd": ("Triton backward, arithmetic tile ranges (triton.structured_bwd)", None),
+    "triton_layout_bwd": ("Triton backward over a block layout (triton.bwd)", None),
 }
 
 _BUILD_FAILED: set[str] = set()  # CUDA extensions ("forward", "backward", "token", "decode") that failed to build
@@ -205,8 +210,41 @@ class _Cap:
         return self.value.refusal(extension)
 
 
-_STRUCTURED_CONTRACT = ("outside the CUDA kernel's contract (bf16 / fp16, D = 128, Hq % Hkv == 0, q / k / v views "
-                        "with unit last stride and 16-byte multiple strides)")
+class _CudaRule(NamedTuple):
+    """How a CUDA kernel refuses a launch: ``extension`` it needs built, ``token`` a token-layout kernel
+    (``sel_fast`` keeps the launch on Triton), ``own_output`` it writes an output it allocates (no
+    caller view), ``geometry`` the host rule on the row offsets it needs (``plain_geometry`` /
+    ``decode_geometry``) passed to the contract check as ``geometry_arg``, and the two texts of a
+    failed contract check: ``geometry_text`` when the geometry failed, ``contract`` otherwise."""
+
+    extension: str
+    token: bool
+    own_output: bool
+    geometry: Any
+    geometry_arg: str
+    geometry_text: str
+    contract: str
+
+
+_NOT_PLAIN = "geometry not plain self-attention"
+_STRUCTURED_RULE = _CudaRule(
+    "forward", False, True, plain_geometry, "plain_geometry",
+    f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
+    "outside the CUDA kernel's contract (bf16 / fp16, D = 128, Hq % Hkv == 0, q / k / v views with unit last "
+    "stride and 16-byte multiple strides)")
+_DECODE_RULE = _CudaRule(
+    "decode", True, True, decode_geometry, "decode_geometry",
+    "not a plain decode step (query at key Skv - 1, every key valid, offsets known on the host)",
+    "outside the CUDA decode kernel's contract (static part sliding_window / streaming, bf16 / fp16, D = 128, "
+    "Hq / Hkv in 1, 2, 4, 8, 16-byte aligned k / v rows, int32 selection)")
+_TOKEN_RULE = _CudaRule(
+    "token", True, True, plain_geometry, "plain_geometry", _NOT_PLAIN,
+    "outside the CUDA token kernel's contract (static part sliding_window / streaming, query_block a multiple of "
+    "128, bf16 / fp16, D = 128, TMA views, int32 selection)")
+_BACKWARD_RULE = _CudaRule(
+    "backward", False, False, plain_geometry, "plain_geometry", _NOT_PLAIN,
+    "outside the CUDA backward's contract (bf16 / fp16, D = 128, TMA views of q / k / v / dO, lse (B, Hq, S) "
+    "float32)")
 
 
 def _caller_refusal(launch: Launch, token: bool) -> str | None:
@@ -229,6 +267,21 @@ def _call_refusal(launch: Launch, geometry_ok: bool, geometry_text: str) -> str 
     return None
 
 
+def _cuda_refusal(launch: Launch, cap: _Cap, rule: _CudaRule, call_ok, *tensors) -> str | None:
+    """None when the CUDA kernel of ``rule`` may take ``launch``, else why not, checked in this order:
+    the caller's switches, the device's capability, a caller-provided output view, then the kernel's
+    contract ``call_ok(*tensors, ...)`` (``cuda.contract``; asked last, it reads shapes and strides)."""
+    why = _caller_refusal(launch, rule.token) or cap.refusal(rule.extension)
+    if why is None and rule.own_output and launch.out is not None:
+        why = "a caller-provided output view"
+    if why is None:
+        geometry_ok = rule.geometry(launch.geometry, launch.q.shape[2], launch.k.shape[2])
+        if not call_ok(*tensors, pattern_id=launch.pattern_id, causal=bool(launch.causal), softcap=launch.softcap,
+                       sink_logits=launch.sink_logits, key_mask=launch.key_mask, **{rule.geometry_arg: geometry_ok}):
+            why = _call_refusal(launch, geometry_ok, rule.geometry_text) or rule.contract
+    return why
+
+
 def structured_launch(launch: Launch) -> bool:
     """Whether the forward runs on the arithmetic-tile (structured) kernels: ``Launch.structured`` when
     given, else the pattern rule (``pattern_codes.structured_pattern``) with one query head per
@@ -237,21 +290,6 @@ def structured_launch(launch: Launch) -> bool:
         return bool(launch.structured)
     return launch.pack == 1 and launch.num_splits == 1 and structured_pattern(launch.pattern_id, launch.causal,
                                                                               launch.selection)
-
-
-def _structured_refusal(launch: Launch, cap: _Cap) -> str | None:
-    why = _caller_refusal(launch, token=False) or cap.refusal("forward")
-    if why is None and launch.out is not None:
-        why = "a caller-provided output view"
-    if why is None:
-        q, k, v = launch.q, launch.k, launch.v
-        plain = plain_geometry(launch.geometry, q.shape[2], k.shape[2])
-        if not structured_call_ok(q, k, v, pattern_id=launch.pattern_id, causal=bool(launch.causal),
-                                  plain_geometry=plain, softcap=launch.softcap, sink_logits=launch.sink_logits,
-                                  key_mask=launch.key_mask):
-            why = (_call_refusal(launch, plain, "geometry not plain self-attention (padding, q_start, Sq != Skv, "
-                                                "or offsets known on the device only)") or _STRUCTURED_CONTRACT)
-    return why
 
 
 def plan_forward(launch: Launch, cap: Capability | None = None) -> Plan:
@@ -273,25 +311,13 @@ def plan_decode(launch: Launch, cap: Capability | None = None) -> Plan:
 
 def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
     if structured_launch(launch):
-        why = _structured_refusal(launch, cap)
+        why = _cuda_refusal(launch, cap, _STRUCTURED_RULE, structured_call_ok, launch.q, launch.k, launch.v)
         if why is None:
             return _plan(entry, "cuda_sm90_structured", "plain causal self-attention inside the CUDA contract")
         return _plan(entry, "triton_structured", f"structured pattern; not the CUDA kernel: {why}")
     prior = None
     if launch.selection is not None and launch.q.shape[2] == 1:
-        why = _caller_refusal(launch, token=True) or cap.refusal("decode")
-        if why is None and launch.out is not None:
-            why = "a caller-provided output view"
-        if why is None:
-            q, k, v = launch.q, launch.k, launch.v
-            dec = decode_geometry(launch.geometry, q.shape[2], k.shape[2])
-            if not decode_call_ok(q, k, v, launch.selection, pattern_id=launch.pattern_id, causal=bool(launch.causal),
-                                  decode_geometry=dec, softcap=launch.softcap, sink_logits=launch.sink_logits,
-                                  key_mask=launch.key_mask):
-                why = (_call_refusal(launch, dec, "not a plain decode step (query at key Skv - 1, every key valid, "
-                                                  "offsets known on the host)")
-                       or "outside the CUDA decode kernel's contract (static part sliding_window / streaming, bf16 / "
-                          "fp16, D = 128, Hq / Hkv in 1, 2, 4, 8, 16-byte aligned k / v rows, int32 selection)")
+        why = _cuda_refusal(launch, cap, _DECODE_RULE, decode_call_ok, launch.q, launch.k, launch.v, launch.selection)
         if why is None:
             return _plan(entry, "cuda_sm90_decode", "token-layout decode step inside the CUDA contract")
         prior = f"not the CUDA decode kernel: {why}"
@@ -301,20 +327,9 @@ def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
 def _token_or_layout(launch: Launch, cap: _Cap, entry: str, prior: str | None) -> Plan:
     sel = launch.selection
     if sel is not None and launch.num_splits == 1:
-        why = _caller_refusal(launch, token=True) or cap.refusal("token")
-        if why is None and launch.out is not None:
-            why = "a caller-provided output view"
+        why = _cuda_refusal(launch, cap, _TOKEN_RULE, token_call_ok, launch.q, launch.k, launch.v, sel)
         if why is None:
-            q, k, v = launch.q, launch.k, launch.v
-            plain = plain_geometry(launch.geometry, q.shape[2], k.shape[2])
-            if not token_call_ok(q, k, v, sel, pattern_id=launch.pattern_id, causal=bool(launch.causal),
-                                 plain_geometry=plain, softcap=launch.softcap, sink_logits=launch.sink_logits,
-                                 key_mask=launch.key_mask):
-                why = (_call_refusal(launch, plain, "geometry not plain self-attention")
-                       or "outside the CUDA token kernel's contract (static part sliding_window / streaming, "
-                          "query_block a multiple of 128, bf16 / fp16, D = 128, TMA views, int32 selection)")
-            if why is None:
-                return _plan(entry, "cuda_sm90_token", "token-layout prefill inside the CUDA contract")
+            return _plan(entry, "cuda_sm90_token", "token-layout prefill inside the CUDA contract")
         prior = f"{prior + '; ' if prior else ''}not the CUDA token kernel: {why}"
     if launch.num_splits > 1:
         kernel, what = "triton_split_kv", f"{launch.num_splits} key splits"
@@ -331,16 +346,8 @@ def plan_backward(launch: Launch, do, out, lse, cap: Capability | None = None) -
     ``num_stages`` given)."""
     if launch.structured if launch.structured is not None else structured_pattern(
             launch.pattern_id, launch.causal, launch.selection):
-        why = _caller_refusal(launch, token=False) or _Cap(cap, launch.q).refusal("backward")
-        if why is None:
-            q, k, v = launch.q, launch.k, launch.v
-            plain = plain_geometry(launch.geometry, q.shape[2], k.shape[2])
-            if not structured_bwd_call_ok(do, q, k, v, out, lse, pattern_id=launch.pattern_id,
-                                          causal=bool(launch.causal), plain_geometry=plain, softcap=launch.softcap,
-                                          sink_logits=launch.sink_logits, key_mask=launch.key_mask):
-                why = (_call_refusal(launch, plain, "geometry not plain self-attention")
-                       or "outside the CUDA backward's contract (bf16 / fp16, D = 128, TMA views of q / k / v / dO, "
-                          "lse (B, Hq, S) float32)")
+        why = _cuda_refusal(launch, _Cap(cap, launch.q), _BACKWARD_RULE, structured_bwd_call_ok, do, launch.q, launch.k,
+                            launch.v, out, lse)
         if why is None:
             return _plan("backward", "cuda_sm90_structured_bwd", "plain causal self-attention inside the CUDA contract")
         return _plan("backward", "triton_structured_bwd", f"structured pattern; not the CUDA backward: {why}")

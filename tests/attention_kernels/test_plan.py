@@ -212,6 +212,8 @@ def _backward_cases():
                          ("structured=False", _launch(structured=False))):
         yield name, launch, grads(launch), ON, "triton_layout_bwd"
     yield "pack and splits do not matter", _launch(pack=2, num_splits=2), grads(base), ON, "cuda_sm90_structured_bwd"
+    viewed = _launch(out=_t(2, 8, 300))  # the forward wrote into a caller's view: the backward only reads it
+    yield "forward into a caller's view", viewed, grads(viewed), ON, "cuda_sm90_structured_bwd"
 
 
 @pytest.mark.parametrize("name, launch, tensors, cap, kernel", list(_backward_cases()),
