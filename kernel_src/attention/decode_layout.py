@@ -3,8 +3,8 @@
 A decode step (``Sq <= 16``, queries bottom-right over the cache) of a causal ``dense``,
 ``sliding_window`` or ``streaming`` pattern (or the static part of a learned one) visits the sink
 tiles, then one contiguous run of key tiles ending at the query's tile, whose middle is full. The
-Triton decode kernel (``triton_fwd._attn_fwd`` with ``STRUCT``) computes these runs from the row
-geometry it already loads (``q_start``, ``k_start``, ``k_end``; ``triton_fwd._struct_runs``), so a
+Triton decode kernel (``triton.fwd._attn_fwd`` with ``STRUCT``) computes these runs from the row
+geometry it already loads (``q_start``, ``k_start``, ``k_end``; ``triton.fwd._struct_runs``), so a
 step builds nothing on the host: no ``BlockLayout`` per ``kv_len`` (``block_layout._build`` cost
 about 1 ms per layer and step on an H100 host, and its cache missed at every step because the
 length grew), no index tensors, no host synchronisation. The same holds when the geometry lives on
@@ -27,7 +27,7 @@ from .launch_buffers import placeholder
 
 __all__ = ["DecodeLayout", "decode_layout", "decode_tile_bound"]
 
-#: Longest query run handled as a decode step (``triton_backend`` runs split-KV decode up to this).
+#: Longest query run handled as a decode step (``triton.backend`` runs split-KV decode up to this).
 MAX_DECODE_QUERIES = 16
 
 
@@ -68,7 +68,7 @@ class DecodeLayout:
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
 
-    #: Marks the layout for ``triton_fwd.layout_forward`` (the kernel's ``STRUCT`` flag).
+    #: Marks the layout for ``triton.fwd.layout_forward`` (the kernel's ``STRUCT`` flag).
     structured_decode = True
     #: ``block_layout.full_tiles_contiguous`` reads this instead of the (placeholder) index lists.
     _full_contig = True

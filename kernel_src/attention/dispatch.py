@@ -1,7 +1,7 @@
 """Runs an attention launch on the kernel that ``plan`` names: the one module that reaches both the
-Triton launchers (``triton_fwd``, ``triton_structured``, ``triton_bwd``, ``triton_structured_bwd``)
-and the Hopper CUDA launchers (``cuda_structured``, ``cuda_token``, ``cuda_decode``,
-``cuda_structured_bwd``). It decides nothing itself: it describes the launch (``plan.Launch``), asks
+Triton launchers (``triton.fwd``, ``triton.structured``, ``triton.bwd``, ``triton.structured_bwd``)
+and the Hopper CUDA launchers (``cuda.structured``, ``cuda.token``, ``cuda.decode``,
+``cuda.structured_bwd``). It decides nothing itself: it describes the launch (``plan.Launch``), asks
 the plan, builds a CUDA extension on first use (a build failure warns once, is remembered by the plan,
 and the launch is planned again), records the plan it runs (``plan.recording``) and launches.
 
@@ -17,8 +17,8 @@ from ..warn import warn_once
 
 __all__ = ["attention_backward", "attention_forward"]
 
-#: Options of the Triton forward launchers (``triton_fwd.layout_forward``; the first four also tune
-#: ``triton_structured.structured_forward``). Giving one of ``_TUNING`` keeps the launch on Triton.
+#: Options of the Triton forward launchers (``triton.fwd.layout_forward``; the first four also tune
+#: ``triton.structured.structured_forward``). Giving one of ``_TUNING`` keeps the launch on Triton.
 TRITON_FORWARD_OPTIONS = ("num_warps", "num_stages", "use_tma", "order", "full_contig", "fuse_combine", "sel_fast",
                           "sel_prefetch", "sel_lean")
 _TUNING = ("num_warps", "num_stages", "use_tma", "order")
@@ -83,7 +83,7 @@ def attention_forward(
             the layout path (False); default: where ``plan.structured_launch`` allows it.
         cuda: False keeps the launch on the Triton kernels; default None: a Hopper CUDA kernel takes
             the launch where the plan allows it.
-        triton_options: ``TRITON_FORWARD_OPTIONS`` of the Triton launchers (``triton_fwd.layout_forward``);
+        triton_options: ``TRITON_FORWARD_OPTIONS`` of the Triton launchers (``triton.fwd.layout_forward``);
             ``num_warps``, ``num_stages``, ``use_tma`` or ``order`` keep the launch on Triton, and so does
             ``sel_fast`` for a token-layout launch.
     Returns: ``out (B, Hq, Sq, D)`` in q's dtype and memory order (``memory_order.new_output``) and

@@ -1,7 +1,7 @@
 """The calls the Hopper CUDA kernels take (each kernel's contract), as rules on the tensors' shapes,
 strides, dtypes and pointers that do not ask which device they are on: ``plan`` applies them with
 the device's capability beside them (so they answer for CPU and meta tensors too), and each launcher
-(``cuda_structured`` ...) refuses a call outside its contract with ``on_sm90`` added."""
+(``cuda.structured`` ...) refuses a call outside its contract with ``on_sm90`` added."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def check_pattern_args(pattern_id, window, sinks, scale) -> None:
 
 def structured_call_ok(q, k, v, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True, softcap=None,
                        sink_logits=None, key_mask=None) -> bool:
-    """The structured forward's contract (``cuda_structured``) but the device: a causal dense /
+    """The structured forward's contract (``cuda.structured``) but the device: a causal dense /
     sliding_window / streaming call over the plain geometry (no padding, query ``i`` at key index ``i``:
     ``q_start == k_start == 0``, ``k_end == Skv``) without softcap, sink logits or key mask, on tensors
     ``tensors_ok`` accepts."""
@@ -124,7 +124,7 @@ def structured_call_ok(q, k, v, *, pattern_id: int, causal: bool = True, plain_g
 
 def token_call_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True,
                   softcap=None, sink_logits=None, key_mask=None) -> bool:
-    """The token-layout forward's contract (``cuda_token``) but the device: ``structured_call_ok`` with a
+    """The token-layout forward's contract (``cuda.token``) but the device: ``structured_call_ok`` with a
     sliding_window / streaming static part, ``query_block`` a multiple of 128 and a selection that
     ``selection_ok`` accepts (a ``TokenLayout`` or the custom op's namespace with its fields)."""
     if pattern_id not in TOKEN_STATIC_PATTERNS:
@@ -140,7 +140,7 @@ def token_call_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, p
 
 def structured_bwd_call_ok(do, q, k, v, out, lse, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True,
                            softcap=None, sink_logits=None, key_mask=None) -> bool:
-    """The structured backward's contract (``cuda_structured_bwd``) but the device: as
+    """The structured backward's contract (``cuda.structured_bwd``) but the device: as
     ``structured_call_ok`` with dO and O shaped like q (dO a TMA view too), at most 65535 key tiles
     and ``lse (B, Hq, S)`` float32 on q's device."""
     if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
@@ -160,7 +160,7 @@ def _aligned_rows(t: torch.Tensor) -> bool:
 
 def decode_call_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, decode_geometry: bool = True,
                    softcap=None, sink_logits=None, key_mask=None) -> bool:
-    """The decode kernel's contract (``cuda_decode``) but the device: one query per row at key index
+    """The decode kernel's contract (``cuda.decode``) but the device: one query per row at key index
     ``Skv - 1`` with every key valid (``decode_geometry``), a sliding_window / streaming static part,
     bf16 / fp16, D = 128, ``Hq / Hkv`` in ``DECODE_GROUPS``, k / v with unit last stride and 16-byte
     aligned rows, and a selection ``selection_ok`` accepts."""

@@ -3,7 +3,7 @@
 One query token per row (``Sq == 1``) at the last key (bottom-right, no padding: ``q_start = Skv -
 1``, every key valid). Its keys form one virtual list: the streaming sinks not inside the window, the
 window ``[Skv - W, Skv - 1]``, then the ``K`` slots of the query's selection block ``(Skv - 1) //
-query_block - first_block[b]``. A selected slot counts as in ``triton_fwd._selection_loop``: ``c <
+query_block - first_block[b]``. A selected slot counts as in ``triton.fwd._selection_loop``: ``c <
 min(count, K)``, its key ``j`` in ``[0, Skv)``, its weight (if any) positive, and the static rule not
 already allowing it (``Skv - 1 - j >= W`` and ``j >= sinks``); ``log w`` joins the logit.
 
@@ -34,7 +34,7 @@ _SMS: dict = {}
 
 
 def load_extension():
-    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    """Build the extension on first use (then loaded from the cache folder, ``cuda.build``) and return it."""
     return load_sm90_extension("decode_sm90", _SOURCES)
 
 

@@ -4,9 +4,9 @@ An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x
 dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16, q/k/v contiguous or
 strided views (4-D TMA maps: the transposed ``(B, S, H, D)`` projections of a Transformers layer are
 read in place, and the output is written in q's memory order). The contract is that
-of ``triton_structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
+of ``triton.structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
 softcap, sink logits or key mask): query ``i`` sees key ``j <= i`` when ``i - j < window`` (or ``j <
-sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda_build``: nvcc,
+sinks`` for streaming; dense: always). The extension is compiled on first use (``cuda.build``: nvcc,
 ``sm_90a``, cached on disk). ``dispatch``
 hands it the calls ``plan`` gives it (``cuda_sm90_structured``). Its speed against Triton's structured kernel,
 FlexAttention and SDPA: docs/benchmarks.md; how it got there: docs/history.md.
@@ -34,7 +34,7 @@ _SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
 
 
 def load_extension():
-    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    """Build the extension on first use (then loaded from the cache folder, ``cuda.build``) and return it."""
     return load_sm90_extension("structured_sm90", _SOURCES)
 
 
@@ -58,7 +58,7 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
 
     Args:
         q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
-            or strided views (``cuda_contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
+            or strided views (``cuda.contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
             in place.
         pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_PATTERNS``).
         window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.

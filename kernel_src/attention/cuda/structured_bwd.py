@@ -6,8 +6,8 @@ each) computing five matrix products per tile pair (``S^T = K Q^T``, ``dP^T = V 
 P^T dO``, ``dK += dS^T Q``, ``dQ = dS K``), dK/dV summed over the group in registers and dQ added
 into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while the consumers go on). Patterns: dense, sliding_window, streaming (causal), plain
 self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
-``triton_structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
-use (``cuda_build``: nvcc, ``sm_90a``, cached on disk); ``dispatch`` hands it the
+``triton.structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
+use (``cuda.build``: nvcc, ``sm_90a``, cached on disk); ``dispatch`` hands it the
 calls ``plan`` gives it (``cuda_sm90_structured_bwd``). Its speed against FlexAttention's backward and
 ``triton_structured_bwd``: docs/benchmarks.md.
 """
@@ -34,7 +34,7 @@ _SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
 
 
 def load_extension():
-    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    """Build the extension on first use (then loaded from the cache folder, ``cuda.build``) and return it."""
     return load_sm90_extension("structured_bwd_sm90", _SOURCES)
 
 
@@ -59,7 +59,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
 
     Args:
         do, q, out: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``;
-            q, k, v, do contiguous or strided views (``cuda_contract.tma_view_ok``: e.g. transposed
+            q, k, v, do contiguous or strided views (``cuda.contract.tma_view_ok``: e.g. transposed
             ``(B, S, H, D)`` tensors), read in place; out any strides; lse ``(B, Hq, S)`` float32, the
             forward's natural-log LSE.
         pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_BWD_PATTERNS``).
@@ -67,7 +67,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
         stats: ``(delta, lse2)`` float32 ``(B, Hq, S)``: ``delta = rowsum(dO * O)`` and ``lse2 = lse *
-            log2(e)`` (``+inf`` where ``lse = -inf``), as ``triton_bwd.bwd_preprocess`` computes them.
+            log2(e)`` (``+inf`` where ``lse = -inf``), as ``triton.bwd.bwd_preprocess`` computes them.
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v`` and laid out like them where
     they are dense (``torch.empty_like``), else contiguous.
     """

@@ -4,7 +4,7 @@ The inference prefill of the learned ``sparse_k`` pattern: per query block the `
 selected keys (gathered 128-row K/V tiles, ``cp.async`` into the swizzled layout) plus the static
 sliding_window / streaming part (contiguous TMA tiles), in one FA3-style kernel (the structured
 forward's TMA producer warpgroup, two wgmma consumer warpgroups with ping-pong, persistent grid).
-The semantics are those of ``triton_fwd._selection_loop``: query ``i`` of batch row ``b`` uses block
+The semantics are those of ``triton.fwd._selection_loop``: query ``i`` of batch row ``b`` uses block
 ``i // query_block - first_block[b]`` (none outside ``[0, NB)``); slot ``c`` counts when ``c <
 min(count, K)``, its key ``j`` satisfies ``0 <= j < S``, its weight (if any) is positive, and the
 static rule does not already allow it (``i - j >= window`` and ``j >= sinks``, hence causal);
@@ -30,7 +30,7 @@ _SOURCES = ("token_fwd_sm90.cpp", "token_fwd_sm90.cu")
 
 
 def load_extension():
-    """Build the extension on first use (then loaded from the cache folder, ``cuda_build``) and return it."""
+    """Build the extension on first use (then loaded from the cache folder, ``cuda.build``) and return it."""
     return load_sm90_extension("token_sm90", _SOURCES)
 
 
@@ -51,7 +51,7 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
 
     Args:
         q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
-            or strided views (``cuda_contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
+            or strided views (``cuda.contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
             in place.
         selection: ``TokenLayout``: indices ``(B, Hkv, NB, K)`` int32, counts ``(B, Hkv, NB)`` int32,
             ``query_block`` a multiple of 128, first_block ``(B,)`` (or ``(1,)``) int, optional weights

@@ -231,7 +231,7 @@ def _selection_loop(
 @triton.jit
 def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr):
     """Causal dense (0) / sliding_window (1) / streaming (2) key-tile runs of the queries at key indices
-    ``qlo..qhi`` (``triton_structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with sink
+    ``qlo..qhi`` (``triton.structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with sink
     tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` and its full (unmasked) middle ``[f_lo, f_hi)``,
     every full tile inside ``[k_start, k_end)``. All from the row geometry: no layout."""
     a_lo = k_start
@@ -556,7 +556,7 @@ def layout_forward(
         num_splits: split-KV factor (decode); results are merged by ``combine_splits``.
         out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
         pattern_id, params, causal: the pattern as the kernels see it (``pattern_codes.pattern_code``).
-        order: program order, see ``triton_structured`` (the layout path knows 0, query tiles fastest,
+        order: program order, see ``triton.structured`` (the layout path knows 0, query tiles fastest,
             and 2, heads fastest).
         fuse_combine: with ``num_splits > 1``, merge the splits in the last split program of each tile
             (one launch, a per-stream counter buffer, ``split_counters``) instead of a second kernel

@@ -1,6 +1,6 @@
 """Structured backward for dense, sliding-window and streaming patterns (tile ranges by arithmetic).
 
-The companion of ``triton_structured`` for the gradients, in the FlashAttention-2 scheme with
+The companion of ``triton.structured`` for the gradients, in the FlashAttention-2 scheme with
 *separate* tile shapes for the two kernels:
 
 * ``_st_dkdv``: one program per (key tile of ``BLOCK_N1`` keys, batch row, KV head); it walks the

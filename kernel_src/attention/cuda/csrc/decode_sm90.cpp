@@ -16,7 +16,7 @@ extern "C" int sk90_decode_fwd(const void* q, const void* k, const void* v, void
 // cluster); counters int32 (>= B*Hkv, zero) or an empty tensor (second
 // merge kernel); idx (B, Hkv, NB, K) int32 and w (same shape, float32, or empty: no weights) with unit
 // last stride; cnt (B, Hkv, NB) int32; first (B,) int64 contiguous. The Python wrapper
-// (cuda_decode.py) validates; these checks guard the raw pointers.
+// (attention/cuda/decode.py) validates; these checks guard the raw pointers.
 static void decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                        at::Tensor& o_part, at::Tensor& l_part, at::Tensor& counters, const at::Tensor& idx,
                        const at::Tensor& cnt, const at::Tensor& w, const at::Tensor& first, int64_t query_block,

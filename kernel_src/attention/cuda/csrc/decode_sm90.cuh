@@ -5,7 +5,7 @@
 // window [w_lo, qpos], then the K slots of the selection block sb = qpos / QB - first[b]. A selected
 // slot c counts when 0 <= sb < NB, c < min(count, K), 0 <= j < S, the weight (if any) is positive and
 // the static rule does not already allow j (qpos - j >= window and, streaming, j >= sinks): the
-// semantics of triton_fwd._selection_loop. log2(w) joins the logit.
+// semantics of triton.fwd._selection_loop. log2(w) joins the logit.
 //
 // Grid (nsplit, B * Hkv), 8 warps, one CTA an SM (about 214 KB of shared memory): the host picks
 // nsplit = SMs // (B * Hkv) (at least 1, at most one split per 64 keys) so that the grid is one wave.

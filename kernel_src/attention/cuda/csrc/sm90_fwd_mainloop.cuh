@@ -23,7 +23,7 @@
 //
 // Key tiles of a work tile, in order: GATHER only, `nsel` gathered tiles (each with per-slot logit
 // biases and first visible rows in the ring's side area, written by the producer with ordinary
-// stores), then the static tiles by arithmetic (the table of triton_structured's docstring): the
+// stores), then the static tiles by arithmetic (the table of triton.structured's docstring): the
 // streaming sink tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is
 // full (every row sees every key: no element mask); every other static tile evaluates the element
 // rule per score.

@@ -1,6 +1,6 @@
 // Checks of the (B, H, S, D) views that the torch bindings of the structured and token-layout kernels
 // hand on (q, k, v, dO read through 4-D TMA maps; out, dk, dv written by stride): the Python wrappers
-// (cuda_contract.tma_view_ok) validate; these guard the raw pointers.
+// (cuda.contract.tma_view_ok) validate; these guard the raw pointers.
 #pragma once
 
 #include "sm90_torch.h"

@@ -13,7 +13,7 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
 // q, dout (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16 views on one CUDA device (unit last stride,
 // strides of 16-byte multiples: sm90_view_host.h); lse2, delta (B, Hq, S_pad) float32 contiguous; dq_acc
 // (B, Hq, S_pad, 128) float32 contiguous (zeroed); dk, dv shaped like k, non-overlapping and dense, any
-// such strides. The Python wrapper (cuda_structured_bwd.py) validates; these checks guard the raw pointers.
+// such strides. The Python wrapper (attention/cuda/structured_bwd.py) validates; these checks guard the raw pointers.
 static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                            const at::Tensor& lse2, const at::Tensor& delta, at::Tensor& dq_acc, at::Tensor& dk,
                            at::Tensor& dv, int64_t pattern, int64_t window, int64_t sinks, double scale,

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) backward for the structured causal patterns: dense, sliding_window, streaming.
 //
-// Contract (that of ``triton_structured_bwd.structured_backward`` for a plain self-attention
+// Contract (that of ``triton.structured_bwd.structured_backward`` for a plain self-attention
 // geometry): q, dO (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16, views with unit last stride and
 // strides of 16-byte multiples (4-D TMA maps); query head h reads KV head h / (Hq / Hkv). Query i sees
 // key j when j <= i and
@@ -34,7 +34,7 @@
 //                runs during the exponentials. Nothing is in flight across the loop's back edge (ptxas
 //                serialises the wgmma pipeline otherwise).
 
-// Query tiles per key tile, by arithmetic (the table of triton_structured_bwd's docstring): the
+// Query tiles per key tile, by arithmetic (the table of triton.structured_bwd's docstring): the
 // queries that see some key of [kl, kh] are [kl, kh + W) (dense and sink tiles: [kl, S)); those that
 // see every key are [kh, kl + W) (none for a tile holding sink keys or past S), and only query tiles
 // outside that full run evaluate the element rule.

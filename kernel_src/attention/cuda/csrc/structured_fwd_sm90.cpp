@@ -10,7 +10,7 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
 
 // q (B, Hq, S, 128), k/v (B, Hkv, S, 128) bf16/fp16 views on one CUDA device (unit last stride, strides
 // of 16-byte multiples: sm90_view_host.h); out shaped like q, non-overlapping and dense, any such
-// strides; lse (B, Hq, S) float32 contiguous. The Python wrapper (cuda_structured.py) validates;
+// strides; lse (B, Hq, S) float32 contiguous. The Python wrapper (attention/cuda/structured.py) validates;
 // these checks guard the raw pointers.
 static void structured_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                            at::Tensor& lse, int64_t pattern, int64_t window, int64_t sinks, double scale,

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming.
 //
-// Contract (the same as ``triton_structured.structured_forward`` with a plain self-attention
+// Contract (the same as ``triton.structured.structured_forward`` with a plain self-attention
 // geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16,
 // views with unit last stride and strides of 16-byte multiples (read through 4-D TMA maps, e.g. the
 // transposed (B, S, H, D) projections of a Transformers layer); query head h reads KV head

@@ -14,7 +14,7 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
 // multiples: sm90_view_host.h); out shaped like q, non-overlapping and dense, any such strides; lse
 // (B, Hq, S) float32 contiguous;
 // idx (B, Hkv, NB, K) int32 and w (same shape, float32, or an empty tensor: no weights) with unit last
-// stride; cnt (B, Hkv, NB) int32; first (B,) int64 contiguous. The Python wrapper (cuda_token.py)
+// stride; cnt (B, Hkv, NB) int32; first (B,) int64 contiguous. The Python wrapper (attention/cuda/token.py)
 // validates; these checks guard the raw pointers.
 static void token_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                       const at::Tensor& idx, const at::Tensor& cnt, const at::Tensor& w, const at::Tensor& first,

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) forward for a token layout (learned top-k key lists per query block) fused with
 // its sliding_window / streaming static part: the inference prefill of the sparse_k pattern.
 //
-// Contract (``triton_fwd._selection_loop`` with a plain self-attention geometry, q_start = k_start =
+// Contract (``triton.fwd._selection_loop`` with a plain self-attention geometry, q_start = k_start =
 // 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16, views with unit last stride
 // and strides of 16-byte multiples (4-D TMA maps; gathered rows by their row stride); query head h
 // reads KV head h / (Hq / Hkv). Query i sees key j when j <= i and
