@@ -1093,8 +1093,8 @@ SPARSEK_SHAPES = ((192, 4096, 256), (4096, 32768, 2048))  # (rows = B*Hkv*query 
 def section_sparsek(args, results, dev="cuda"):
     """The SparseK operator (``sparse_k.sparsek``): Triton kernel vs the PyTorch path, forward and
     forward + backward, float32 scores; rows = SmolLM2 at 4K (3 KV heads x 64 query blocks) and a
-    Llama-size layer at 32K (8 x 512). Decides ``sparsek.AUTO_TRITON_ON_CUDA``."""
-    from sparse_k.selection import sparsek
+    Llama-size layer at 32K (8 x 512). Decides ``selection.sparsek.AUTO_TRITON_ON_CUDA``."""
+    from sparse_k import sparsek
 
     for rows, n, k in SPARSEK_SHAPES:
         g = torch.Generator(device=dev).manual_seed(rows + n)
