@@ -28,7 +28,7 @@ Learned layers (``sparse_k``, ``dsa``) get a ``SelectionLayer``, which the atten
 recognises (the key tensor it receives is the one the layer just returned) and which keeps the
 layer's decode state between steps:
 
-* ``sparse_k``: the running selection (``sparse_k.decode_selection.SparseKDecodeState``): when a new
+* ``sparse_k``: the running selection (``sparse_k.selection.decode_selection.SparseKDecodeState``): when a new
   query block starts, only its new candidates are scored and merged (no re-sort of all candidates).
   With ``evict=True`` (default) the keys that can never be selected again are dropped: the layer
   keeps the sinks, the current block's ``top_k`` selection and the keys from the current block's
@@ -40,7 +40,7 @@ layer's decode state between steps:
 * ``dsa``: nothing is evicted (design §7: every key stays a candidate); the indexer keys of the
   cached tokens are kept, so a decode step computes them for its new tokens only.
 * either pattern without a trained selector (the query-aware training-free default,
-  ``sparse_k.page_selection``): nothing is evicted (a page that scores low for one block may score
+  ``sparse_k.selection.page_selection``): nothing is evicted (a page that scores low for one block may score
   high for a later query); the layer keeps the memo of the current block's first query, so a
   decode step selects exactly as the recompute does.
 
@@ -56,12 +56,12 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from sparse_k.config import validate_sparse_config
-from sparse_k.decode_selection import SparseKDecodeState
-from sparse_k.patterns import DSA, SlidingWindow, SparseK, Streaming
-from sparse_k.selectors import build_selection
-from sparse_k.token_layout import TokenLayout
-from sparse_k.transformers_adapter import CACHE_LAYER_ATTR, WithinWindow, _translation_invariant, layer_pattern
+from sparse_k.integrations.config import validate_sparse_config
+from sparse_k.selection.decode_selection import SparseKDecodeState
+from sparse_k.layouts.patterns import DSA, SlidingWindow, SparseK, Streaming
+from sparse_k.selection.selectors import build_selection
+from sparse_k.layouts.token_layout import TokenLayout
+from sparse_k.integrations.transformers_adapter import CACHE_LAYER_ATTR, WithinWindow, _translation_invariant, layer_pattern
 
 __all__ = ["BoundedLayer", "SelectionLayer", "SparseCache", "bounded_keep"]
 
@@ -224,7 +224,7 @@ class SelectionLayer(_KeptKeysLayer):
         self.tail_start = 0
         self.state: SparseKDecodeState | None = None
         self.index_keys: torch.Tensor | None = None
-        self.memo: dict = {}  # training-free selection: the current block's first query (sparse_k.page_selection)
+        self.memo: dict = {}  # training-free selection: the current block's first query (sparse_k.selection.page_selection)
         self._index_owner = None
         self._new_tokens = 0
 
@@ -253,7 +253,7 @@ class SelectionLayer(_KeptKeysLayer):
         pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
         self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
         for name in ("block", "q"):
-            if name in self.memo:  # buffers written in place (sparse_k.step_state)
+            if name in self.memo:  # buffers written in place (sparse_k.selection.step_state)
                 self.memo[name].copy_(pick(self.memo[name]))
         for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
             self.memo.pop(name, None)
@@ -382,7 +382,7 @@ class SelectionLayer(_KeptKeysLayer):
 
 
 def _geometry(query, key):
-    from sparse_k.geometry import row_geometry
+    from sparse_k.layouts.geometry import row_geometry
 
     return row_geometry(query.shape[0], query.shape[2], key.shape[2], device=query.device)
 

@@ -10,7 +10,7 @@ attn_implementation="sparse_k")``).
 from __future__ import annotations
 
 import torch
-from sparse_k.config import validate_sparse_config
+from sparse_k.integrations.config import validate_sparse_config
 
 __all__ = ["configure"]
 

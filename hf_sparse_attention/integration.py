@@ -2,7 +2,7 @@
 
 Importing this module registers, under the same name ``"sparse_k"``:
 
-* an attention function (``AttentionInterface``): ``sparse_k.transformers_adapter.attention_forward``;
+* an attention function (``AttentionInterface``): ``sparse_k.integrations.transformers_adapter.attention_forward``;
 * a mask function (``AttentionMaskInterface``): ``key_mask``. Without it Transformers would hand the
   attention function ``attention_mask=None`` and padded batches would come out wrong. It never builds
   a 4-D mask: it returns a 2-D ``(B, L)`` bool key mask over the absolute cache slots
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+from sparse_k.integrations.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
 
 __all__ = ["ATTN_IMPLEMENTATION", "ModelNotSupportedError", "attention_forward", "check_model_support", "key_mask", "register"]
 

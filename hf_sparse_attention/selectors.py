@@ -12,7 +12,7 @@ File format and location (documented contract):
 * Selectors are attached as ``attention_module._sparse_k_selector`` with ``object.__setattr__``:
   they are *not* submodules, so they never enter the model's ``state_dict``, ``save_pretrained``
   output or ``parameters()``. The Transformers integration passes them to
-  ``sparse_k.selectors.build_selection``.
+  ``sparse_k.selection.selectors.build_selection``.
 * Loading never fails because of selectors: a missing, unreadable or mismatched file gives a
   one-time warning and the training-free fallback is used.
 """
@@ -24,9 +24,9 @@ import os
 
 import torch
 from sparse_k.warn import warn_once
-from sparse_k.config import pattern_for_layer
-from sparse_k.patterns import DSA, Pattern, SparseK
-from sparse_k.scorers import LightningIndexer, SparseKScorer, selector_from_config
+from sparse_k.integrations.config import pattern_for_layer
+from sparse_k.layouts.patterns import DSA, Pattern, SparseK
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer, selector_from_config
 from torch import nn
 
 __all__ = [

@@ -5,10 +5,10 @@ GPU kernels. Imports only torch (and triton, where kernels are used); relative i
 """
 
 from .api import available_backends, register_backend, sparse_attention
-from .config import DEFAULT_SPARSE_CONFIG, pattern_for_layer, pattern_to_config, validate_sparse_config
-from .block_layout import BlockLayout, build_block_layout, clear_layout_cache
-from .geometry import RowGeometry, row_geometry
-from .patterns import (
+from .integrations.config import DEFAULT_SPARSE_CONFIG, pattern_for_layer, pattern_to_config, validate_sparse_config
+from .layouts.block_layout import BlockLayout, build_block_layout, clear_layout_cache
+from .layouts.geometry import RowGeometry, row_geometry
+from .layouts.patterns import (
     DSA,
     BigBird,
     BlockDiagonal,
@@ -24,19 +24,19 @@ from .patterns import (
     pattern_from_dict,
     resolve_l2_segment,
 )
-from .reference import masked_attention, pattern_mask, reference_attention
-from .token_layout import TokenLayout
-from .torch_path import torch_sparse_attention
-from .sparsek import sparsek
-from .scorers import LightningIndexer, SparseKScorer
-from .selectors import build_selection
+from .attention.reference import masked_attention, pattern_mask, reference_attention
+from .layouts.token_layout import TokenLayout
+from .attention.torch_path import torch_sparse_attention
+from .selection.sparsek import sparsek
+from .selection.scorers import LightningIndexer, SparseKScorer
+from .selection.selectors import build_selection
 
 from . import flash_api
 from .flash_api import flash_attn_func, flash_attn_with_kvcache
-from .hub_attention import flash_attn_forward, supports_flash_attn
+from .integrations.hub_attention import flash_attn_forward, supports_flash_attn
 
 try:  # the GPU kernels register the "triton" backend only where triton imports
-    from . import triton_backend  # noqa: F401
+    from .attention.triton import backend as triton_backend  # noqa: F401
 except ImportError:
     triton_backend = None
 

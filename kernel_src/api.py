@@ -12,57 +12,20 @@ builds (or fetches from cache) the layout, and dispatches to a backend:
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .block_layout import BlockLayout, build_block_layout
-from .geometry import RowGeometry, row_geometry
-from .patterns import L2Aligned, Pattern, get_pattern, resolve_l2_segment
-from .reference import reference_attention
-from .token_layout import TokenLayout
-from .plan import plan_backend, record
-from .torch_path import torch_sparse_attention
+from .attention.backends import _AUTO_ORDER, _BACKENDS, AttentionCall, available_backends, register_backend
+from .layouts.geometry import RowGeometry, row_geometry
+from .layouts.patterns import L2Aligned, Pattern, get_pattern, resolve_l2_segment
+from .attention.reference import reference_attention
+from .layouts.token_layout import TokenLayout
+from .attention.plan import plan_backend, record
+from .attention.torch_path import torch_sparse_attention
 from .warn import warn_once
 
 __all__ = ["sparse_attention", "register_backend", "available_backends"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-# name -> (why_unsupported(inputs) -> str | None, run(inputs) -> (out, lse))
-_BACKENDS: dict[str, tuple[Callable, Callable]] = {}
-_AUTO_ORDER: list[str] = []
-
-
-def register_backend(name: str, why_unsupported: Callable, run: Callable, *, auto_priority: int | None = None) -> None:
-    """Register a fast backend. ``why_unsupported(call)`` returns None when it can run ``call``
-    (an ``AttentionCall``), else a short reason; ``run(call)`` returns ``(out, lse)``."""
-    _BACKENDS[name] = (why_unsupported, run)
-    if auto_priority is not None and name not in _AUTO_ORDER:
-        _AUTO_ORDER.insert(auto_priority, name)
-
-
-def available_backends() -> list[str]:
-    return ["auto", "reference", "torch", *_BACKENDS]
-
-
-class AttentionCall:
-    """Validated inputs of one call, handed to backends."""
-
-    __slots__ = (
-        "q", "k", "v", "pattern", "geometry", "scale", "softcap", "sink_logits", "key_mask",
-        "selection", "layer_idx", "need_grad",
-    )
-
-    def __init__(self, **kw):
-        for name in self.__slots__:
-            setattr(self, name, kw.get(name))
-
-    def layout(self, block_q: int, block_k: int) -> BlockLayout:
-        return build_block_layout(
-            self.pattern, self.q.shape[2], self.k.shape[2], self.geometry, block_q=block_q, block_k=block_k,
-            layer_idx=self.layer_idx, num_kv_heads=self.k.shape[1],
-        )
 
 
 def _check_tensor(name: str, t) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .api import sparse_attention
-from .patterns import Dense, Pattern, SlidingWindow, get_pattern
+from .layouts.patterns import Dense, Pattern, SlidingWindow, get_pattern
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     import sparse_k
-    import sparse_k.selectors as sel
-    from sparse_k.scorers import LightningIndexer, SparseKScorer
+    import sparse_k.selection.selectors as sel
+    from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
 
     warnings.simplefilter("ignore")
     dev, dt = "cuda", torch.bfloat16

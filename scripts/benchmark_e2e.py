@@ -15,7 +15,7 @@ variant and length:
 * **prefill**: ``model(ids, logits_to_keep=1)`` on ``L`` random tokens (median of ``--repeats`` after
   one warm-up run), peak memory (``torch.cuda.max_memory_allocated``), and the top kernels of one
   prefill (profiler) with the attention kernel named: for the sparse variants the kernels
-  ``sparse_k.plan`` named for the warm-up run's launches (``plan.recording``), for sdpa /
+  ``sparse_k.attention.plan`` named for the warm-up run's launches (``plan.recording``), for sdpa /
   flex_attention the profiler's kernel names.
 * **decode**: the context is prefilled (the variant itself; sparse variants use
   ``hf_sparse_attention.SparseCache``, the bounded / selection-keeping cache a user passes to
@@ -72,7 +72,7 @@ def variant_spec(name: str, args) -> dict:
 
 
 #: Substrings of kernel names that identify which attention kernel ran (first match names the row's
-#: kernel) where ``sparse_k.plan`` recorded none (sdpa, flex_attention).
+#: kernel) where ``sparse_k.attention.plan`` recorded none (sdpa, flex_attention).
 ATTENTION_KERNELS = (
     ("structured_fwd_kernel", "CUDA sm90 structured"), ("token_fwd_kernel", "CUDA sm90 token"),
     ("decode_kernel", "CUDA sm90 decode"), ("_st_fwd", "Triton structured"), ("_attn_fwd", "Triton layout / split-KV"),
@@ -321,9 +321,9 @@ def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, st
 
 
 def planned_kernels(fn) -> str | None:
-    """Run ``fn()`` once; the kernels ``sparse_k.plan`` named for its attention launches, with counts
+    """Run ``fn()`` once; the kernels ``sparse_k.attention.plan`` named for its attention launches, with counts
     (e.g. "cuda_sm90_structured x8"), or None when none went through ``sparse_k`` (sdpa, flex)."""
-    from sparse_k import plan
+    from sparse_k.attention import plan
 
     with plan.recording() as seen:
         fn()

@@ -5,7 +5,7 @@ very layout our kernel runs (default ``kernel_options``, ``torch.compile``d). Ev
 before it is timed: against the exact float64 reference on a small shape of the same pattern, and
 against the PyTorch path on the first and last query rows of the large shape; a failed check voids
 the row (its time is not reported). A row's ``kernel`` (and ``token_kernel``, ``sw3072_kernel``) is
-the name ``sparse_k.plan`` gave the call's launches (``plan.recording``; e.g. ``cuda_sm90_structured``,
+the name ``sparse_k.attention.plan`` gave the call's launches (``plan.recording``; e.g. ``cuda_sm90_structured``,
 ``triton_split_kv``, ``forward / backward`` pairs such as ``cuda_sm90_structured / cuda_sm90_structured_bwd``);
 where it is a CUDA kernel, the Triton kernel is timed beside it (``cuda=False``).
 
@@ -51,7 +51,7 @@ Sections (each fits in a few minutes on an H100):
   ``forward / backward``. The calls of a group are timed in turn, ``--rounds`` times (``ms``: the
   median over rounds).
 * ``--section sparsek``: the SparseK operator, Triton kernel vs the PyTorch path (forward, forward +
-  backward), after checking they agree; decides ``sparse_k.sparsek.AUTO_TRITON_ON_CUDA``.
+  backward), after checking they agree; decides ``sparse_k.selection.sparsek.AUTO_TRITON_ON_CUDA``.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -78,7 +78,7 @@ import torch
 
 import sparse_k
 from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry, torch_sparse_attention
-from sparse_k.ops import block_attn
+from sparse_k.attention.ops import block_attn
 
 B_PREFILL, HQ, HKV = 1, 32, 8
 
@@ -282,9 +282,9 @@ def _inputs(B, S, D, dtype, dev, seed):
 
 
 def ran(fn):
-    """``(fn(), label)``: the kernels ``sparse_k.plan`` named for the launches of one call of ``fn``
+    """``(fn(), label)``: the kernels ``sparse_k.attention.plan`` named for the launches of one call of ``fn``
     (``plan.recording``), e.g. "cuda_sm90_structured" or "cuda_sm90_structured / cuda_sm90_structured_bwd"."""
-    from sparse_k import plan
+    from sparse_k.attention import plan
 
     with plan.recording() as seen:
         result = fn()
@@ -298,7 +298,7 @@ def _is_cuda(label: str) -> bool:
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.plan import plan_tiles
+    from sparse_k.attention.plan import plan_tiles
 
     tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False,
                        bigbird_block=p.block if isinstance(p, sparse_k.BigBird) else None)  # the backend's tiles
@@ -322,7 +322,7 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
         row["error"] = "correctness check failed: row void"
     row["tflops_ours"] = flops / row["ours_ms"] / 1e9 if row["ours_ms"] else None
     if ok and _is_cuda(row["kernel"]):  # the portable Triton kernel beside it, same inputs
-        from sparse_k import dispatch
+        from sparse_k.attention import dispatch
 
         triton_call = lambda: dispatch.attention_forward(q, k, v, layout, scale=scale, cuda=False)
         row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
@@ -375,7 +375,7 @@ def _token_fwd_rows(args, results):
             q, k, v = _inputs(1, S, D, dtype, dev, S + 5)
             geo = row_geometry(1, S, S, None, device=dev)
             sel = token_selection(1, S, S, p_tok, dev)
-            from sparse_k.plan import plan_tiles
+            from sparse_k.attention.plan import plan_tiles
 
             tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=True)
             rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k  # the backend's own tiles
@@ -391,7 +391,7 @@ def _token_fwd_rows(args, results):
             if row["err_large"] < TOL:
                 row["ours_ms"] = bench(lambda: block_attn(q, k, v, lay, scale=D ** -0.5, selection=sel, pack=pack))
                 row["tflops_ours"] = 4.0 * pairs * D / row["ours_ms"] / 1e9
-                from sparse_k import dispatch
+                from sparse_k.attention import dispatch
 
                 if _is_cuda(row["token_kernel"]):  # the Triton token kernel too, for comparison
                     row["token_triton_ms"] = bench(lambda: dispatch.attention_forward(
@@ -406,7 +406,7 @@ def _token_fwd_rows(args, results):
             row["sw3072_ms"] = sw_ms
             row["sw3072_tflops"] = sw_flops / sw_ms / 1e9
             if _is_cuda(row["sw3072_kernel"]):  # the Triton sliding-window kernel too
-                from sparse_k import dispatch
+                from sparse_k.attention import dispatch
 
                 row["sw3072_triton_ms"] = bench(
                     lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=D ** -0.5, cuda=False))
@@ -449,7 +449,7 @@ def section_bwd(args, results):
 def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
     """Which backward kernel runs (``plan``'s name, recorded on the same inputs) and, for a CUDA one, the
     Triton backward beside it on the same inputs (gradients compared, then timed)."""
-    from sparse_k import dispatch
+    from sparse_k.attention import dispatch
 
     with torch.no_grad():
         out, lse = block_attn(q, k, v, layout, scale=scale)
@@ -471,7 +471,7 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton")
     do = torch.randn_like(out)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.plan import tile_config
+    from sparse_k.attention.plan import tile_config
 
     bm, bn = (128, 128) if isinstance(p, sparse_k.BigBird) else tile_config(D, "cuda", True)
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
@@ -532,8 +532,8 @@ def _decode_token_row(q, k, v, S, D, B, row):
     out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
     ref = sparse_k.sparse_attention(q, k, v, p, backend="torch", selection=sel)
     row["err"] = rel_err(out, ref)
-    from sparse_k import dispatch
-    from sparse_k.plan import plan_tiles, split_count
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.plan import plan_tiles, split_count
 
     tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
     rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
@@ -593,7 +593,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
     keys = min(S, args.window + (args.sinks if name == "streaming" else 0)) if name != "dense" else S
     nbytes = 2 * B * HKV * keys * D * k.element_size()
     if row["err"] < TOL:
-        from sparse_k.plan import plan_tiles, split_count
+        from sparse_k.attention.plan import plan_tiles, split_count
 
         tiles = plan_tiles(q_len=1, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False)
         rows_, pack, bn = tiles.block_q, tiles.pack, tiles.block_k
@@ -626,7 +626,7 @@ def _decode_row(p, name, q, k, v, S, D, B, row, args):
 
 def section_tune(args, results):
     """Sweep tile shapes, warps, stages and TMA for the sliding-window forward (first of --seqlens)."""
-    from sparse_k import dispatch
+    from sparse_k.attention import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -675,7 +675,7 @@ def section_tune(args, results):
 
 def section_tune_bwd(args, results):
     """Sweep tile shapes, warps and stages of the backward (sliding window, first of --seqlens)."""
-    from sparse_k import dispatch
+    from sparse_k.attention import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -750,8 +750,9 @@ def section_tune_structured(args, results):
     dense / sliding_window / streaming: the structured kernel over ``STRUCTURED_VARIANTS``; other
     patterns (bigbird): the layout path over ``LAYOUT_VARIANTS`` (each with its own layout; Flex gets
     the 128x128 one)."""
-    from sparse_k import dispatch, triton_structured
-    from sparse_k.pattern_codes import STRUCTURED_PATTERNS, pattern_code
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.triton import structured as triton_structured
+    from sparse_k.attention.pattern_codes import STRUCTURED_PATTERNS, pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -845,8 +846,9 @@ def section_tune_structured_bwd(args, results):
 
     Every variant's gradients are compared with the layout path's (itself checked against the float64
     reference by ``--section bwd`` and the GPU tests)."""
-    from sparse_k import dispatch, triton_structured_bwd
-    from sparse_k.pattern_codes import pattern_code
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.triton import structured_bwd as triton_structured_bwd
+    from sparse_k.attention.pattern_codes import pattern_code
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -908,7 +910,8 @@ def section_tune_structured_bwd(args, results):
 
 def section_l2(args, results):
     """Program order vs L2 behaviour (timing here; hit rates from ncu over ``--single-launch``)."""
-    from sparse_k import dispatch, resolve_l2_segment
+    from sparse_k import resolve_l2_segment
+    from sparse_k.attention import dispatch
 
     dev, dtype, D = "cuda", torch.bfloat16, args.head_dims[0]
     S = args.seqlens[0]
@@ -1093,7 +1096,7 @@ SPARSEK_SHAPES = ((192, 4096, 256), (4096, 32768, 2048))  # (rows = B*Hkv*query 
 def section_sparsek(args, results, dev="cuda"):
     """The SparseK operator (``sparse_k.sparsek``): Triton kernel vs the PyTorch path, forward and
     forward + backward, float32 scores; rows = SmolLM2 at 4K (3 KV heads x 64 query blocks) and a
-    Llama-size layer at 32K (8 x 512). Decides ``sparsek.AUTO_TRITON_ON_CUDA``."""
+    Llama-size layer at 32K (8 x 512). Decides ``selection.sparsek.AUTO_TRITON_ON_CUDA``."""
     from sparse_k import sparsek
 
     for rows, n, k in SPARSEK_SHAPES:

@@ -11,7 +11,8 @@ writes (``<module>`` is the kernel name with ``-`` replaced by ``_``, here ``spa
     DIR/build.toml                      the configuration (with ``--repo-id`` applied)
     DIR/torch-ext/<module>/             kernel-builder source layout (the shipped kernel_src/ files)
     DIR/build/torch-<backend>/          one noarch build variant per backend of build.toml:
-        __init__.py, api.py, ...        the kernel_src/ files whose extension is in ``pyext``
+        __init__.py, api.py, ...        the kernel_src/ tree's files whose extension is in ``pyext`` (its
+        layouts/, attention/, ...       subpackages and the CUDA sources in attention/cuda/csrc/ included)
         _ops.py                         torch op namespace ``_<module>_<backend>_<unique id>`` and
                                         ``add_op_namespace_prefix``
         metadata.json                   name, id, version, license, backend, python-depends

@@ -20,10 +20,10 @@ import time
 import sparse_k
 import torch
 import triton.testing
-from sparse_k import cuda_decode as cd
-from sparse_k import cuda_structured as cs
-from sparse_k import cuda_structured_bwd as cb
-from sparse_k import cuda_token as ct
+from sparse_k.attention.cuda import decode as cd
+from sparse_k.attention.cuda import structured as cs
+from sparse_k.attention.cuda import structured_bwd as cb
+from sparse_k.attention.cuda import token as ct
 
 TREE = os.environ.get("TREE", "?")
 

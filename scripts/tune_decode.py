@@ -55,7 +55,7 @@ def _us(ms):
 
 
 def part_decode(args, rows):
-    from sparse_k import dispatch
+    from sparse_k.attention import dispatch
 
     dev, dtype, B, D, S = args.device, args.dtype, 8, 128, args.kv_len
     g = torch.Generator(device=dev).manual_seed(S + 1)
@@ -163,7 +163,7 @@ def part_decode(args, rows):
 
 
 def part_token(args, rows):
-    from sparse_k import dispatch
+    from sparse_k.attention import dispatch
 
     dev, dtype, D, S = args.device, args.dtype, 128, args.seqlen
     p_tok = get_pattern("sparse_k", sinks=0, window=1024, top_k=2048, query_block=128)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sparse_k as sk
 import torch
-from sparse_k.cuda_build import sm90_available
+from sparse_k.attention.cuda.build import sm90_available
 
 
 def random_pattern(name: str, rng: torch.Generator | None = None, *, causal: bool = True, max_len: int = 256) -> sk.Pattern:
@@ -102,6 +102,28 @@ def random_slots(B: int, Hkv: int, NB: int, S: int, K: int, weights: bool, g: to
         w = torch.rand(B, Hkv, NB, K, device="cuda", generator=g)
         w = torch.where(torch.rand(w.shape, device="cuda", generator=g) < 0.1, torch.zeros_like(w), w)
     return idx, cnt, w
+
+
+def random_token_layout(B: int, Hkv: int, Sq: int, Skv: int, query_block: int, top_k: int, geo, gen: torch.Generator,
+                        weights: bool = True, device="cpu") -> sk.TokenLayout:
+    """A ``TokenLayout`` on ``device`` for ``Sq`` queries placed by ``geo`` (a ``RowGeometry``): per (row,
+    KV head, query block) a random count in [0, top_k] of distinct sorted keys of ``[0, Skv)`` (int32,
+    -1 padded); with ``weights``, weights in [0, 1) of which about a fifth are exactly 0."""
+    qpos = geo.q_positions(Sq).expand(B, Sq).cpu()
+    first = torch.div(qpos[:, 0], query_block, rounding_mode="floor")
+    NB = int((torch.div(qpos[:, -1], query_block, rounding_mode="floor") - first).max()) + 1
+    idx = torch.full((B, Hkv, NB, top_k), -1, dtype=torch.int32)
+    cnt = torch.randint(0, top_k + 1, (B, Hkv, NB), generator=gen, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            for n in range(NB):
+                keys = torch.randperm(Skv, generator=gen)[:top_k].sort().values
+                idx[b, h, n, : cnt[b, h, n]] = keys[: cnt[b, h, n]].int()
+    w = None
+    if weights:
+        w = torch.rand(B, Hkv, NB, top_k, generator=gen) * (torch.rand(B, Hkv, NB, top_k, generator=gen) > 0.2)
+        w = w.to(device)
+    return sk.TokenLayout(idx.to(device), cnt.to(device), query_block, first.to(device), w)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

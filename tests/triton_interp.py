@@ -35,8 +35,9 @@ KERNEL_TEST = pytest.mark.interpreted_kernel_test
 
 
 #: Kernel modules that import the shared Triton device functions, and the modules that hold those.
-ATTENTION_KERNELS = ("triton_fwd", "triton_bwd", "triton_structured", "triton_structured_bwd")
-SHARED_KERNEL_MODULES = ("triton_rules",)
+ATTENTION_KERNELS = ("attention.triton.fwd", "attention.triton.bwd", "attention.triton.structured",
+                     "attention.triton.structured_bwd")
+SHARED_KERNEL_MODULES = ("attention.triton.rules",)
 
 
 def _compiled_mode(module) -> bool:
@@ -59,7 +60,7 @@ def import_kernels(*names: str) -> tuple[bool, bool, list]:
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
-        # The attention kernels share the device functions of ``triton_rules``: imported (and, where
+        # The attention kernels share the device functions of ``attention.triton.rules``: imported (and, where
         # needed, reloaded) first, so that the kernel modules bind the interpreted ones.
         shared = [n for n in SHARED_KERNEL_MODULES if n not in names and any(x in ATTENTION_KERNELS for x in names)]
         modules = [importlib.import_module(f"sparse_k.{name}") for name in (*shared, *names)]

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 
 import torch
 from sparse_k import row_geometry, sparse_attention
-from sparse_k.selectors import selection_blocks, selection_from_scores
-from sparse_k.transformers_adapter import _sparse_config, layer_pattern
+from sparse_k.selection.selectors import selection_blocks, selection_from_scores
+from sparse_k.integrations.transformers_adapter import _sparse_config, layer_pattern
 
 from ..configure import configure
 from ..integration import key_mask
@@ -76,7 +76,7 @@ def oracle_selection(pattern, query: torch.Tensor, key: torch.Tensor, scale: flo
     ``key (B, Hkv, S, D)``.
 
     The mass ``M (B, Hkv, NB, S)`` is ``training.distill.block_attention_mass`` (the distillation target);
-    the layout comes from ``sparse_k.selectors.selection_from_scores``. ``kept``/``total``: the mass of
+    the layout comes from ``sparse_k.selection.selectors.selection_from_scores``. ``kept``/``total``: the mass of
     each block's own queries on the selected keys / on all candidates, summed over blocks and heads.
     """
     B, _, S, _ = query.shape

@@ -22,7 +22,7 @@ import random
 
 import torch
 from sparse_k import SparseKScorer, row_geometry
-from sparse_k.selectors import selection_blocks
+from sparse_k.selection.selectors import selection_blocks
 
 __all__ = ["block_attention_mass", "distill_blocks", "distill_loss"]
 

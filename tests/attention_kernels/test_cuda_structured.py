@@ -1,4 +1,4 @@
-"""The Hopper CUDA structured forward (``sparse_k.cuda_structured``) against the exact float64 reference.
+"""The Hopper CUDA structured forward (``sparse_k.attention.cuda.structured``) against the exact float64 reference.
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 Tolerance: relative Frobenius error; bf16 operands with P rounded to 16 bits before P V give
@@ -19,8 +19,8 @@ from helpers import (
     structured_case_id,
     structured_pattern,
 )
-from sparse_k import cuda_structured as cs
 from sparse_k import reference_attention, row_geometry
+from sparse_k.attention.cuda import structured as cs
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

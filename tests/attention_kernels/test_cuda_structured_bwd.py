@@ -1,4 +1,4 @@
-"""The Hopper CUDA structured backward (``sparse_k.cuda_structured_bwd``) against float64 autograd.
+"""The Hopper CUDA structured backward (``sparse_k.attention.cuda.structured_bwd``) against float64 autograd.
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 The backward gets the exact forward's output (rounded to the input dtype) and natural-log LSE, and
@@ -21,8 +21,8 @@ from helpers import (
     structured_case_id,
     structured_pattern,
 )
-from sparse_k import cuda_structured_bwd as cb
 from sparse_k import reference_attention, row_geometry
+from sparse_k.attention.cuda import structured_bwd as cb
 
 TOL = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
 
@@ -35,7 +35,7 @@ def _case_inputs(B, Hq, Hkv, S, dtype, seed):
 
 def _stats(do, out, lse):
     """``(delta, lse2)`` the CUDA backward reads, from the Triton preparation pass (as ``dispatch`` does)."""
-    from sparse_k.triton_bwd import bwd_preprocess
+    from sparse_k.attention.triton.bwd import bwd_preprocess
 
     return bwd_preprocess(do, out, lse)
 

@@ -1,4 +1,4 @@
-"""The Hopper CUDA token-layout forward (``sparse_k.cuda_token``) against the exact float64 reference.
+"""The Hopper CUDA token-layout forward (``sparse_k.attention.cuda.token``) against the exact float64 reference.
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 Tolerance: relative Frobenius error, as ``test_cuda_structured``: bf16 operands with P rounded to 16
@@ -13,8 +13,9 @@ import pytest
 import sparse_k
 import torch
 from helpers import VIEW_LAYOUTS, bshd_views, nan_bshd, needs_sm90, random_slots, rel_err
-from sparse_k import get_pattern, plan, reference_attention, row_geometry
-from sparse_k import cuda_token as ct
+from sparse_k import get_pattern, reference_attention, row_geometry
+from sparse_k.attention import plan
+from sparse_k.attention.cuda import token as ct
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

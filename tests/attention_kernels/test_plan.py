@@ -1,4 +1,4 @@
-"""Which kernel runs a launch (``sparse_k.plan``): the decision table on CPU and meta tensors with an
+"""Which kernel runs a launch (``sparse_k.attention.plan``): the decision table on CPU and meta tensors with an
 explicit ``Capability`` (every branch of ``plan_forward`` / ``plan_decode`` / ``plan_backward``), the
 switch, the geometry rules; on an sm_90 GPU, that the kernels the plan names are the ones that run
 (``plan.recording``) and match the reference."""
@@ -6,10 +6,17 @@ switch, the geometry rules; on an sm_90 GPU, that the kernels the plan names are
 import pytest
 import torch
 from helpers import needs_sm90, rel_err
-from sparse_k import plan, row_geometry
-from sparse_k.geometry import plain_geometry
-from sparse_k.plan import Capability, Launch, plan_backward, plan_decode, plan_forward
-from sparse_k.token_layout import TokenLayout
+from sparse_k import row_geometry
+from sparse_k.attention import plan
+from sparse_k.attention.plan import (
+    Capability,
+    Launch,
+    plan_backward,
+    plan_decode,
+    plan_forward,
+)
+from sparse_k.layouts.geometry import plain_geometry
+from sparse_k.layouts.token_layout import TokenLayout
 
 ON = Capability(device_ok=True)  # an sm_90 GPU with nvcc, SPARSE_K_CUDA unset, nothing failed to build
 BF16 = torch.bfloat16
@@ -205,6 +212,8 @@ def _backward_cases():
                          ("structured=False", _launch(structured=False))):
         yield name, launch, grads(launch), ON, "triton_layout_bwd"
     yield "pack and splits do not matter", _launch(pack=2, num_splits=2), grads(base), ON, "cuda_sm90_structured_bwd"
+    viewed = _launch(out=_t(2, 8, 300))  # the forward wrote into a caller's view: the backward only reads it
+    yield "forward into a caller's view", viewed, grads(viewed), ON, "cuda_sm90_structured_bwd"
 
 
 @pytest.mark.parametrize("name, launch, tensors, cap, kernel", list(_backward_cases()),
@@ -217,7 +226,7 @@ def test_backward_plan_table(name, launch, tensors, cap, kernel):
 def test_structured_rule_is_the_same_both_ways():
     """The forward's structured launches are the backward's structured launches with one head per
     program and one split: one rule (``pattern_codes.structured_pattern``)."""
-    from sparse_k.pattern_codes import structured_pattern
+    from sparse_k.attention.pattern_codes import structured_pattern
 
     for pid in range(7):
         for causal in (True, False):
@@ -336,8 +345,9 @@ def test_recording_collects_what_dispatch_records():
 def test_block_attn_dispatches_to_cuda_and_matches_triton(name, kw):
     """Plain causal bf16 self-attention goes to the CUDA kernel; its output matches the Triton kernel's
     (same inputs) and the float64 reference. bf16 operands: 1e-3..1e-2 relative (design §10)."""
-    from sparse_k import build_block_layout, dispatch, get_pattern, reference_attention
-    from sparse_k.ops import block_attn
+    from sparse_k import build_block_layout, get_pattern, reference_attention
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.ops import block_attn
 
     S, D = 1001, 128
     q = torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16)
@@ -360,7 +370,7 @@ def test_autograd_path_uses_cuda_forward_and_backward():
     """Through the custom op with gradients (the training path) the plain geometry reaches the dispatch
     of both passes: the CUDA forward and the CUDA backward run; gradients match the float64 reference's."""
     from sparse_k import build_block_layout, get_pattern, reference_attention
-    from sparse_k.ops import block_attn
+    from sparse_k.attention.ops import block_attn
 
     S, D = 777, 128
     p = get_pattern("streaming", window=200, sinks=32)
@@ -405,7 +415,7 @@ def _view(shape, strides, dtype=torch.bfloat16, offset=0):
 def test_tma_view_rule(shape, strides, dtype, offset, expected):
     """The stride rule of the CUDA kernels' inputs, on CPU tensors (it reads strides and the data pointer
     only); ``tensors_ok`` applies it after the device checks."""
-    from sparse_k.cuda_contract import tma_view_ok
+    from sparse_k.attention.cuda.contract import tma_view_ok
 
     if strides[0] >= 2**39:  # no storage that large: a meta tensor has the strides (and data pointer 0)
         t = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
@@ -419,7 +429,7 @@ def test_output_follows_query_order():
     """Outputs of the forward kernels take q's memory order: (B, S, H, D) storage for transposed
     queries (so a Transformers layer's transpose back is free), contiguous otherwise and where both
     orders are one (H = 1 or S = 1)."""
-    from sparse_k.memory_order import new_output, sequence_major
+    from sparse_k.attention.memory_order import new_output, sequence_major
 
     bshd = torch.empty(2, 37, 8, 128, dtype=torch.float16).transpose(1, 2)
     out = new_output(bshd)
@@ -443,7 +453,7 @@ def test_flash_api_bshd_reaches_cuda_without_copies(monkeypatch, dtype):
     B, S, Hq, Hkv, W = 2, 1001, 8, 2, 300
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(B, S, h, 128, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
-    from sparse_k import cuda_structured
+    from sparse_k.attention.cuda import structured as cuda_structured
 
     made = []  # the CUDA launcher's own output: flash_attn_func must return it as it is (no copy)
     real = cuda_structured.cuda_structured_forward

@@ -86,36 +86,6 @@ def test_head_dims_softcap_padding(D):
         assert rel(a, b) < 2 * TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("q_len", [1, 5, 16])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_strided_cache(q_len, group):
-    """Decode against a Transformers-style cache (B, S_max, Hkv, D) viewed as (B, Hkv, S, D), no copies."""
-    B, Hkv, S_max, D = 3, 2, 5000, 128
-    Hq = Hkv * group
-    g = torch.Generator(device="cuda").manual_seed(q_len * 10 + group)
-    cache_k = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    cache_v = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    q = torch.randn(B, Hq, q_len, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = cache_k.transpose(1, 2), cache_v.transpose(1, 2)
-    sink = torch.randn(Hq, device="cuda")
-    for p in (get_pattern("sliding_window", window=1000), get_pattern("streaming", sinks=4, window=700), get_pattern("dense")):
-        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", sink_logits=sink)
-        ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", sink_logits=sink.double())
-        assert rel(out, ref) < TOL[torch.bfloat16], p
-
-
-def test_flash_kvcache_decode():
-    B, S_max, Hkv, Hq, D = 2, 4096, 2, 8, 64
-    g = torch.Generator(device="cuda").manual_seed(7)
-    kc = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
-    vc = torch.randn(B, S_max, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
-    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.float16, generator=g)
-    lens = torch.tensor([1000, 3001], device="cuda")
-    out = sparse_k.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, window_size=(511, 0), backend="triton")
-    ref = sparse_k.flash_attn_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=lens, causal=True, window_size=(511, 0), backend="reference")
-    assert rel(out, ref) < TOL[torch.float16]
-
-
 def test_large_window_matches_torch_path():
     S, D = 32768, 128
     q, k, v = _inputs(1, 32, 8, S, S, D, torch.bfloat16, seed=3)
@@ -134,7 +104,7 @@ def test_bounded_compiles_over_30_lengths():
     """30 different sequence lengths compile a bounded number of forward variants (Triton's
     divisibility-by-16 specialisation of the sizes; the layout path also ``Skv % BLOCK_N``), never one
     per length: the structured kernel (sliding_window) and the layout kernel (dilated)."""
-    from sparse_k import triton_fwd, triton_structured
+    from sparse_k.attention.triton import fwd as triton_fwd, structured as triton_structured
 
     g = torch.Generator().manual_seed(0)
     lengths = sorted(set(torch.randint(600, 6000, (40,), generator=g).tolist()))[:30]
@@ -182,8 +152,8 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     """The structured forward at its inference tiles (128x128, TMA) with left padding and a key hole,
     and the structured backward at its GPU tile shapes (default, atomic dQ, TMA reduce-add dQ, TMA loads),
     against float64 autograd of the reference."""
-    from sparse_k import triton_structured_bwd
-    from sparse_k.pattern_codes import pattern_code
+    from sparse_k.attention.triton import structured_bwd as triton_structured_bwd
+    from sparse_k.attention.pattern_codes import pattern_code
 
     B, Hq, Hkv, D = 2, 8, 2, 128
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=len(pattern.name))
@@ -199,7 +169,7 @@ def test_structured_forward_and_backward_bf16(pattern, S):
     do = torch.randn_like(out)
     refs = torch.autograd.grad(ref, leaves, do.double())
     pid, params = pattern_code(pattern)
-    from sparse_k.triton_structured import structured_forward
+    from sparse_k.attention.triton.structured import structured_forward
 
     o, lse = structured_forward(q, k, v, geo, pattern_id=pid, params=params, causal=pattern.causal, scale=D ** -0.5,
                                 block_m=64, block_n=64, sink_logits=sink, key_mask=mask)
@@ -218,8 +188,8 @@ def test_token_layout_inference_packed_bf16(fast):
     """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
     with left padding, sinks and window, against the float64 reference, with and without the far-tile
     shortcut (``sel_fast``)."""
-    from sparse_k import dispatch
-    from sparse_k.plan import selection_prefill_config
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.plan import selection_prefill_config
 
     B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
@@ -249,53 +219,9 @@ def test_token_layout_inference_packed_bf16(fast):
     assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
 
 
-def test_decode_split_merge_under_cuda_graph():
-    """Split-KV decode captured in CUDA graphs: on a fresh stream (no counters: the combine kernel
-    merges) and on a stream that ran the call before (its counters exist: the last split program
-    merges in place); replayed with new queries, eager launches in between; each replay against the
-    float64 reference."""
-    from sparse_k import dispatch, launch_buffers
-
-    B, Hq, Hkv, S, D = 4, 16, 4, 9000, 128
-    _, k, v = _inputs(B, Hq, Hkv, 1, S, D, torch.bfloat16, seed=11)
-    p = get_pattern("streaming", sinks=4, window=2000)
-    geo = row_geometry(B, 1, S, None, device="cuda")
-    lay = sparse_k.build_block_layout(p, 1, S, geo, block_q=4, block_k=64, num_kv_heads=Hkv)
-    q_static = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-    sink = torch.randn(Hq, device="cuda")
-
-    def call():
-        return dispatch.attention_forward(q_static, k, v, lay, scale=D ** -0.5, pack=4, num_splits=6, sink_logits=sink)
-
-    call()  # compile and load the kernel outside the captures (default stream)
-    torch.cuda.synchronize()
-    graphs = []
-    for warm in (False, True):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        if warm:
-            with torch.cuda.stream(stream):
-                call()
-            assert (str(torch.device("cuda", torch.cuda.current_device())), stream.cuda_stream) in launch_buffers._COUNTERS
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out, _ = call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs.append((graph, out))
-    for i in range(3):
-        q_static.copy_(torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16))
-        ref, _ = reference_attention(q_static.double(), k.double(), v.double(), p, geo, scale=D ** -0.5,
-                                     sink_logits=sink.double())
-        for graph, out in graphs:
-            graph.replay()
-            assert rel(out, ref) < TOL[torch.bfloat16], i
-        eager, _ = call()
-        assert rel(eager, ref) < TOL[torch.bfloat16], i
-
-
 def test_bigbird_block128_prefill_on_64_tiles():
     """Bigbird with blocks of 128 runs 64x64 tiles at prefill (``bigbird_tiles``), bf16 vs float64."""
-    from sparse_k.plan import bigbird_tiles
+    from sparse_k.attention.plan import bigbird_tiles
 
     p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
     B, Hq, Hkv, S, D = 1, 8, 2, 1280, 128

@@ -21,13 +21,16 @@ from triton_interp import (
     run_file_interpreted,
 )
 
-HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd", "triton_bwd", "triton_structured", "triton_structured_bwd")
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd", "attention.triton.bwd", "attention.triton.structured", "attention.triton.structured_bwd")
 if HAVE_TRITON:
     triton_fwd, triton_bwd, triton_structured, triton_structured_bwd = _kernels
 
 import sparse_k
-from sparse_k import block_layout, build_block_layout, dispatch, get_pattern, launch_buffers, reference_attention, row_geometry
-from sparse_k.pattern_codes import pattern_code
+from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
+from sparse_k.layouts import block_layout
+from sparse_k.attention import dispatch
+from sparse_k.attention.pattern_codes import pattern_code
+from helpers import random_token_layout
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -160,7 +163,7 @@ def test_transposed_views_without_copies(name, monkeypatch):
     structured kernels; block_diagonal: the layout path). The output comes back in (B, S, H, D) order
     (so the adapter's ``transpose(1, 2).contiguous()`` copies nothing), the backward receives the
     strided dO itself, and the leaves' gradients are contiguous and match the float64 reference's."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS[name]
     g = torch.Generator().manual_seed(13 + len(name))
@@ -187,7 +190,7 @@ def test_dispatch_runs_what_the_plan_names():
     """``dispatch`` launches the kernel ``plan`` names for the launch (recorded by ``plan.recording``,
     equal to ``plan_forward`` / ``plan_backward`` asked directly), and every one matches the reference:
     structured, layout and split-KV forwards, structured and layout-path backwards."""
-    from sparse_k import plan
+    from sparse_k.attention import plan
 
     g = torch.Generator().manual_seed(5)
     B, Hq, Hkv, S, D = 1, 4, 2, 37, 16
@@ -227,82 +230,6 @@ def test_gqa_packing(pack):
     o, _ = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack)
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert rel(o, ro) < TOL32
-
-
-@_SUBPROCESS_ONLY
-@pytest.mark.parametrize("q_len", [1, 3, 16])
-def test_decode_split_kv_strided_cache(q_len):
-    """Split-KV decode over a (B, S_max, Hkv, D) cache read through a transposed view; sink added once."""
-    g = torch.Generator().manual_seed(q_len)
-    B, Hq, Hkv, S_max, D = 2, 4, 1, 70, 16
-    cache_k, cache_v = rand(B, S_max, Hkv, D, gen=g), rand(B, S_max, Hkv, D, gen=g)
-    k, v = cache_k.transpose(1, 2), cache_v.transpose(1, 2)
-    q = rand(B, Hq, q_len, D, gen=g)
-    sink = rand(Hq, gen=g)
-    mask = torch.ones(B, S_max, dtype=torch.bool, device=DEV)
-    mask[1, 50:] = False  # row 1 holds 50 keys (a StaticCache-like tail)
-    for p in (PATTERNS["streaming"], PATTERNS["dense"]):
-        out = triton_attn(q, k, v, p, sink_logits=sink, attention_mask=mask, q_start=torch.tensor([S_max - q_len, 50 - q_len], device=DEV))
-        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", sink_logits=sink, attention_mask=mask, q_start=torch.tensor([S_max - q_len, 50 - q_len], device=DEV))
-        assert rel(out, ref) < TOL32
-    geo = row_geometry(B, q_len, S_max, None, device=DEV)
-    lay = _layout(PATTERNS["sliding_window"], q_len, S_max, geo, Hkv, bq=4)
-    for splits in (1, 2, 5):
-        o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=4, num_splits=splits, sink_logits=sink)
-        ro, rl = reference_attention(q, k, v, PATTERNS["sliding_window"], geo, scale=D ** -0.5, sink_logits=sink)
-        assert rel(o, ro) < TOL32
-        assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
-
-
-@_SUBPROCESS_ONLY
-@pytest.mark.parametrize("fuse", [True, False])
-def test_decode_split_merge_fused_and_separate(fuse):
-    """Split-KV merge in the last split program (fused) or in the combine kernel: every output row
-    written (NaN-poisoned first), sink added once, counters back at zero for the next launch."""
-    g = torch.Generator().manual_seed(31 + fuse)
-    B, Hq, Hkv, S, D = 2, 4, 2, 83, 16
-    k, v = rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
-    sink = rand(Hq, gen=g)
-    p = get_pattern("streaming", sinks=3, window=29)
-    for q_len, splits in ((1, 3), (5, 4), (16, 7)):
-        q = rand(B, Hq, q_len, D, gen=g)
-        geo = row_geometry(B, q_len, S, None, device=DEV)
-        lay = _layout(p, q_len, S, geo, Hkv, bq=8)
-        ro, rl = reference_attention(q, k, v, p, geo, scale=D ** -0.5, sink_logits=sink)
-        for _ in range(2 if q_len == 1 else 1):  # the second launch must find the counters reset
-            out = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
-            o, lse = dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=splits,
-                                                sink_logits=sink, out=out, fuse_combine=fuse)
-            assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
-            assert rel(o, ro) < TOL32
-            assert torch.allclose(lse.double(), rl, atol=LSE_ATOL)
-        if fuse:
-            assert not launch_buffers.split_counters(torch.device(DEV), 1).any()
-
-
-def test_decode_tiles_are_powers_of_two_for_every_group_size():
-    """tl.arange needs BLOCK_M = rows * pack to be a power of two, whatever the GQA group (3 for SmolLM2)."""
-    from sparse_k.plan import decode_config
-
-    for group in range(1, 17):
-        for q_len in range(1, 17):
-            for head_dim in (64, 128, 256):
-                rows, pack, _ = decode_config(q_len, group, "cuda", head_dim)
-                m = rows * pack
-                assert group % pack == 0 and rows >= q_len and m >= 16 and m & (m - 1) == 0, (group, q_len, rows, pack)
-
-
-@_SUBPROCESS_ONLY
-@pytest.mark.parametrize("hq, hkv", [(6, 2), (9, 3), (12, 2)])
-def test_decode_with_odd_gqa_groups(hq, hkv):
-    """Decode through the backend with groups of 3 and 6 query heads per KV head."""
-    g = torch.Generator().manual_seed(hq)
-    B, S, D = 1, 45, 16
-    q, k, v = rand(B, hq, 1, D, gen=g), rand(B, hkv, S, D, gen=g), rand(B, hkv, S, D, gen=g)
-    for p in (PATTERNS["streaming"], PATTERNS["sliding_window"]):
-        out = triton_attn(q, k, v, p)
-        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference")
-        assert rel(out, ref) < TOL32
 
 
 @_SUBPROCESS_ONLY
@@ -380,8 +307,8 @@ def test_tma_descriptors_and_contiguous_runs():
 
 @_SUBPROCESS_ONLY
 def test_why_unsupported(monkeypatch):
-    from sparse_k.api import AttentionCall
-    from sparse_k.triton_backend import why_unsupported
+    from sparse_k.attention.backends import AttentionCall
+    from sparse_k.attention.triton.backend import why_unsupported
 
     q = torch.randn(1, 2, 8, 24, device=DEV)
     geo = row_geometry(1, 8, 8, None, device=DEV)
@@ -401,7 +328,7 @@ def test_pattern_without_kernel_rule_falls_back():
     """A model's own window around streaming (``WithinWindow``, Gemma 2's local layers) has no kernel rule:
     the backend refuses it by name and the call runs exactly on the PyTorch path (no KeyError)."""
     from sparse_k import Streaming
-    from sparse_k.transformers_adapter import WithinWindow
+    from sparse_k.integrations.transformers_adapter import WithinWindow
 
     p = WithinWindow(base=Streaming(sinks=2, window=5), window=10)
     g = torch.Generator().manual_seed(18)
@@ -430,7 +357,7 @@ def test_bigbird_misaligned_falls_back():
 def test_custom_op_registration():
     """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema, fake-tensor
     and autograd-registration tests (the last needs inputs that require grad)."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(9)
@@ -449,7 +376,7 @@ def test_custom_op_fake_follows_query_order():
     """The fake of ``sparse_k::block_attn_fwd`` allocates its output by the kernels' rule
     (``memory_order.new_output``): for transposed (B, S, H, D) inputs a (B, S, H, D)-ordered output,
     which opcheck's fake-tensor test compares with the kernel's strides."""
-    from sparse_k import ops
+    from sparse_k.attention import ops
 
     p = PATTERNS["streaming"]
     g = torch.Generator().manual_seed(19)
@@ -463,27 +390,6 @@ def test_custom_op_fake_follows_query_order():
     torch.library.opcheck(ops.block_attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def _random_selection(B, Hkv, Sq, Skv, query_block, top_k, geo, gen, weights=True):
-    """A ``TokenLayout`` with random sorted keys per (row, KV head, query block); some weights zero."""
-    from sparse_k import TokenLayout
-
-    qpos = geo.q_positions(Sq).expand(B, Sq)
-    first = torch.div(qpos[:, 0], query_block, rounding_mode="floor")
-    NB = int((torch.div(qpos[:, -1], query_block, rounding_mode="floor") - first).max()) + 1
-    idx = torch.full((B, Hkv, NB, top_k), -1, dtype=torch.int32)
-    cnt = torch.randint(0, top_k + 1, (B, Hkv, NB), generator=gen, dtype=torch.int32)
-    for b in range(B):
-        for h in range(Hkv):
-            for n in range(NB):
-                keys = torch.randperm(Skv, generator=gen)[:top_k].sort().values
-                idx[b, h, n, : cnt[b, h, n]] = keys[: cnt[b, h, n]].int()
-    w = None
-    if weights:
-        w = torch.rand(B, Hkv, NB, top_k, generator=gen) * (torch.rand(B, Hkv, NB, top_k, generator=gen) > 0.2)
-        w = w.to(DEV)
-    return TokenLayout(idx.to(DEV), cnt.to(DEV), query_block, first.to(DEV), w)
-
-
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_token_layout_forward_backward_with_weight_grad(softcap):
@@ -492,7 +398,7 @@ def test_token_layout_forward_backward_with_weight_grad(softcap):
     B, Hq, Hkv, Sq, Skv, D, QB = 2, 4, 2, 37, 53, 16, 8
     p = get_pattern("sparse_k", sinks=2, window=7, top_k=12, query_block=QB)
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
-    sel = _random_selection(B, Hkv, Sq, Skv, QB, 12, geo, g)
+    sel = random_token_layout(B, Hkv, Sq, Skv, QB, 12, geo, g, device=DEV)
     sel.weights.requires_grad_()
     q, k, v = (t.requires_grad_() for t in (rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)))
     sink = rand(Hq, gen=g).requires_grad_()
@@ -517,7 +423,7 @@ def test_token_layout_weight_grad_with_frozen_qkv():
     B, Hq, Hkv, Sq, Skv, D, QB = 1, 4, 2, 29, 41, 16, 8
     p = get_pattern("sparse_k", sinks=2, window=7, top_k=10, query_block=QB)
     geo = row_geometry(B, Sq, Skv, None, device=DEV)
-    sel = _random_selection(B, Hkv, Sq, Skv, QB, 10, geo, g)
+    sel = random_token_layout(B, Hkv, Sq, Skv, QB, 10, geo, g, device=DEV)
     sel.weights.requires_grad_()
     q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
     out = triton_attn(q, k, v, p, selection=sel)
@@ -530,21 +436,6 @@ def test_token_layout_weight_grad_with_frozen_qkv():
     (ref_grad,) = torch.autograd.grad(ref, w64, do.double())
     assert rel(out, ref) < TOL32
     assert rel(grad, ref_grad) < 5 * TOL32
-
-
-@_SUBPROCESS_ONLY
-def test_token_layout_decode_split():
-    """Decode with a selection: packed heads, split-KV over block tiles and selected keys together."""
-    g = torch.Generator().manual_seed(23)
-    B, Hq, Hkv, Skv, D, QB = 2, 8, 2, 90, 16, 16
-    p = get_pattern("dsa", sinks=1, window=9, top_k=20, query_block=QB)
-    for q_len in (1, 4):
-        geo = row_geometry(B, q_len, Skv, None, device=DEV)
-        sel = _random_selection(B, Hkv, q_len, Skv, QB, 20, geo, g, weights=False)
-        q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
-        out = triton_attn(q, k, v, p, selection=sel)
-        ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", selection=sel)
-        assert rel(out, ref) < TOL32
 
 
 @_SUBPROCESS_ONLY
@@ -601,7 +492,7 @@ def test_token_layout_index_prefetch(q_len, splits, pack, dtype):
     B, Hq, Hkv, Skv, D, QB, K = 2, 8, 2, 71, 16, 4, 45  # QB 4: rows of two selection blocks share a tile
     p = get_pattern("sparse_k", sinks=2, window=5, top_k=K, query_block=QB)
     geo = row_geometry(B, q_len, Skv, None, device=DEV)
-    sel = _random_selection(B, Hkv, q_len, Skv, QB, K, geo, g)
+    sel = random_token_layout(B, Hkv, q_len, Skv, QB, K, geo, g, device=DEV)
     q, k, v = (rand(*s, gen=g, dtype=dtype) for s in ((B, Hq, q_len, D), (B, Hkv, Skv, D), (B, Hkv, Skv, D)))
     lay = _layout(p, q_len, Skv, geo, Hkv, bq=16 // pack)
     ref = sparse_k.sparse_attention(q.double(), k.double(), v.double(), p, backend="reference", selection=sel)
@@ -726,32 +617,13 @@ def test_structured_backward(name):
 def test_selection_prefill_config():
     """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
     power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
-    from sparse_k.plan import selection_prefill_config, tile_config
+    from sparse_k.attention.plan import selection_prefill_config, tile_config
 
     for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
         assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
     for d in (64, 256):
         assert selection_prefill_config(4, "cuda", d) == (tile_config(d, "cuda", False)[0], 1, tile_config(d, "cuda", False)[1])
     assert selection_prefill_config(4, "cpu", 128)[1] == 1
-
-
-def test_decode_split_count_fills_one_wave(monkeypatch):
-    """Split-KV factor: one wave of programs over the SMs for contiguous key tiles, two with gathered
-    (token-layout) keys, never more splits than tiles, at least one."""
-    from types import SimpleNamespace
-
-    from sparse_k.plan import split_count
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
-    dev = torch.device("cuda")
-    assert split_count(64, 66, dev) == 2  # B=8 x 8 KV heads, window 4096 in 64-key tiles
-    assert split_count(64, 33, dev, gathered=True) == 4  # top-2048 + the query's own tile
-    assert split_count(8, 66, dev) == 16
-    assert split_count(8, 5, dev) == 5
-    assert split_count(500, 66, dev) == 1
-    assert split_count(1, 10_000, dev) == 64
-
-
 
 
 @_SUBPROCESS_ONLY

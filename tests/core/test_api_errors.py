@@ -88,10 +88,10 @@ def test_reference_refuses_a_dense_mask_it_cannot_hold():
     kv = torch.zeros(1, 1, 1, 64).expand(1, 8, S, 64)
     with pytest.raises(ValueError, match=r"1 x 32 x 40000 x 40000 = 51,200,000,000 entries \(409.6 GB each\).*backend='torch'"):
         sk.sparse_attention(q, kv, kv, "streaming", backend="reference")
-    limit = sk.reference.REFERENCE_MAX_ENTRIES
-    sk.reference.check_reference_size(1, 1, 1 << 14, limit >> 14)  # at the limit: accepted
+    limit = sk.attention.reference.REFERENCE_MAX_ENTRIES
+    sk.attention.reference.check_reference_size(1, 1, 1 << 14, limit >> 14)  # at the limit: accepted
     with pytest.raises(ValueError, match="over its limit"):
-        sk.reference.check_reference_size(1, 1, 1 << 14, (limit >> 14) + 1)
+        sk.attention.reference.check_reference_size(1, 1, 1 << 14, (limit >> 14) + 1)
     small = torch.randn(1, 2, 5, 8)
     out = sk.sparse_attention(small, small, small, "dense", backend="reference")
     assert out.shape == small.shape

@@ -1,5 +1,7 @@
 """Imports flow one way: no import cycles among the modules of ``sparse_k`` (``kernel_src/``) and
-``hf_sparse_attention/``, and no import from the core up into the user layer.
+``hf_sparse_attention/``, no import from the core up into the user layer, and inside ``sparse_k`` no
+import from a lower layer up into a higher one (``LAYERS``); the Triton and CUDA kernel packages never
+import each other, and the subpackages' ``__init__.py`` files import nothing.
 
 The graph is read from the source with ``ast`` (nothing is imported): module-level and
 function-level ``import`` / ``from ... import`` statements, relative or absolute (``sparse_k.x``),
@@ -15,6 +17,20 @@ import pathlib
 ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "kernel_src").is_dir())  # the repository
 #: Package name -> source folder.
 PACKAGES = {"sparse_k": ROOT / "kernel_src", "hf_sparse_attention": ROOT / "hf_sparse_attention"}
+
+#: The layers of ``sparse_k``, lowest first: a module imports its own layer and the layers below,
+#: never one above. A layer is a list of module prefixes (a subpackage covers its modules).
+LAYERS = (
+    ("base", ("sparse_k.warn", "sparse_k._ops")),  # one-time warnings; the hub build's op namespace
+    ("layouts", ("sparse_k.layouts",)),  # patterns, row geometry, block and token layouts
+    ("attention", ("sparse_k.attention",)),  # reference, torch path, plan, dispatch, Triton and CUDA kernels
+    ("selection", ("sparse_k.selection",)),  # learned selection: SparseK, scorers, selectors, page selection
+    ("entry points", ("sparse_k.api", "sparse_k.flash_api")),  # sparse_attention, the FlashAttention-style API
+    ("integrations", ("sparse_k.integrations",)),  # model config schema, Transformers adapter, hub entry
+    ("package", ("sparse_k",)),  # sparse_k/__init__.py: re-exports the public names
+)
+#: Kernel packages that never import each other (the plan and dispatch choose between them).
+SEPARATE = ("sparse_k.attention.triton", "sparse_k.attention.cuda")
 
 
 def module_files(packages: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
@@ -146,6 +162,38 @@ def _describe(cycles: list[list[str]]) -> str:
     return "; ".join(" -> ".join(c) for c in cycles)
 
 
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """Index in ``layers`` of the layer holding ``module`` (its longest matching prefix), else None.
+    The root package (``layers``' shortest prefix) holds only its ``__init__``."""
+    best, length = None, -1
+    for i, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            inside = module == prefix or ("." in prefix and module.startswith(prefix + "."))
+            if inside and len(prefix) > length:
+                best, length = i, len(prefix)
+    return best
+
+
+def layer_violations(graph: dict[str, set[str]], root: str, layers=LAYERS, separate=SEPARATE) -> list[str]:
+    """``"a -> b (why)"`` for every import of ``root``'s modules that goes up a layer or across
+    ``separate`` packages, and ``"a: in no layer"`` for a module ``layers`` does not place."""
+    out = []
+    for module in sorted(m for m in graph if m == root or m.startswith(root + ".")):
+        mine = layer_of(module, layers)
+        if mine is None:
+            out.append(f"{module}: in no layer")
+            continue
+        for target in sorted(graph[module]):
+            theirs = layer_of(target, layers)
+            if theirs is not None and theirs > mine:
+                out.append(f"{module} -> {target} ({layers[mine][0]} imports {layers[theirs][0]})")
+            for a in separate:
+                for b in separate:
+                    if a != b and (module + ".").startswith(a + ".") and (target + ".").startswith(b + "."):
+                        out.append(f"{module} -> {target} ({a} imports {b})")
+    return out
+
+
 def test_no_import_cycles():
     cycles = find_cycles(import_graph(PACKAGES))
     assert not cycles, f"import cycles: {_describe(cycles)}"
@@ -156,6 +204,39 @@ def test_core_does_not_import_the_user_layer():
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("sparse_k")
                     for t in targets if t.startswith("hf_sparse_attention"))
     assert not upward, f"sparse_k imports hf_sparse_attention: {upward}"
+
+
+def test_sparse_k_imports_flow_down_its_layers():
+    violations = layer_violations(import_graph(PACKAGES), "sparse_k")
+    assert not violations, "imports against sparse_k's layers (tests/core/test_import_graph.py LAYERS):\n" + "\n".join(violations)
+
+
+def test_subpackage_inits_import_nothing():
+    """A subpackage's ``__init__.py`` says what the package computes and re-exports nothing (a
+    re-export would import its modules with the package, and could close a cycle)."""
+    inits = sorted(p for p in PACKAGES["sparse_k"].rglob("__init__.py") if p.parent != PACKAGES["sparse_k"])
+    assert len(inits) >= 6, inits
+    for path in inits:
+        tree = ast.parse(path.read_text(), str(path))
+        assert ast.get_docstring(tree), f"{path} has no docstring"
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not imports, f"{path} imports (line {imports[0].lineno if imports else 0}); keep package __init__ files empty"
+
+
+def test_layer_check_finds_upward_and_cross_imports():
+    """The layer check on a made-up graph: an upward import, an import across the separate kernel
+    packages and a module in no layer are reported; downward and same-layer imports are not."""
+    layers = (("low", ("p.low",)), ("high", ("p.high", "p.top")), ("package", ("p",)))
+    graph = {
+        "p": {"p.high.a", "p.low.x"}, "p.low.x": {"p.low.y"}, "p.low.y": set(), "p.high.a": {"p.low.x", "p.top"},
+        "p.top": set(), "p.high.k1.f": {"p.high.k2.g"}, "p.high.k2.g": set(), "p.stray": set(),
+    }
+    assert layer_violations(graph, "p", layers, ("p.high.k1", "p.high.k2")) == [
+        "p.high.k1.f -> p.high.k2.g (p.high.k1 imports p.high.k2)", "p.stray: in no layer",
+    ]
+    graph["p.low.y"] = {"p.top"}
+    assert layer_violations(graph, "p", layers, ()) == ["p.low.y -> p.top (low imports high)", "p.stray: in no layer"]
+    assert layer_of("p", layers) == 2 and layer_of("p.lowish", layers) is None and layer_of("p.low.x", layers) == 0
 
 
 def test_graph_reader_sees_every_kind_of_import(tmp_path):

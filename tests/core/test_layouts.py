@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparse_k as sk
-from sparse_k.reference import pattern_mask
+from sparse_k.attention.reference import pattern_mask
 
 
 def _check(p, B, Sq, Skv, bq, bk, mask, q_start=None, Hkv=2, layer=1):

@@ -109,7 +109,7 @@ def test_bigbird_random_blocks_are_deterministic_distinct_and_outside_window_and
             assert set(picks) <= set(cands)
     # Decode equals recompute: the table for a prefix of query blocks is a prefix of the table
     # (the cache relies on it: it builds for more query blocks and slices).
-    from sparse_k.patterns import _bigbird_random_table
+    from sparse_k.layouts.patterns import _bigbird_random_table
 
     assert torch.equal(p.random_table(3, 4, 10), t1[:, :10])
     assert torch.equal(_bigbird_random_table(p, 3, 4, 10, None, None), t1[:, :10])

@@ -16,9 +16,9 @@ import pytest
 import torch
 from triton_interp import KERNEL_TEST, ON_GPU, import_kernels, run_file_interpreted
 
-HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd")
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd")
 
-from sparse_k import step_state  # noqa: E402
+from sparse_k.selection import step_state  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
 PROMPT, STEPS = 25, 6  # steps cross the query-block boundary at position 28
@@ -83,7 +83,7 @@ def test_interpreter_suite_in_subprocess():
 def _model(variant, monkeypatch):
     transformers = pytest.importorskip("transformers")
     import hf_sparse_attention
-    import sparse_k.selectors as selectors
+    import sparse_k.selection.selectors as selectors
     from hf_sparse_attention.selectors import attach_selectors, create_selectors
 
     if variant == "sparse_k_prefix_scan":  # decode steps have more candidates than 2 * top_k + PREFIX_CHUNK
@@ -189,7 +189,7 @@ def test_static_cache_decode_under_cuda_graphs(variant, monkeypatch):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (the Triton SparseK kernel under Inductor)")
 def test_triton_sparsek_with_a_mask_compiles():
     """``sparsek`` with a bool candidate mask under Inductor (the mask reaches the kernel as uint8)."""
-    from sparse_k.sparsek import sparsek
+    from sparse_k.selection.sparsek import sparsek
 
     g = torch.Generator(device="cuda").manual_seed(0)
     u = torch.randn(2, 3, 97, device="cuda", generator=g)

@@ -1,4 +1,4 @@
-"""The Hopper CUDA token-layout decode (``sparse_k.cuda_decode``) against the exact float64 reference.
+"""The Hopper CUDA token-layout decode (``sparse_k.attention.cuda.decode``) against the exact float64 reference.
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 Tolerance: relative Frobenius error as ``test_cuda_token`` (bf16 inputs 2e-2, fp16 4e-3: the kernel
@@ -14,8 +14,10 @@ import pytest
 import sparse_k
 import torch
 from helpers import needs_sm90, random_slots, rel_err
-from sparse_k import cuda_decode as cd
-from sparse_k import geometry, get_pattern, plan, reference_attention, row_geometry
+from sparse_k import get_pattern, reference_attention, row_geometry
+from sparse_k.attention import plan
+from sparse_k.attention.cuda import decode as cd
+from sparse_k.layouts import geometry
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

@@ -20,13 +20,15 @@ import pytest
 import torch
 from triton_interp import KERNEL_TEST, ON_GPU, import_kernels, run_file_interpreted
 
-HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_fwd")
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd")
 if HAVE_TRITON:
     (triton_fwd,) = _kernels
 
 import sparse_k
-from sparse_k import TokenLayout, block_layout, dispatch, get_pattern, row_geometry
-from sparse_k.decode_layout import DecodeLayout, decode_layout, decode_tile_bound
+from sparse_k import TokenLayout, get_pattern, row_geometry
+from sparse_k.layouts import block_layout
+from sparse_k.attention import dispatch
+from sparse_k.attention.decode_layout import DecodeLayout, decode_layout, decode_tile_bound
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 _SUBPROCESS_ONLY = KERNEL_TEST  # not collected where IN_PROCESS is False (conftest): the subprocess runs them
@@ -216,7 +218,7 @@ def _module(pattern: dict):
 def test_adapter_decode_steps_read_nothing_on_the_host(pattern):
     """``attention_forward`` decode steps (plain, left-padded, static-cache slots) read nothing from the
     device and build no layout; the padded mask is checked for holes once per mask tensor, not per layer."""
-    from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+    from sparse_k.integrations.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
 
     mod = _module(pattern)
     g = torch.Generator().manual_seed(3)
@@ -241,7 +243,7 @@ def test_adapter_decode_steps_read_nothing_on_the_host(pattern):
 @_SUBPROCESS_ONLY
 def test_static_slots_mask_places_queries_after_the_last_written_slot():
     """A StaticCache's uint8 slot mask: the adapter's result equals attention over the written prefix."""
-    from sparse_k.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+    from sparse_k.integrations.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
 
     g = torch.Generator().manual_seed(8)
     B, Hq, Hkv, D, S = 2, 4, 2, 16, 64
@@ -324,7 +326,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     """After a few warm-up steps, 200 decode steps over a growing cache (kv_len through every residue
     mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel."""
     monkeypatch.setenv("SPARSE_K_CUDA", "0")  # the Triton kernels, whatever the CUDA gate would take
-    from sparse_k import triton_structured
+    from sparse_k.attention.triton import structured as triton_structured
 
     p = {"sliding_window": get_pattern("sliding_window", window=256), "streaming": get_pattern("streaming", sinks=4, window=256),
          "dense": get_pattern("dense")}[name]

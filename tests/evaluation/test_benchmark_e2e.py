@@ -42,7 +42,7 @@ def test_tiny_model_rows_are_checked_and_complete(tmp_path):
             assert r["prefill_ms"] > 0
         else:
             assert r["decode_ms_per_token"] > 0 and r["compiles_in_timed_steps"] == 0
-        # The kernel label comes from sparse_k.plan: on the CPU every sparse call runs the PyTorch path
+        # The kernel label comes from sparse_k.attention.plan: on the CPU every sparse call runs the PyTorch path
         # (one plan per layer); sdpa goes around sparse_k (no plan) and the CPU run has no profiler.
         kernel = r[f"{r['phase']}_attention_kernel"]
         assert kernel == (None if r["variant"] == "sdpa" else f"torch x{2 if r['phase'] == 'prefill' else 4}"), r

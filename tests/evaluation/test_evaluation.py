@@ -596,7 +596,7 @@ def test_budget_fraction_matches_brute_force_count():
     # Learned pattern: count the real selection of a (random) SparseK scorer on random keys; it takes
     # min(top_k, candidates) keys per block, as the budget states. (The training-free selection takes
     # whole pages of 16 candidates, so it may take fewer than top_k while a block has few candidates.)
-    from sparse_k.scorers import SparseKScorer
+    from sparse_k.selection.scorers import SparseKScorer
 
     pat = sparse_k.SparseK(sinks=4, window=24, top_k=16, query_block=16)
     torch.manual_seed(0)

@@ -187,7 +187,10 @@ def test_layout_matches_kernel_builder_noarch(hub_dir, build_cfg):
     # Shipped: every file of kernel_src/ with an extension of pyext, except _ops.py (each variant gets its own).
     pyext = build_cfg["torch-noarch"].get("pyext", ["py"])
     shipped = {rel for rel in _files(REPO / "kernel_src") if rel.suffix[1:] in pyext and rel != Path("_ops.py")}
-    assert Path("__init__.py") in shipped and any(rel.name == "hub_attention.py" for rel in shipped)
+    assert Path("__init__.py") in shipped and Path("integrations/hub_attention.py") in shipped
+    sources = {p.name for p in (REPO / "kernel_src" / "attention" / "cuda" / "csrc").iterdir()}
+    assert {"structured_fwd_sm90.cu", "sm90_common.cuh", "sm90_torch.h", "decode_sm90.cpp"} <= sources
+    assert {Path("attention/cuda/csrc") / name for name in sources} <= shipped  # the CUDA sources ship
     assert _files(hub_dir / "torch-ext" / "sparse_k") == shipped
     allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
     ids = set()
@@ -239,7 +242,8 @@ def test_unique_id_follows_the_shipped_content(tmp_path):
     for out in ("a", "b"):
         proc = run_builder(root, tmp_path / out)
         assert proc.returncode == 0, proc.stderr
-    (root / "kernel_src" / "__init__.py").write_text((root / "kernel_src" / "__init__.py").read_text() + "\n")
+    header = root / "kernel_src" / "attention" / "cuda" / "csrc" / "sm90_common.cuh"  # a subfolder's file counts too
+    header.write_text(header.read_text() + "\n")
     proc = run_builder(root, tmp_path / "c", "--repo-id", "some-org/sparse-k")
     assert proc.returncode == 0, proc.stderr
     first, again, changed = (tmp_path / d for d in "abc")
@@ -282,15 +286,19 @@ def _custom_op_names(path: Path) -> tuple[list[str], list[str]]:
 def test_custom_ops_of_the_pip_package_and_the_hub_build_coexist(hub):
     """Ops registered under a fixed name (``"sparse_k::op"``) would clash as soon as the pip package
     and a hub build share a process; ``_ops.add_op_namespace_prefix`` gives each its own namespace."""
-    for path in sorted((REPO / "kernel_src").glob("*.py")):
+    registering = []
+    for path in sorted((REPO / "kernel_src").rglob("*.py")):
         prefixed, literal = _custom_op_names(path)
         assert literal == [], f"{path.name} registers {literal}: use _ops.add_op_namespace_prefix(...)"
         if not prefixed:
             continue
-        importlib.import_module(f"sparse_k.{path.stem}")
-        importlib.import_module(f"{hub.__name__}.{path.stem}")
+        module = ".".join(path.relative_to(REPO / "kernel_src").with_suffix("").parts)
+        registering.append(module)
+        importlib.import_module(f"sparse_k.{module}")
+        importlib.import_module(f"{hub.__name__}.{module}")
         for name in prefixed:
             assert hasattr(torch.ops.sparse_k, name) and hasattr(getattr(torch.ops, hub.__name__), name), name
+    assert "attention.ops" in registering, registering  # the walk reaches the subpackages
 
 
 def test_transformers_takes_the_flash_attn_forward_route(hub):
@@ -380,7 +388,7 @@ def test_flash_attn_forward_reduces_the_sdpa_mask(hub, sq, filled, kv_len):
 
 
 def test_sdpa_mask_reduction_cases(monkeypatch):
-    reduce = sk.hub_attention.sdpa_mask_to_key_mask
+    reduce = sk.integrations.hub_attention.sdpa_mask_to_key_mask
     assert reduce(None, 2, 9, 9) == (None, None)
     assert reduce(None, 2, 1, 30) == (None, None)
     key_mask, q_start = reduce(None, 2, 5, 30)  # empty StaticCache prefill: sdpa aligns top-left
@@ -399,7 +407,7 @@ def test_sdpa_mask_reduction_cases(monkeypatch):
     uneven = torch.cat([_sdpa_mask(pad[:1], 3, 10, 20), _sdpa_mask(pad[1:], 3, 15, 20)])
     key_mask, q_start = reduce(uneven, 2, 3, 20)
     assert q_start.tolist() == [10, 15] and key_mask.shape == (2, 20)
-    monkeypatch.setattr(sk.hub_attention, "_CHUNK_ELEMENTS", 7)  # one query row per step
+    monkeypatch.setattr(sk.integrations.hub_attention, "_CHUNK_ELEMENTS", 7)  # one query row per step
     chunked_mask, chunked_start = reduce(uneven, 2, 3, 20)
     assert torch.equal(chunked_mask, key_mask) and torch.equal(chunked_start, q_start)
     bidirectional = _sdpa_mask(pad, 20, 0, 20).clone()

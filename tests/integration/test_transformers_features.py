@@ -9,7 +9,7 @@ import torch
 import hf_sparse_attention
 from hf_sparse_attention.integration import key_mask
 from sparse_k import get_pattern, masked_attention, row_geometry
-from sparse_k.transformers_adapter import WithinChunk, attention_forward, restrict_pattern
+from sparse_k.integrations.transformers_adapter import WithinChunk, attention_forward, restrict_pattern
 from tiny_models import VOCAB, one_thread, reference_logits, sparse_logits, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +111,7 @@ def test_packing_is_read_from_position_ids_once_per_forward(monkeypatch):
     """Every layer gets the forward's one ``position_ids`` tensor: the packed-sequence starts are read on the
     host once per forward (a synchronisation per layer would stall the GPU queue), and a new or modified
     tensor is read again."""
-    from sparse_k import transformers_adapter as adapter
+    from sparse_k.integrations import transformers_adapter as adapter
 
     model = tiny_model("llama", seed=16)
     assert model.config.num_hidden_layers > 1

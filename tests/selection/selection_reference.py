@@ -2,7 +2,7 @@
 comparison of a ``TokenLayout`` with it: shared by ``test_selectors.py`` and ``test_page_selection.py``."""
 
 import torch
-from sparse_k.sparsek import sparsek
+from sparse_k.selection.sparsek import sparsek
 
 
 def brute_force_topk(pattern, u_rows, geometry, Sq, Skv, B, H, weighted):

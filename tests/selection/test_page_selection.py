@@ -1,4 +1,4 @@
-"""The query-aware training-free selection (sparse_k.page_selection) against its definition, decode
+"""The query-aware training-free selection (sparse_k.selection.page_selection) against its definition, decode
 against recompute, the layout contract, and the GPU path without host synchronisation."""
 
 import warnings
@@ -6,8 +6,8 @@ import warnings
 import pytest
 import sparse_k
 import torch
-from sparse_k.page_selection import quest_layout  # noqa: F401  (the module under test)
-from sparse_k.selectors import build_selection
+from sparse_k.selection.page_selection import quest_layout  # noqa: F401  (the module under test)
+from sparse_k.selection.selectors import build_selection
 
 
 def _inputs(B, Hq, Hkv, S, D, seed, dtype=torch.float64):
@@ -115,7 +115,7 @@ def _quiet_build(*args, **kw):
     (2, 8, 2, 181, 9, 2, 14, 900, "rank"),    # 4 heads per group, 7 pages: unequal shares, chunks
 ])
 def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, reduce, monkeypatch):
-    import sparse_k.page_selection as ps
+    import sparse_k.selection.page_selection as ps
 
     if chunk is not None:
         monkeypatch.setattr(ps, "CHUNK_ELEMENTS", chunk)
@@ -150,8 +150,8 @@ def test_dsa_without_indexer_uses_the_same_selection():
 def test_decode_equals_recompute(prefill, reduce, monkeypatch):
     """A prefill then one token per call, the memo carrying each block's first query, padded row 1; a decode
     call inside the block of the call before it returns that call's layout (one selection per block)."""
-    import sparse_k.page_selection as ps
-    import sparse_k.selectors as sel
+    import sparse_k.selection.page_selection as ps
+    import sparse_k.selection.selectors as sel
 
     monkeypatch.setattr(ps, "HEAD_REDUCE", reduce)
 
@@ -230,13 +230,13 @@ def test_sparsek_prefix_scan_matches_definition(chunk, monkeypatch):
     exactly the definition's top-k, with its SparseK weights, padded rows included."""
     import math
 
-    import sparse_k.selectors as sel
+    import sparse_k.selection.selectors as sel
     from selection_reference import (
         assert_same_selection,
         brute_force_topk,
         layout_selection,
     )
-    from sparse_k.scorers import SparseKScorer
+    from sparse_k.selection.scorers import SparseKScorer
 
     monkeypatch.setattr(sel, "PREFIX_CHUNK", chunk)
     pattern = sparse_k.SparseK(sinks=3, window=13, top_k=6, query_block=8)
@@ -272,8 +272,8 @@ def test_dsa_page_preselection_matches_definition(monkeypatch):
     exact top-k inside the chosen pages; one selection shared by the KV heads."""
     import math
 
-    import sparse_k.selectors as sel
-    from sparse_k.scorers import LightningIndexer
+    import sparse_k.selection.selectors as sel
+    from sparse_k.selection.scorers import LightningIndexer
 
     page, factor = 4, 2
     monkeypatch.setattr(sel, "DSA_PRESELECT", True)
@@ -327,7 +327,7 @@ def test_dsa_page_preselection_matches_definition(monkeypatch):
 
 def test_fused_top_indices_equals_stable_sort():
     """The int64-key topk (the CUDA path) against the stable sort, with ties, -inf, +-0 and negatives."""
-    from sparse_k.selectors import _top_indices
+    from sparse_k.selection.selectors import _top_indices
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 7, 301, generator=g).round(decimals=1)  # many exact ties
@@ -360,7 +360,7 @@ def test_generate_equals_recompute_through_transformers(use_sparse_cache):
 def test_prefix_best_lists_matches_sequential_definition(n_chunks, Z, M):
     """The parallel prefix scan gives, for every chunk c, the M best positions of [0, c * Z) with ties to the
     earlier position and -inf scores never chosen: the definition, computed by a stable sort per prefix."""
-    from sparse_k.selectors import _prefix_best_lists
+    from sparse_k.selection.selectors import _prefix_best_lists
 
     gen = torch.Generator().manual_seed(1000 * n_chunks + 10 * Z + M)
     B, H, n = 2, 3, n_chunks * Z + 2

@@ -7,9 +7,9 @@ import pytest
 import sparse_k
 import torch
 from helpers import sparse_tiny_llama
-from sparse_k.decode_selection import SparseKDecodeState
-from sparse_k.scorers import LightningIndexer, SparseKScorer
-from sparse_k.selectors import build_selection, selection_from_scores, training_free_scores
+from sparse_k.selection.decode_selection import SparseKDecodeState
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
+from sparse_k.selection.selectors import build_selection, selection_from_scores, training_free_scores
 
 
 def _random_scorer(hkv, d, seed):
@@ -153,7 +153,7 @@ def test_dsa_cache_keeps_indexer_keys(monkeypatch, per_kv_head):
 def test_build_without_host_offsets_equals_host_build(monkeypatch):
     """The build path sized from bounds (offsets only on the device, as for a padded batch on a GPU)
     selects exactly what the host-sized build selects; only empty trailing blocks/slots differ."""
-    from sparse_k.geometry import RowGeometry
+    from sparse_k.layouts.geometry import RowGeometry
 
     pattern = sparse_k.SparseK(sinks=3, window=9, top_k=6, query_block=8)
     B, Hq, Hkv, S, D = 2, 4, 2, 75, 8

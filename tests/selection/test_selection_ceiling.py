@@ -8,9 +8,9 @@ import pytest
 import sparse_k
 import torch
 from helpers import tiny_llama
-from sparse_k.geometry import row_geometry
-from sparse_k.reference import masked_attention
-from sparse_k.selectors import selection_from_scores
+from sparse_k.layouts.geometry import row_geometry
+from sparse_k.attention.reference import masked_attention
+from sparse_k.selection.selectors import selection_from_scores
 
 from hf_sparse_attention.evaluation import oracle as mod
 

@@ -11,8 +11,8 @@ from selection_reference import (
     brute_force_topk,
     layout_selection,
 )
-from sparse_k.scorers import LightningIndexer, SparseKScorer
-from sparse_k.selectors import build_selection, training_free_scores
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
+from sparse_k.selection.selectors import build_selection, training_free_scores
 
 
 def _inputs(B, Hq, Hkv, Sq, Skv, D, seed, dtype=torch.float32):
@@ -276,7 +276,7 @@ def test_untrained_scorer_ranks_by_small_key_norm():
     pattern = sparse_k.SparseK(sinks=2, window=8, top_k=5, query_block=8)
     q, k, v = _inputs(2, 4, 2, 77, 77, 6, seed=8)
     geo = sparse_k.row_geometry(2, 77, 77)
-    by_norm = sparse_k.selectors.selection_from_scores(pattern, training_free_scores(k)[:, :, None], geo, 77, 77)
+    by_norm = sparse_k.selection.selectors.selection_from_scores(pattern, training_free_scores(k)[:, :, None], geo, 77, 77)
     scored = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=SparseKScorer(2, 6))
     assert torch.equal(by_norm.indices, scored.indices)
 
@@ -353,7 +353,7 @@ def test_loading_without_or_with_bad_selectors_never_fails(tmp_path):
 
 
 def test_block_chunking_does_not_change_the_selection(monkeypatch):
-    import sparse_k.selectors as selectors_mod
+    import sparse_k.selection.selectors as selectors_mod
 
     pattern = sparse_k.SparseK(sinks=2, window=8, top_k=6, query_block=8)
     q, k, v = _inputs(2, 2, 2, 130, 130, 4, seed=21)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from sparse_k.sparsek import sparsek, sparsek_threshold
+from sparse_k.selection.sparsek import sparsek, sparsek_threshold
 
 
 def sort_reference(u: torch.Tensor, k: int) -> torch.Tensor:

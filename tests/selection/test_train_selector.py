@@ -153,7 +153,7 @@ def test_passkey_samples_mark_their_answer_queries(tiny_model):
 def test_distill_loss_is_zero_for_a_perfect_student():
     """The target is the dense block mass over the candidates: a student equal to log(mass) gives KL 0,
     and a uniform student does not."""
-    from sparse_k.scorers import SparseKScorer
+    from sparse_k.selection.scorers import SparseKScorer
 
     pattern = sparse_k.SparseK(sinks=1, window=6, top_k=3, query_block=4)
     g = torch.Generator().manual_seed(0)
@@ -183,7 +183,7 @@ def test_distill_loss_is_zero_for_a_perfect_student():
 def test_per_kv_head_dsa_distills_each_head_to_its_own_group():
     """Per-KV-head DSA: the target of KV head g is its own group's attention mass (KL 0 for a student
     equal to it, > 0 for the heads swapped)."""
-    from sparse_k.scorers import LightningIndexer
+    from sparse_k.selection.scorers import LightningIndexer
 
     pattern = sparse_k.DSA(sinks=1, window=6, top_k=3, query_block=1, indexer_heads=2, indexer_dim=4)
     g = torch.Generator().manual_seed(1)

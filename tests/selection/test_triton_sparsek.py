@@ -1,4 +1,4 @@
-"""The Triton SparseK kernels (``sparse_k.triton_sparsek``) against the PyTorch sort-based path.
+"""The Triton SparseK kernels (``sparse_k.selection.sparsek_triton``) against the PyTorch sort-based path.
 
 Without CUDA the kernels run under Triton's interpreter, set up by ``tests/triton_interp.py``:
 if triton was imported before this module could set ``TRITON_INTERPRET=1`` (e.g. through
@@ -26,11 +26,11 @@ from triton_interp import (
     run_file_interpreted,
 )
 
-HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("triton_sparsek")
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("selection.sparsek_triton")
 if HAVE_TRITON:
     (triton_sparsek,) = _kernels
 
-from sparse_k.sparsek import sparsek, sparsek_threshold
+from sparse_k.selection.sparsek import sparsek, sparsek_threshold
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -226,7 +226,7 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sparse_k import triton_sparsek as ts
+from sparse_k.selection import sparsek_triton as ts
 fwd = {"U": "*fp32", "M": "*u8", "K": "*i64", "P": "*fp32", "TAU": "*fp64", "FRAC": "*u8", "ITERS": "*i32",
        "n": "i32", "stride_u": "i32", "stride_m": "i32", "stride_p": "i32", "stride_f": "i32", "max_iters": "i32",
        "HAS_MASK": "constexpr", "WRITE_FRAC": "constexpr", "BLOCK": "constexpr"}

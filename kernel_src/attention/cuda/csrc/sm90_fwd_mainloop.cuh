@@ -1,0 +1,466 @@
+// The Hopper (sm_90a) forward mainloop shared by structured_fwd_sm90.cu (key tiles from the
+// structured block ranges) and token_fwd_sm90.cu (gathered tiles of selected keys in front of them).
+//
+// Work tile = 128 query rows of one (batch, query head); CTA = 3 warpgroups (384 threads):
+//   warpgroup 0  producer (in each kernel's file): loads the Q tile once and the K and V tiles into a
+//                kStages-deep ring, each slot guarded by a "full" mbarrier and an "empty" mbarrier
+//                (consumer release); K and V have separate barriers so a K slot is refilled as soon as
+//                Q K^T has read it.
+//   warpgroups 1, 2  consumers (fwd_consumer below), 64 query rows each: S = Q K^T with wgmma
+//                m64n128k16 (both operands in shared memory), online softmax in registers (log2
+//                domain, ex2.approx, row max over the 4 threads of a quad by shuffles, the row sum kept
+//                per thread and reduced once at the end), P converted to 16 bits in registers and
+//                O += P V with the register-A form of wgmma (V read N-major through the descriptor's
+//                transpose bit).
+// The consumer loop is software-pipelined by one tile: iteration j issues Q K_j^T and P_{j-1} V_{j-1}
+// back to back, waits for the first and runs the softmax of tile j while P_{j-1} V_{j-1} still runs;
+// the wait for that product, the O rescale (skipped in a warp whose row maxima all stayed) and the
+// conversion of P_j open iteration j+1 (written in one block after the softmax, ptxas hoists the wait
+// above the softmax). The two consumer warpgroups take turns issuing their matrix products (ping-pong,
+// two named barriers), so one warpgroup's softmax also overlaps the other's tensor-core work. The grid
+// is persistent: one CTA per multiprocessor walks the work tiles (query tile, head), and the producer
+// loads the next tile's Q and first K/V tiles while the consumers finish the last.
+//
+// Key tiles of a work tile, in order: GATHER only, `nsel` gathered tiles (each with per-slot logit
+// biases and first visible rows in the ring's side area, written by the producer with ordinary
+// stores), then the static tiles by arithmetic (the table of triton.structured's docstring): the
+// streaming sink tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is
+// full (every row sees every key: no element mask); every other static tile evaluates the element
+// rule per score.
+
+#pragma once
+
+#include <stdio.h>
+
+#include "sm90_common.cuh"
+#include "sm90_tma_host.h"
+
+namespace sk90f {
+
+using namespace sk90c;
+
+constexpr int kBlockM = 128;  // query rows per work tile
+constexpr int kBlockN = 128;  // keys per tile
+constexpr int kHeadDim = 128;
+constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 columns x 2 bytes
+constexpr int kTileBytes = 2 * kHalfBytes;  // 128 rows x 128 columns
+constexpr int kThreads = 384;
+constexpr int kStages = 3;  // K/V ring depth (two stages measured slower on the H100: docs/history.md)
+constexpr float kLn2 = 0.6931471805599453f;
+
+// What both forwards' kernels read; the token forward's Params extends it.
+struct FwdParams {
+  void* out;
+  long long osb, osh, oss;  // out's element strides (b, h, s)
+  float* lse;
+  int S;
+  int Hq;
+  int Hkv;
+  int num_q_tiles;
+  int pattern;  // 0 dense, 1 sliding_window, 2 streaming (all causal)
+  int window;   // W (dense: ignored)
+  int sinks;    // streaming only
+  float scale_log2;
+  int total_work;  // num_q_tiles * B * Hq
+};
+
+// The static key tiles of one query tile: `count` tiles, the sinks first.
+struct TileRange {
+  int s_lo, n_sink, n_lo, f_lo, f_hi, count;
+  __device__ __forceinline__ int tile(int it) const { return it < n_sink ? s_lo + it : n_lo + (it - n_sink); }
+  __device__ __forceinline__ bool masked(int it) const {
+    if (it < n_sink) return true;
+    const int t = n_lo + (it - n_sink);
+    return t < f_lo || t >= f_hi;
+  }
+};
+
+__device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m) {
+  const int qlo = m * kBlockM;
+  const int qhi = min(qlo + kBlockM, p.S) - 1;
+  int a_lo = 0, w_lo = 0;
+  int a_hi = min(p.S, qhi + 1);
+  const int w_hi = min(p.S, qlo + 1);
+  if (p.pattern != 0) {
+    a_lo = max(0, qlo - p.window + 1);
+    w_lo = max(0, qhi - p.window + 1);
+  }
+  a_hi = max(a_hi, a_lo);
+  TileRange r;
+  r.n_lo = a_lo / kBlockN;
+  const int n_hi = max(cdiv(a_hi, kBlockN), r.n_lo);
+  r.f_lo = min(max(cdiv(w_lo, kBlockN), r.n_lo), n_hi);
+  r.f_hi = min(max(w_hi / kBlockN, r.f_lo), n_hi);
+  r.s_lo = 0;
+  r.n_sink = 0;
+  if (p.pattern == 2) {
+    const int s_end = min(min(p.sinks, p.S), qhi + 1);
+    r.n_sink = max(min(cdiv(max(s_end, 0), kBlockN), r.n_lo), 0);
+  }
+  r.count = r.n_sink + (n_hi - r.n_lo);
+  return r;
+}
+
+// Work tile -> (query tile, batch*Hq + head): the query heads of one KV group on consecutive work
+// tiles (CTAs running together share K/V tiles, and gathered rows, in L2), then query tiles; dense
+// causal: longest query tiles first.
+__device__ __forceinline__ void work_coords(const FwdParams& p, int lin, int& m, int& bh) {
+  const int group = p.Hq / p.Hkv;
+  const int g = lin % group;
+  const int rest = lin / group;
+  m = rest % p.num_q_tiles;
+  bh = (rest / p.num_q_tiles) * group + g;
+  if (p.pattern == 0) m = p.num_q_tiles - 1 - m;
+}
+
+// Shared-memory addresses: kBarBytes of barriers (and side data) at the 1024-byte aligned base, then
+// the Q tile and the K and V rings.
+template <int kBarBytes>
+struct FwdSmem {
+  uint32_t bar_q, bar_qempty, bar_kfull, bar_vfull, bar_kempty, bar_vempty, sq, sk, sv;
+  static constexpr int kBytes = 1024 + kBarBytes + kTileBytes * (1 + 2 * kStages);  // with alignment slack
+  __device__ __forceinline__ explicit FwdSmem(uint32_t base)
+      : bar_q(base),                            // Q loaded
+        bar_qempty(base + 8),                   // Q read by both consumers' last Q K^T
+        bar_kfull(base + 16),                   // [kStages]
+        bar_vfull(bar_kfull + 8 * kStages),     // [kStages]
+        bar_kempty(bar_vfull + 8 * kStages),    // [kStages]
+        bar_vempty(bar_kempty + 8 * kStages),   // [kStages]
+        sq(base + kBarBytes),
+        sk(sq + kTileBytes),                    // [kStages] tiles
+        sv(sk + kStages * kTileBytes) {}        // [kStages] tiles
+
+  // Thread 0: the barriers; `full_count` arrivals complete a K or V slot.
+  __device__ __forceinline__ void init(uint32_t full_count) const {
+    mbar_init(bar_q, 1);
+    mbar_init(bar_qempty, 8);  // lane 0 of each of the 8 consumer warps
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_kfull + 8 * s, full_count);
+      mbar_init(bar_vfull + 8 * s, full_count);
+      mbar_init(bar_kempty + 8 * s, 8);
+      mbar_init(bar_vempty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+
+  // One thread: Q tile m of (b, h), once both consumers released the previous work tile's Q.
+  __device__ __forceinline__ void load_q(const CUtensorMap* tm_q, int local, int m, int h, int b) const {
+    if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
+    load_tile(sq, tm_q, bar_q, m * kBlockM, h, b);
+  }
+
+  // One thread: rows row .. row + 127 of (b, head) as a 128-byte-swizzled tile, completing on bar.
+  __device__ __forceinline__ static void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row,
+                                                   int head, int b) {
+    mbar_expect_tx(bar, kTileBytes);
+    tma_load_4d(dst, map, bar, 0, row, head, b);
+    tma_load_4d(dst + kHalfBytes, map, bar, 64, row, head, b);
+  }
+};
+
+// The two consumer warpgroups' loop over the work tiles. GATHER: the first nsel_of(m, bh) key tiles
+// of a work tile are gathered ones (the token forward): their ring slots carry per-slot logit biases
+// (sbias[stage][128]) and first visible local rows (sthr[stage][128]) written with ordinary stores,
+// so the consumers fence the async proxy after waiting for them and release their K slot only after
+// the softmax has read the side data. Else every key tile is static (nsel = 0).
+template <bool BF16, bool GATHER, int kBarBytes, class NSel>
+__device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<kBarBytes>& sm, const float* sbias,
+                                             const uint8_t* sthr, NSel nsel_of) {
+  const int lane = threadIdx.x % 32;
+  const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
+  const int wq = (threadIdx.x % 128) / 32;
+  const int g = lane / 4;
+  const int qd = lane % 4;
+  const float sl2 = p.scale_log2;
+  const int W = p.pattern == 0 ? 0x7fffffff : p.window;
+  const int sinks = p.pattern == 2 ? p.sinks : 0;
+  const int bar_mine = 1 + cw, bar_other = 2 - cw;
+  const uint32_t q_base = sm.sq + cw * 64 * 128;  // this warpgroup's 64 rows inside each column half
+  const int lrow0 = cw * 64 + wq * 16 + g;        // this thread's rows inside the tile: lrow0 and lrow0 + 8
+  const uint32_t sk = sm.sk, sv = sm.sv;
+
+  float o[64];
+  float s[64];
+  uint32_t pa[32];
+  float m0, m1, l0, l1;
+  int row0;
+  int nsel = 0;
+  TileRange tr;
+  auto gathered = [&](int it) { return GATHER && it < nsel; };
+
+  // Softmax of the scores in s (tile `it`, ring stage st): masks, updates m/l, leaves p in s.
+  auto softmax = [&](int it, int st, float& alpha0, float& alpha1) {
+    if (gathered(it)) {
+      const float* bb = sbias + st * kBlockN + 2 * qd;
+      const uint8_t* tt = sthr + st * kBlockN + 2 * qd;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 bj = *reinterpret_cast<const float2*>(bb + 8 * j);
+        const uchar2 tj = *reinterpret_cast<const uchar2*>(tt + 8 * j);
+        s[4 * j] = lrow0 >= tj.x ? s[4 * j] + bj.x : -INFINITY;
+        s[4 * j + 1] = lrow0 >= tj.y ? s[4 * j + 1] + bj.y : -INFINITY;
+        s[4 * j + 2] = lrow0 + 8 >= tj.x ? s[4 * j + 2] + bj.x : -INFINITY;
+        s[4 * j + 3] = lrow0 + 8 >= tj.y ? s[4 * j + 3] + bj.y : -INFINITY;
+      }
+    } else if (tr.masked(it - nsel)) {
+      const int key0 = tr.tile(it - nsel) * kBlockN + 2 * qd;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + (e & 1);
+          const int row = row0 + ((e >> 1) << 3);
+          const bool ok = key <= row && (row - key < W || key < sinks);
+          if (!ok) s[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * sl2);  // scale > 0: max(s) * scale == max(s * scale)
+    const float mn1 = fmaxf(m1, mx1 * sl2);
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    alpha0 = mn0 == m0 ? 1.f : ex2(m0 - ms0);  // exactly 1 when the row max did not change
+    alpha1 = mn1 == m1 ? 1.f : ex2(m1 - ms1);
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      s[4 * j] = ex2(fmaf(s[4 * j], sl2, -ms0));
+      s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], sl2, -ms0));
+      s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], sl2, -ms1));
+      s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], sl2, -ms1));
+      r0 += s[4 * j] + s[4 * j + 1];
+      r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * alpha0 + r0;
+    l1 = l1 * alpha1 + r1;
+    m0 = mn0;
+    m1 = mn1;
+  };
+
+  auto issue_qk = [&](int st) {
+    const uint32_t kb = sk + st * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
+      const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
+      wgmma_ss<BF16>(s, make_desc(q_base + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
+    }
+  };
+  auto issue_pv = [&](int st) {
+    const uint32_t vb = sv + st * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
+      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                     make_desc(vb + kk * 2048, kHalfBytes, 1024));
+    }
+  };
+  auto convert_p = [&]() {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      pa[2 * j] = pack2<BF16>(s[4 * j], s[4 * j + 1]);
+      pa[2 * j + 1] = pack2<BF16>(s[4 * j + 2], s[4 * j + 3]);
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) mbar_arrive(bar);
+  };
+  // a gathered tile's K slot carries its bias / row bytes: released after the softmax has read them
+  auto release_k_early = [&](int it, int st) {
+    if (!gathered(it)) release(sm.bar_kempty + 8 * st);
+  };
+  auto release_k_late = [&](int it, int st) {
+    if (gathered(it)) release(sm.bar_kempty + 8 * st);
+  };
+  // generic-proxy writes of a gathered tile (cp.async rows, side data) -> wgmma reads
+  auto fence_gathered = [&](int it) {
+    if (gathered(it)) fence_proxy_async();
+  };
+
+  if (cw == 1) named_arrive(bar_other, 256);  // consumer 0 issues first
+  int cnt = 0, local = 0;
+  for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+    int m, bh;
+    work_coords(p, w, m, bh);
+    tr = tile_range(p, m);
+    if (GATHER) nsel = nsel_of(m, bh);
+    const int ntiles = nsel + tr.count;
+    row0 = m * kBlockM + lrow0;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    m0 = -INFINITY;
+    m1 = -INFINITY;
+    l0 = 0.f;
+    l1 = 0.f;
+
+    // O *= alpha, not in a warp whose 16 rows all kept their max (alpha == 1)
+    auto rescale = [&](float a0, float a1) {
+      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          o[4 * j] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
+      }
+    };
+
+    mbar_wait(sm.bar_q, local & 1);
+    // prologue: tile 0's scores
+    float a0, a1;
+    {
+      const int st = cnt % kStages;
+      mbar_wait(sm.bar_kfull + 8 * st, (cnt / kStages) & 1);
+      fence_gathered(0);
+      named_sync(bar_mine, 256);
+      reg_fence(o);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(s);
+      release_k_early(0, st);
+      if (ntiles == 1) release(sm.bar_qempty);
+      softmax(0, st, a0, a1);
+      release_k_late(0, st);
+    }
+    for (int it = 1; it < ntiles; ++it) {
+      const int c = cnt + it;
+      const int st = c % kStages, pst = (c - 1) % kStages;
+      // the previous iteration's tail: P_{it-2} V_{it-2} ran during the softmax of tile it-1
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      if (it >= 2) release(sm.bar_vempty + 8 * ((c - 2) % kStages));
+      rescale(a0, a1);
+      convert_p();
+      mbar_wait(sm.bar_kfull + 8 * st, (c / kStages) & 1);
+      mbar_wait(sm.bar_vfull + 8 * pst, ((c - 1) / kStages) & 1);
+      fence_gathered(it - 1);  // tile it is gathered only if tile it - 1 is
+      named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_qk(st);
+      wg_commit();
+      issue_pv(pst);
+      wg_commit();
+      named_arrive(bar_other, 256);
+      wg_wait<1>();
+      reg_fence(s);
+      release_k_early(it, st);
+      if (it == ntiles - 1) release(sm.bar_qempty);
+      softmax(it, st, a0, a1);
+      release_k_late(it, st);
+    }
+    {
+      const int c = cnt + ntiles - 1;
+      const int pst = c % kStages;
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      if (ntiles >= 2) release(sm.bar_vempty + 8 * ((c - 1) % kStages));
+      rescale(a0, a1);
+      convert_p();
+      mbar_wait(sm.bar_vfull + 8 * pst, (c / kStages) & 1);
+      fence_gathered(ntiles - 1);
+      named_sync(bar_mine, 256);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_pv(pst);
+      wg_commit();
+      named_arrive(bar_other, 256);
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence(pa);
+      release(sm.bar_vempty + 8 * pst);
+    }
+    cnt += ntiles;
+
+    // ---------------- epilogue: O / l, lse
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const size_t head_row = static_cast<size_t>(bh) * p.S;
+    const int row1 = row0 + 8;
+    // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
+    uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
+    if (row0 < p.S) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
+    }
+    if (row1 < p.S) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
+    }
+  }
+  if (cw == 0) named_sync(bar_mine, 256);  // consumer 1's last arrive
+}
+
+// ------------------------------------------------------------------ host side
+// The fields of FwdParams, the q/k/v tensor maps and the persistent grid (one CTA per multiprocessor,
+// at most one per work tile). vs: the element strides (b, h, s) of q, k, v and out, 12 values. The
+// caller has checked the arguments. Returns false after writing a message to err.
+inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensorMap& tv, int& grid, const void* q,
+                        const void* k, const void* v, void* out, float* lse, const long long* vs, int B, int Hq,
+                        int Hkv, int S, bool bf16, int pattern, int window, int sinks, float scale, char* err,
+                        int errlen) {
+  using namespace sk90h;
+  EncodeTiledFn enc = get_encode_fn(err, errlen);
+  if (!enc) return false;
+  const ViewStrides st_q{vs[0], vs[1], vs[2]}, st_k{vs[3], vs[4], vs[5]}, st_v{vs[6], vs[7], vs[8]};
+  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
+    return false;
+  p.out = out;
+  p.osb = vs[9];
+  p.osh = vs[10];
+  p.oss = vs[11];
+  p.lse = lse;
+  p.S = S;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.num_q_tiles = (S + kBlockM - 1) / kBlockM;
+  p.pattern = pattern;
+  p.window = window;
+  p.sinks = sinks;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  const long long total = static_cast<long long>(p.num_q_tiles) * B * Hq;
+  if (total > 0x7fffffffLL) {
+    snprintf(err, errlen, "too many work tiles: %lld", total);
+    return false;
+  }
+  p.total_work = static_cast<int>(total);
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess || sms < 1) {
+    snprintf(err, errlen, "multiprocessor count: %s", cudaGetErrorString(e));
+    return false;
+  }
+  grid = p.total_work < sms ? p.total_work : sms;
+  return true;
+}
+
+}  // namespace sk90f

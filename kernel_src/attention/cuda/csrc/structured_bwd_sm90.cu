@@ -1,0 +1,484 @@
+// Hopper (sm_90a) backward for the structured causal patterns: dense, sliding_window, streaming.
+//
+// Contract (that of ``triton.structured_bwd.structured_backward`` for a plain self-attention
+// geometry): q, dO (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16, views with unit last stride and
+// strides of 16-byte multiples (4-D TMA maps); query head h reads KV head h / (Hq / Hkv). Query i sees
+// key j when j <= i and
+//   dense           always
+//   sliding_window  i - j < W
+//   streaming       i - j < W  or  j < sinks
+// Inputs from the preparation pass, padded to S_pad (a multiple of 64) rows per (batch, head):
+// lse2 = lse * log2(e) (+inf on rows that see no key and on the padding) and delta = rowsum(dO * O)
+// (0 on the padding), float32 (B, Hq, S_pad). Outputs: dk, dv (B, Hkv, S, 128) in the input dtype, views
+// with their own strides (16-byte multiples, unit last; scale applied to dk); dq_acc (B, Hq, S_pad, 128)
+// float32 contiguous, zeroed by the caller, receives scale * dS K by reduce-adds.
+//
+// One CTA = one 128-key tile of one (batch, KV head), 3 warpgroups (384 threads):
+//   warpgroup 0  producer. Warp 0 (one thread) loads the K and V tiles once (TMA, 128-byte swizzle),
+//                then for every (query head of the group, 64-row query tile that sees the keys) the Q
+//                and dO tiles (TMA) and the 64 lse2 / delta values (1-D bulk copies) into a
+//                kStages-deep ring ("full" mbarrier with transaction bytes, "empty" mbarrier released by
+//                the consumers). Warp 1 (one thread) reduce-adds each consumer's dQ block from
+//                shared memory into dq_acc (TMA cp.reduce.async.bulk.tensor, float32 add).
+//   warpgroups 1, 2  consumers, 64 keys each, dK and dV (64 x 128 each) accumulated in registers:
+//                S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands in shared memory),
+//                P^T = exp2(S^T * scale * log2 e - lse2) (element rule on masked tiles only),
+//                dV += P^T dO (register-A wgmma), dS^T = P^T (dP^T - delta), dK += dS^T Q (register
+//                A); dS^T is also stored to shared memory (rows = keys, 64 queries per 128-byte
+//                swizzled row, double-buffered); after a named barrier over both consumers each
+//                computes dQ[:, 64 c .. 64 c + 63] = dS K[:, 64 c ..] for the whole 128-key tile
+//                (wgmma, A and B both MN-major from shared memory). scale * dQ goes to shared memory
+//                for the TMA reduce-add.
+//   Pipelining: the next tile's S^T is issued right after this tile's dQ product, so the tensor cores run
+//                it while the consumer hands dQ over; dP^T is issued at the top of the iteration and
+//                runs during the exponentials. Nothing is in flight across the loop's back edge (ptxas
+//                serialises the wgmma pipeline otherwise).
+
+// Query tiles per key tile, by arithmetic (the table of triton.structured_bwd's docstring): the
+// queries that see some key of [kl, kh] are [kl, kh + W) (dense and sink tiles: [kl, S)); those that
+// see every key are [kh, kl + W) (none for a tile holding sink keys or past S), and only query tiles
+// outside that full run evaluate the element rule.
+//
+// The grid is (B * Hkv, key tiles): the longest CTAs (dense: early key tiles; streaming: the sink
+// tiles, which every later query sees) start first.
+//
+// This file needs no torch headers: sk90_structured_bwd takes raw pointers and a stream; torch's
+// binding lives in structured_bwd_sm90.cpp.
+
+#include <stdio.h>
+
+#include "sm90_common.cuh"
+#include "sm90_tma_host.h"
+
+namespace sk90b {
+using namespace sk90c;
+using namespace sk90h;
+
+constexpr int kBlockN = 128;  // keys per CTA
+constexpr int kBlockM = 64;   // query rows per step
+constexpr int kHeadDim = 128;
+constexpr int kThreads = 384;
+constexpr int kStages = 3;  // Q/dO ring depth (two stages measured slower on the H100: docs/history.md)
+constexpr int kKVHalf = 128 * 64 * 2;   // one K/V TMA box: 128 rows x 64 columns
+constexpr int kKVTile = 2 * kKVHalf;    // 32 KB
+constexpr int kQHalf = 64 * 64 * 2;     // one Q/dO TMA box: 64 rows x 64 columns
+constexpr int kQTile = 2 * kQHalf;      // 16 KB
+constexpr int kDSTile = 128 * 64 * 2;   // dS^T: 128 keys x 64 queries
+constexpr int kStatBytes = 2 * kBlockM * 4;  // lse2 + delta of one stage
+constexpr int kHeadBytes = 2048;             // mbarriers (first 256 bytes), then the lse2/delta ring
+constexpr int kDQBox = 64 * 32 * 4;          // one dQ reduce box: 64 rows x 32 float32 columns
+constexpr int kDQTile = 4 * kDQBox;          // 64 rows x 128 columns (warpgroup c: boxes 2c, 2c + 1)
+
+struct Params {
+  void* dk;
+  void* dv;
+  long long dkb, dkh, dks;  // dk's element strides (b, h, s)
+  long long dvb, dvh, dvs;  // dv's
+  float* dq_acc;
+  const float* lse2;
+  const float* delta;
+  int S;
+  int S_pad;
+  int Hq;
+  int Hkv;
+  int pattern;  // 0 dense, 1 sliding_window, 2 streaming (all causal)
+  int window;
+  int sinks;
+  float scale;
+  float scale_log2;
+};
+
+// Query tiles [m_lo, m_hi) see some key of key tile n; [fm_lo, fm_hi) see all of them.
+struct QRange {
+  int m_lo, m_hi, fm_lo, fm_hi;
+};
+
+__device__ __forceinline__ QRange q_range(const Params& p, int n) {
+  const int kl = n * kBlockN;
+  const int kh = min(kl + kBlockN - 1, p.S - 1);
+  const bool whole = kl + kBlockN <= p.S;
+  const int a_lo = kl;
+  int a_hi = p.S, f_lo = kh, f_hi = p.S;
+  if (p.pattern != 0) {
+    a_hi = static_cast<int>(min(static_cast<long long>(kh) + p.window, static_cast<long long>(p.S)));
+    f_hi = static_cast<int>(min(static_cast<long long>(kl) + p.window, static_cast<long long>(p.S)));
+    if (p.pattern == 2 && kl < p.sinks) {
+      a_hi = p.S;
+      f_hi = f_lo;
+    }
+  }
+  if (!whole) f_hi = f_lo;
+  QRange r;
+  r.m_lo = a_lo / kBlockM;
+  r.m_hi = max(cdiv(max(a_hi, 0), kBlockM), r.m_lo);
+  r.fm_lo = min(max(cdiv(f_lo, kBlockM), r.m_lo), r.m_hi);
+  r.fm_hi = min(max(max(f_hi, 0) / kBlockM, r.fm_lo), r.m_hi);
+  return r;
+}
+
+template <bool BF16>
+__global__ void __launch_bounds__(kThreads, 1)
+    structured_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                          const __grid_constant__ CUtensorMap tm_dq, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t bar_kv = base;
+  const uint32_t bar_full = base + 8;                   // [kStages]
+  const uint32_t bar_empty = bar_full + 8 * kStages;     // [kStages]
+  const uint32_t bar_dqfull = bar_empty + 8 * kStages;   // [2] dQ block of warpgroup c written
+  const uint32_t bar_dqempty = bar_dqfull + 16;         // [2] dQ block of warpgroup c read by TMA
+  const uint32_t sstat = base + 256;                    // [kStages] x (lse2[64], delta[64])
+  const uint32_t sk = base + kHeadBytes;
+  const uint32_t sv = sk + kKVTile;
+  const uint32_t sq = sv + kKVTile;                     // [kStages]
+  const uint32_t sdo = sq + kStages * kQTile;            // [kStages]
+  const uint32_t sds = sdo + kStages * kQTile;           // [2]
+  const uint32_t sdq = sds + 2 * kDSTile;              // 4 boxes of float32 dQ
+  const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sstat - raw));
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / 128;
+  const int bkv = blockIdx.x;  // b * Hkv + kv head
+  const int n = blockIdx.y;
+  const int G = p.Hq / p.Hkv;
+  const int b = bkv / p.Hkv, kvh = bkv % p.Hkv;
+  const QRange r = q_range(p, n);
+  const int nm = r.m_hi - r.m_lo;
+  const int count = G * nm;
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+    }
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(bar_dqfull + 8 * c, 128);  // every thread of consumer warpgroup c
+      mbar_init(bar_dqempty + 8 * c, 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (warp == 0 && lane == 0) {
+      const int krow = n * kBlockN;
+      mbar_expect_tx(bar_kv, 2 * kKVTile);
+      tma_load_4d(sk, &tm_k, bar_kv, 0, krow, kvh, b);
+      tma_load_4d(sk + kKVHalf, &tm_k, bar_kv, 64, krow, kvh, b);
+      tma_load_4d(sv, &tm_v, bar_kv, 0, krow, kvh, b);
+      tma_load_4d(sv + kKVHalf, &tm_v, bar_kv, 64, krow, kvh, b);
+      for (int it = 0; it < count; ++it) {
+        const int s = it % kStages;
+        if (it >= kStages) mbar_wait(bar_empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        const int gi = it / nm;
+        const int m = r.m_lo + (it - gi * nm);
+        const int h = kvh * G + gi;
+        const int bh = b * p.Hq + h;
+        const uint32_t fb = bar_full + 8 * s;
+        mbar_expect_tx(fb, 2 * kQTile + kStatBytes);
+        tma_load_4d(sq + s * kQTile, &tm_q, fb, 0, m * kBlockM, h, b);
+        tma_load_4d(sq + s * kQTile + kQHalf, &tm_q, fb, 64, m * kBlockM, h, b);
+        tma_load_4d(sdo + s * kQTile, &tm_do, fb, 0, m * kBlockM, h, b);
+        tma_load_4d(sdo + s * kQTile + kQHalf, &tm_do, fb, 64, m * kBlockM, h, b);
+        const size_t srow = static_cast<size_t>(bh) * p.S_pad + static_cast<size_t>(m) * kBlockM;
+        bulk_load(sstat + s * kStatBytes, p.lse2 + srow, kBlockM * 4, fb);
+        bulk_load(sstat + s * kStatBytes + kBlockM * 4, p.delta + srow, kBlockM * 4, fb);
+      }
+    } else if (warp == 1 && lane == 0) {
+      // dQ writer: each consumer warpgroup's 64 x 64 float32 block -> dq_acc by TMA reduce-adds
+      for (int it = 0; it < count; ++it) {
+        const int gi = it / nm;
+        const int m = r.m_lo + (it - gi * nm);
+        const int bh = b * p.Hq + kvh * G + gi;
+        for (int c = 0; c < 2; ++c) {
+          mbar_wait(bar_dqfull + 8 * c, it & 1);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c) * kDQBox, 64 * c, m * kBlockM, bh);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c + 1) * kDQBox, 64 * c + 32, m * kBlockM, bh);
+          bulk_commit();
+          bulk_wait_read0();
+          mbar_arrive(bar_dqempty + 8 * c);
+        }
+      }
+      bulk_wait0();
+    }
+    return;
+  }
+
+  // ---------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  const int cw = wg - 1;  // keys cw*64 .. cw*64+63 of the tile
+  const int wq = (threadIdx.x % 128) / 32;
+  const int g = lane / 4;
+  const int qd = lane % 4;
+  const float sl2 = p.scale_log2;
+  const int W = p.pattern == 0 ? 0x7fffffff : p.window;
+  const int sinks = p.pattern == 2 ? p.sinks : 0;
+  const int klocal = cw * 64 + wq * 16 + g;  // this thread's keys: klocal and klocal + 8 of the tile
+  const int key0 = n * kBlockN + klocal;
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    dk[i] = 0.f;
+    dv[i] = 0.f;
+  }
+  mbar_wait(bar_kv, 0);
+
+  float sacc[32], dpacc[32], dq[32];
+  uint32_t pa[16], da[16];
+  auto issue_s = [&](int st) {  // S^T = K_c Q^T
+    const uint32_t qs = sq + st * kQTile;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t ka = sk + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
+      const uint32_t qb = qs + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024));
+      else
+        wgmma_ss64<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024), 1);
+    }
+  };
+  auto issue_dp = [&](int st) {  // dP^T = V_c dO^T
+    const uint32_t dos = sdo + st * kQTile;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t va = sv + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
+      const uint32_t ob = dos + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024));
+      else
+        wgmma_ss64<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024), 1);
+    }
+  };
+  if (count > 0) {
+    mbar_wait(bar_full, 0);
+    wg_fence();
+    issue_s(0);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(sacc);
+  }
+
+  for (int it = 0; it < count; ++it) {
+    const int s = it % kStages;
+    const int gi = it / nm;
+    const int m = r.m_lo + (it - gi * nm);
+    const bool masked = m < r.fm_lo || m >= r.fm_hi;
+    const uint32_t qs = sq + s * kQTile, dos = sdo + s * kQTile;
+    const uint32_t dsb = sds + (it & 1) * kDSTile;
+
+    // S^T of this tile done (previous iteration); dP^T runs during the exponentials
+    wg_fence();
+    issue_dp(s);
+    wg_commit();
+
+    const float* lse_s = stat_ptr + s * (kStatBytes / 4);
+    const float* del_s = lse_s + kBlockM;
+    // P^T: rows = keys key0 (+8), columns = queries m*64 + 8j + 2qd (+1)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * qd);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[4 * j + e] = ex2(fmaf(sacc[4 * j + e], sl2, -((e & 1) ? l.y : l.x)));
+    }
+    if (masked) {
+      const int q0 = m * kBlockM + 2 * qd;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + ((e >> 1) << 3);
+          const int qi = q0 + 8 * j + (e & 1);
+          const bool ok = key <= qi && (qi - key < W || key < sinks);
+          if (!ok) sacc[4 * j + e] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      pa[2 * j] = pack2<BF16>(sacc[4 * j], sacc[4 * j + 1]);
+      pa[2 * j + 1] = pack2<BF16>(sacc[4 * j + 2], sacc[4 * j + 3]);
+    }
+    reg_fence(pa);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // dV += P^T dO (dO MN-major: 16 query rows per k-step)
+      wgmma_rs<BF16>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                     make_desc(dos + kk * 2048, kQHalf, 1024));
+    wg_commit();
+
+    wg_wait<1>();
+    reg_fence(dpacc);
+    // dS^T = P^T (dP^T - delta), packed to 16 bits and stored to shared memory (rows = keys)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * j + 2 * qd);
+      da[2 * j] = pack2<BF16>(sacc[4 * j] * (dpacc[4 * j] - dl.x), sacc[4 * j + 1] * (dpacc[4 * j + 1] - dl.y));
+      da[2 * j + 1] =
+          pack2<BF16>(sacc[4 * j + 2] * (dpacc[4 * j + 2] - dl.x), sacc[4 * j + 3] * (dpacc[4 * j + 3] - dl.y));
+    }
+    {
+      uint32_t* ds32 = reinterpret_cast<uint32_t*>(smem_raw + (dsb - raw));
+      const int sw = klocal & 7;  // (klocal + 8) & 7 is the same
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int off = (((j ^ sw) << 4) + 4 * qd) / 4;
+        ds32[klocal * 32 + off] = da[2 * j];
+        ds32[(klocal + 8) * 32 + off] = da[2 * j + 1];
+      }
+    }
+    fence_proxy_async();
+    reg_fence(da);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // dK += dS^T Q
+      wgmma_rs<BF16>(dk, da[4 * kk], da[4 * kk + 1], da[4 * kk + 2], da[4 * kk + 3],
+                     make_desc(qs + kk * 2048, kQHalf, 1024));
+    wg_commit();
+
+    named_sync(1, 256);  // both halves of dS^T stored
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {  // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys
+      const uint64_t a = make_desc(dsb + kk * 2048, kQHalf, 1024);
+      const uint64_t bd = make_desc(sk + cw * kKVHalf + kk * 2048, kKVHalf, 1024);
+      if (kk == 0)
+        wgmma_ss64_first<BF16, 1, 1>(dq, a, bd);
+      else
+        wgmma_ss64<BF16, 1, 1>(dq, a, bd, 1);
+    }
+    wg_commit();
+    const bool next = it + 1 < count;
+    const int s2 = (it + 1) % kStages;
+    wg_wait<1>();  // dV and dK done: P^T and dS^T registers free
+    reg_fence(dk);
+    reg_fence(dv);
+    reg_fence(pa);
+    reg_fence(da);
+    // The next tile's S^T runs on the tensor cores during this tile's dQ reduce-adds. After the last
+    // tile it reads the slot's stale contents (no load is pending there) and its result is never
+    // used: the same wgmma sequence on every path keeps ptxas from serialising the pipeline.
+    if (next) mbar_wait(bar_full + 8 * s2, ((it + 1) / kStages) & 1);
+    wg_fence();
+    issue_s(s2);
+    wg_commit();
+    wg_wait<1>();
+    reg_fence(dq);
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+
+    const float sc = p.scale;
+    // scale * dQ to the warpgroup's two 64 x 32 boxes (128-byte swizzle: 16-byte chunk c of row r at
+    // (c ^ (r & 7))), then the writer thread reduce-adds them into dq_acc
+    if (it > 0) mbar_wait(bar_dqempty + 8 * cw, (it - 1) & 1);
+    float* dqs = reinterpret_cast<float*>(smem_raw + (sdq - raw));
+    const int r0 = wq * 16 + g;  // rows r0 and r0 + 8: the same swizzle phase
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int box = 2 * cw + (j >> 2);
+      const int chunk = 2 * (j & 3) + (qd >> 1);
+      const int off = box * (kDQBox / 4) + (((chunk ^ (r0 & 7)) << 4) + (qd & 1) * 8) / 4;
+      *reinterpret_cast<float2*>(dqs + off + r0 * 32) = make_float2(dq[4 * j] * sc, dq[4 * j + 1] * sc);
+      *reinterpret_cast<float2*>(dqs + off + (r0 + 8) * 32) = make_float2(dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
+    }
+    fence_proxy_async();
+    mbar_arrive(bar_dqfull + 8 * cw);
+    wg_wait<0>();  // nothing in flight across the loop's back edge
+    reg_fence(sacc);
+  }
+
+  // ---------------- epilogue: dK * scale, dV
+  // key row r of (b, kvh) starts at element b * dkb + kvh * dkh + r * dks (dv alike); thread columns
+  // 8 j + 2 qd, +1
+  uint16_t* const dk_row = static_cast<uint16_t*>(p.dk) + b * p.dkb + kvh * p.dkh + key0 * p.dks + 2 * qd;
+  uint16_t* const dv_row = static_cast<uint16_t*>(p.dv) + b * p.dvb + kvh * p.dvh + key0 * p.dvs + 2 * qd;
+  const float sc = p.scale;
+  if (key0 < p.S) {
+    uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row);
+    uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      dk32[4 * j] = pack2<BF16>(dk[4 * j] * sc, dk[4 * j + 1] * sc);
+      dv32[4 * j] = pack2<BF16>(dv[4 * j], dv[4 * j + 1]);
+    }
+  }
+  if (key0 + 8 < p.S) {
+    uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row + 8 * p.dks);
+    uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row + 8 * p.dvs);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      dk32[4 * j] = pack2<BF16>(dk[4 * j + 2] * sc, dk[4 * j + 3] * sc);
+      dv32[4 * j] = pack2<BF16>(dv[4 * j + 2], dv[4 * j + 3]);
+    }
+  }
+}
+
+// 1024 bytes of alignment slack; exactly the 227 KB a block may have
+constexpr int kSmemBytes = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
+
+}  // namespace sk90b
+
+// Host entry point. Returns 0 on success, else writes a message to err.
+// strides: the element strides (b, h, s) of q, k, v, dout, dk and dv, 18 values.
+extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
+                                   const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
+                                   int pattern, int window, int sinks, float scale, void* stream,
+                                   char* err, int errlen) {
+  using namespace sk90b;
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 || pattern < 0 ||
+      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
+    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g", B,
+             Hq, Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale));
+    return 1;
+  }
+  const long long nk = (S + kBlockN - 1) / kBlockN;
+  if (static_cast<long long>(B) * Hkv > 0x7fffffffLL || nk > 65535) {
+    snprintf(err, errlen, "grid too large: B*Hkv=%lld key tiles=%lld", static_cast<long long>(B) * Hkv, nk);
+    return 1;
+  }
+  EncodeTiledFn enc = get_encode_fn(err, errlen);
+  if (!enc) return 1;
+  CUtensorMap tq, tdo, tk, tv, tdq;
+  const bool bf16 = is_bf16 != 0;
+  // dq_acc: float32 (D, S_pad, heads) with (32, 64, 1) boxes (128 bytes wide) for the reduce-adds
+  if (!make_map_3d(&tdq, enc, dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kHeadDim, S_pad, B * Hq, 32, kBlockM, "dq",
+                   err, errlen))
+    return 1;
+  const ViewStrides st_q{strides[0], strides[1], strides[2]}, st_k{strides[3], strides[4], strides[5]},
+      st_v{strides[6], strides[7], strides[8]}, st_do{strides[9], strides[10], strides[11]};
+  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tdo, enc, dout, bf16, kHeadDim, S, Hq, B, st_do, kBlockM, "do", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
+    return 1;
+  Params p;
+  p.dk = dk;
+  p.dv = dv;
+  p.dkb = strides[12];
+  p.dkh = strides[13];
+  p.dks = strides[14];
+  p.dvb = strides[15];
+  p.dvh = strides[16];
+  p.dvs = strides[17];
+  p.dq_acc = dq_acc;
+  p.lse2 = lse2;
+  p.delta = delta;
+  p.S = S;
+  p.S_pad = S_pad;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.pattern = pattern;
+  p.window = window;
+  p.sinks = sinks;
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
+  return launch_kernel(bf16 ? structured_bwd_kernel<true> : structured_bwd_kernel<false>, grid, kThreads, kSmemBytes,
+                       stream, err, errlen, tq, tdo, tk, tv, tdq, p);
+}

@@ -1,0 +1,106 @@
+// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming.
+//
+// Contract (the same as ``triton.structured.structured_forward`` with a plain self-attention
+// geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16,
+// views with unit last stride and strides of 16-byte multiples (read through 4-D TMA maps, e.g. the
+// transposed (B, S, H, D) projections of a Transformers layer); query head h reads KV head
+// h / (Hq / Hkv). Query i sees key j when j <= i and
+//   dense           always
+//   sliding_window  i - j < W
+//   streaming       i - j < W  or  j < sinks
+// Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit last),
+// lse (B, Hq, S) float32 contiguous, natural log.
+//
+// The consumers and the tile arithmetic are sm90_fwd_mainloop.cuh's (every key tile static). The
+// producer warpgroup: one thread issues TMA bulk tensor copies (128-byte swizzle) of the Q tile once
+// per work tile and of the K and V tiles into the ring.
+//
+// This file needs no torch headers: the host entry point sk90_structured_fwd takes raw pointers and a
+// stream; torch's binding lives in structured_fwd_sm90.cpp.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "sm90_fwd_mainloop.cuh"
+
+namespace sk90 {
+
+using namespace sk90f;
+
+constexpr int kBarBytes = 1024;  // mbarriers at the start of dynamic shared memory
+using Smem = FwdSmem<kBarBytes>;
+
+// Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
+// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
+// have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
+template <bool BF16>
+__global__ void __launch_bounds__(kThreads, 1)
+    structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte alignment for the 128-byte swizzle atoms (TMA and wgmma agree on the pattern there)
+  const Smem sm((smem_u32(smem_raw) + 1023u) & ~1023u);
+  if (threadIdx.x == 0) sm.init(1);
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {
+    // ---------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_k)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_v)) : "memory");
+      int cnt = 0, local = 0;
+      for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
+        int m, bh;
+        work_coords(p, w, m, bh);
+        const int b = bh / p.Hq, h = bh % p.Hq;
+        const int kvh = h / (p.Hq / p.Hkv);
+        const TileRange tr = tile_range(p, m);
+        sm.load_q(&tm_q, local, m, h, b);
+        for (int it = 0; it < tr.count; ++it, ++cnt) {
+          const int s = cnt % kStages;
+          const uint32_t ph = ((cnt / kStages) & 1) ^ 1;  // the release of the slot's previous tile
+          const int row = tr.tile(it) * kBlockN;
+          if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
+          Smem::load_tile(sm.sk + s * kTileBytes, &tm_k, sm.bar_kfull + 8 * s, row, kvh, b);
+          if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
+          Smem::load_tile(sm.sv + s * kTileBytes, &tm_v, sm.bar_vfull + 8 * s, row, kvh, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  fwd_consumer<BF16, false>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
+}
+
+}  // namespace sk90
+
+// Host entry point. Returns 0 on success, else writes a message to err.
+// strides: the element strides (b, h, s) of q, k, v and out, 12 values.
+extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, void* out, float* lse,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int is_bf16, int pattern,
+                                   int window, int sinks, float scale, void* stream, char* err, int errlen) {
+  using namespace sk90;
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || pattern < 0 || pattern > 2 ||
+      (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
+    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d pattern=%d window=%d sinks=%d scale=%g", B, Hq, Hkv,
+             S, pattern, window, sinks, static_cast<double>(scale));
+    return 1;
+  }
+  FwdParams p;
+  CUtensorMap tq, tk, tv;
+  int grid = 0;
+  const bool bf16 = is_bf16 != 0;
+  if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale,
+                   err, errlen))
+    return 1;
+  return launch_kernel(bf16 ? structured_fwd_kernel<true> : structured_fwd_kernel<false>, grid, kThreads,
+                       Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
+}

@@ -1,0 +1,137 @@
+"""The ``"triton"`` backend of ``sparse_k.sparse_attention`` (registered when triton imports).
+
+``why_unsupported(call)`` names the first reason the kernels cannot run a call (the API then falls
+back to the PyTorch path with a one-time warning); ``run(call)`` launches on the tiles ``plan.plan_tiles``
+picks:
+
+* prefill / training: ``BLOCK_M x BLOCK_N`` tiles over the block layout (``plan.tile_config``), one query
+  head per program; with gradients the layout's transpose travels with the op for the backward;
+* decode (``Sq <= 16``, no gradient): the query heads of a KV group packed into one tile and the
+  key tiles split across programs (flash-decoding), merged by the last split program of each tile
+  (or a combine kernel), which adds the sink;
+* prefill with a token layout and no gradient: the query heads of a KV group packed as in decode
+  (``plan.selection_prefill_config``).
+
+A decode step of a causal dense / sliding_window / streaming pattern (or a learned pattern's static
+part) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout`` and the kernel computes
+its key tiles from the row geometry, so nothing on the host depends on ``kv_len`` but a few ints.
+
+Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
+tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
+layouts, the split count's power of two) and never on the lengths, strides or layout widths, which
+are declared ``do_not_specialize`` (``triton.fwd.ATTN_FWD_RUNTIME_ARGS``: Triton would otherwise
+compile a new variant whenever ``kv_len``'s divisibility by 16 changed). Decode steps over a growing
+cache compile nothing new once the split count settles (the cache holds more key tiles than one
+wave of programs takes, or than the window spans).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
+
+from ...layouts.patterns import BigBird
+from ..backends import AttentionCall, register_backend
+from ..decode_layout import DecodeLayout, decode_layout
+from ..pattern_codes import PATTERN_IDS
+from ..plan import plan_tiles, split_count
+
+__all__ = ["run", "why_unsupported"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | None:
+    p = call.pattern
+    if p.block % block_q or p.block % block_k:
+        return f"bigbird needs tiles that divide its block ({p.block}); the kernels use {block_q}x{block_k}"
+    g = call.geometry
+    if bool(((g.k_start % p.block) != 0).any()) or bool((((g.q_start - g.k_start) % p.block) != 0).any()):
+        return "bigbird blocks do not line up with the kernel tiles for these row offsets (padding or q_start)"
+    return None
+
+
+def _want_grad(call: AttentionCall) -> bool:
+    """Whether autograd will ask for a backward: any of q, k, v, the sink logits or the selection's
+    weights (a trained SparseK scorer's, even when q, k, v of a frozen model carry no gradient)."""
+    weights = None if call.selection is None else call.selection.weights
+    return bool(call.need_grad) or (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.sink_logits, weights))
+    )
+
+
+def _tiles(call: AttentionCall):
+    """``plan.plan_tiles`` for this call."""
+    q = call.q
+    return plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
+                      device_type=q.device.type, need_grad=_want_grad(call), selection=call.selection is not None,
+                      bigbird_block=call.pattern.block if isinstance(call.pattern, BigBird) else None)
+
+
+def why_unsupported(call: AttentionCall) -> str | None:
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return f"tensors on {q.device.type} (the Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
+    if q.shape[-1] not in _HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (supported: {', '.join(map(str, _HEAD_DIMS))}, same for q, k, v)"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "the last dimension of q, k and v must be contiguous"
+    if call.sink_logits is not None and call.sink_logits.dtype == torch.float64:
+        return "float64 sink_logits"
+    rule = call.pattern.static_part() if call.pattern.learned else call.pattern
+    if rule.name not in PATTERN_IDS:
+        return f"pattern {rule.name!r} has no kernel rule (the kernels evaluate {', '.join(sorted(set(PATTERN_IDS)))})"
+    if isinstance(call.pattern, BigBird):
+        tiles = _tiles(call)
+        bq, bk = tiles.block_q, tiles.block_k
+        if bq not in (16, 32, 64, 128):
+            return f"bigbird block {bq} (the kernels take blocks of 16, 32, 64 or 128)"
+        if bq > 64 and _want_grad(call):
+            return f"bigbird block {bq} with gradients (the backward kernels take blocks up to 64)"
+        return _bigbird_reason(call, bq, bk)
+    return None
+
+
+def run(call: AttentionCall):
+    from ..ops import block_attn
+
+    tiles = _tiles(call)
+    bq, bk, pack, decode = tiles.block_q, tiles.block_k, tiles.pack, tiles.decode
+    layout = None
+    if decode:  # dense / sliding_window / streaming (or a learned static part): tiles computed in the kernel
+        layout = decode_layout(call.pattern, call.q.shape[2], call.k.shape[2], call.geometry, block_q=bq, block_k=bk,
+                               layer_idx=call.layer_idx, num_kv_heads=call.k.shape[1])
+    if layout is None:
+        layout = call.layout(bq, bk)
+    need_grad = _want_grad(call)
+    splits = 1
+    if decode:
+        B, Hkv = call.k.shape[:2]
+        G = call.q.shape[1] // Hkv
+        if isinstance(layout, DecodeLayout):
+            # Splits by the wave alone (splits past a row's tiles are empty): the split count, a
+            # compile-time constant of the kernel, then stays the same as the cache grows.
+            max_tiles = 1 << 30
+        else:
+            max_tiles = layout.kv_indices.shape[-1] + layout.full_kv_indices.shape[-1]
+        if call.selection is not None:
+            max_tiles += -(-call.selection.indices.shape[-1] // bk)
+        splits = split_count(B * Hkv * (G // pack) * layout.num_q_blocks, max_tiles, call.q.device,
+                             gathered=call.selection is not None)
+    return block_attn(
+        call.q, call.k, call.v, layout, scale=call.scale, softcap=call.softcap, sink_logits=call.sink_logits,
+        key_mask=call.key_mask, pack=pack, num_splits=splits, need_grad=need_grad, selection=call.selection,
+    )
+
+
+register_backend("triton", why_unsupported, run, auto_priority=0)

@@ -1,0 +1,504 @@
+"""Transformers-compatible attention function (torch only; also the hub kernel's entry point).
+
+``attention_forward(module, query, key, value, key_mask, ...)`` has the signature of Transformers'
+``AttentionInterface`` functions: ``query (B, Hq, Sq, D)``, ``key/value (B, Hkv, Skv, D)`` (after
+RoPE and the cache update) in, ``(attn_output (B, Sq, Hq, D), None)`` out.
+
+What the layer runs:
+
+* its pattern: ``sparse_k.integrations.config.pattern_for_layer(config.sparse_attention, layer_idx)``;
+* restricted to the model's own locality: a layer called with ``sliding_window=W`` never attends
+  beyond ``i - W < j``, a chunked layer (``config.layer_types[i] == "chunked_attention"``, Llama 4)
+  never beyond its chunk; with ``full_attention_layers_only`` such layers keep only their own rule;
+* with the model's ``scaling``, ``softcap`` and ``s_aux`` sink logits (gpt-oss).
+
+The key mask (Transformers' 2-D convention, True = key takes part) describes *absolute cache
+slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
+
+* ``L == Skv``: the key tensor holds slots ``0 .. Skv-1`` (prefill, DynamicCache); a ``uint8``
+  mask of this width (``STATIC_SLOTS_DTYPE``, a StaticCache) also says that the queries are the
+  last ``Sq`` valid slots of each row (``q_start`` computed on the device: nothing is read on the
+  host, shapes stay static, so the step can be captured in a CUDA graph);
+* ``L < Skv``: a StaticCache whose first ``L`` slots are written; K/V are sliced to ``L``
+  (a view, no copy) and the queries are the last ``Sq`` of them;
+* ``L > Skv``: a sliding-window cache dropped the first ``L - Skv`` slots. Patterns whose rule
+  depends only on ``i - j`` use the tail of the mask; the others (sinks, blocks) see K/V padded
+  back at the front so that positions stay absolute (never attended: the window excludes them).
+
+A 4-D mask (the hub route, where Transformers builds an SDPA mask) is reduced to key validity.
+Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
+from ``position_ids`` that restart at 0 inside one row without a mask.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..api import sparse_attention
+from ..warn import warn_once
+from .config import pattern_for_layer, validate_sparse_config
+from ..layouts.geometry import row_geometry
+from ..layouts.patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
+from ..selection.step_state import new_state_dict
+
+__all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern", "CACHE_LAYER_ATTR"]
+
+#: Attribute of an attention module holding a weak reference to the cache layer that last updated it
+#: (``hf_sparse_attention.SparseCache``'s ``SelectionLayer``: it keeps the learned layers' decode state).
+CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
+#: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
+SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
+
+
+def _cache_layer(module, key):
+    """The ``SparseCache`` layer that returned ``key`` for this call, or None."""
+    ref = getattr(module, "__dict__", {}).get(CACHE_LAYER_ATTR)
+    layer = ref() if ref is not None else None
+    return layer if layer is not None and layer.owns(key) else None
+
+
+@dataclass(frozen=True)
+class _Restricted(Pattern):
+    """A static ``base`` pattern intersected with a model's own locality rule (``limit``, an int >= 1)."""
+
+    base: Pattern = Dense()
+
+    #: Name of the int field that holds the limit (``window`` or ``chunk``).
+    limit_field: ClassVar[str] = ""
+
+    def _validate(self):
+        if not isinstance(self.base, Pattern) or self.base.learned:
+            raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
+        limit = getattr(self, self.limit_field)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{self.name}: `{self.limit_field}` must be an int >= 1, got {limit!r}")
+
+    @property
+    def per_head(self):
+        return self.base.per_head
+
+    @property
+    def uses_layer(self):
+        return self.base.uses_layer
+
+
+@dataclass(frozen=True)
+class WithinWindow(_Restricted):
+    """``base`` restricted to the causal window ``i - window < j`` (a model's own sliding window)."""
+
+    name: ClassVar[str] = "within_window"
+    limit_field: ClassVar[str] = "window"
+    window: int = 1
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (qpos - kpos < self.window)
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo, q_hi, layer_idx, num_kv_heads, kv_len)
+        lo = torch.maximum(lo, (q_lo - self.window + 1).unsqueeze(-1).expand_as(lo))
+        return lo, hi
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & (
+            q_hi - k_lo < self.window
+        )
+
+
+@dataclass(frozen=True)
+class WithinChunk(_Restricted):
+    """``base`` restricted to the query's chunk ``i // chunk == j // chunk`` (Llama 4 chunked attention)."""
+
+    name: ClassVar[str] = "within_chunk"
+    limit_field: ClassVar[str] = "chunk"
+    chunk: int = 1
+
+    def _chunk(self, x):
+        return torch.div(x, self.chunk, rounding_mode="floor")
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos, kpos, layer_idx, kv_head, kv_len) & (self._chunk(qpos) == self._chunk(kpos))
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo, q_hi, layer_idx, num_kv_heads, kv_len)
+        lo = torch.maximum(lo, (self._chunk(q_lo) * self.chunk).unsqueeze(-1).expand_as(lo))
+        return lo, hi
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        same = (self._chunk(q_lo) == self._chunk(q_hi)) & (self._chunk(k_lo) == self._chunk(k_hi)) & (
+            self._chunk(q_lo) == self._chunk(k_lo)
+        )
+        return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & same
+
+
+def restrict_pattern(pattern: Pattern, *, window: int | None = None, chunk: int | None = None) -> Pattern:
+    """``pattern`` intersected with a causal sliding window and/or a chunk rule (the model's own locality).
+
+    Learned patterns keep their static part only (their selection lies outside their own window and
+    is not combined with a model's local rule). Common cases collapse to plain patterns, so fast
+    backends still apply: dense -> ``SlidingWindow(window)``, ``SlidingWindow(w)`` ->
+    ``SlidingWindow(min(w, window))``, ``Streaming(s, w)`` with ``w >= window`` -> ``SlidingWindow(window)``.
+    """
+    if pattern.learned:
+        if window is not None or chunk is not None:
+            warn_once(
+                f"pattern {pattern.name!r} on a layer with the model's own local attention: the learned selection is "
+                "not used there; the layer runs sinks + window within the model's rule"
+            )
+        pattern = pattern.static_part()
+    if not pattern.causal:
+        raise ValueError("the Transformers integration runs causal patterns only")
+    if window is not None:
+        if isinstance(pattern, Dense):
+            pattern = SlidingWindow(window=window)
+        elif isinstance(pattern, SlidingWindow):
+            pattern = SlidingWindow(window=min(window, pattern.window))
+        elif isinstance(pattern, Streaming) and pattern.window >= window:
+            pattern = SlidingWindow(window=window)
+        else:
+            pattern = WithinWindow(base=pattern, window=window)
+    if chunk is not None:
+        pattern = WithinChunk(base=pattern, chunk=chunk)
+    return pattern
+
+
+def _translation_invariant(p: Pattern) -> bool:
+    """True when the rule depends on ``i - j`` only (dropping leading keys cannot change it)."""
+    if isinstance(p, (Dense, SlidingWindow, Dilated)):
+        return True
+    if isinstance(p, WithinWindow):
+        return _translation_invariant(p.base)
+    return False
+
+
+_PARSED: dict = {}
+
+
+def _sparse_config(config) -> dict:
+    raw = getattr(config, "sparse_attention", None) if config is not None else None
+    key = json.dumps(raw, sort_keys=True, default=str)
+    cfg = _PARSED.get(key)
+    if cfg is None:
+        cfg = validate_sparse_config(raw)
+        if len(_PARSED) > 64:
+            _PARSED.clear()
+        _PARSED[key] = cfg
+    return cfg
+
+
+#: Default of ``attention_forward``'s ``sliding_window``: "the model did not pass one" (None = global layer).
+NOT_PASSED = object()
+
+
+#: Model types that keep a ``sliding_window`` on their config/modules but attend globally (their own
+#: mask is the full causal one and they pass no window to the attention function).
+GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
+
+
+def _own_window(module, config, layer_idx):
+    """The sliding window of a layer whose model does not pass ``sliding_window=`` (phimoe, qwen2_moe).
+
+    In order: the module's own ``sliding_window`` attribute; ``config.sliding_window`` on layers that
+    ``config.layer_types`` marks ``"sliding_attention"``; else ``config.sliding_window`` unless
+    ``config.use_sliding_window`` is False. None when the layer is global or the model type is in
+    ``GLOBAL_DESPITE_WINDOW``.
+    """
+    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+        return None
+    if "sliding_window" in getattr(module, "__dict__", {}):
+        return module.__dict__["sliding_window"]
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def _layer_locality(config, layer_idx, sliding_window):
+    """(window, chunk) of the model's own rule for this layer (None when the layer is global)."""
+    window = int(sliding_window) if sliding_window is not None else None
+    chunk = None
+    layer_types = getattr(config, "layer_types", None) if config is not None else None
+    chunk_size = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk_size and layer_types is not None and layer_idx is not None and layer_idx < len(layer_types):
+        if layer_types[layer_idx] == "chunked_attention":
+            chunk = int(chunk_size)
+    return window, chunk
+
+
+def layer_pattern(config, layer_idx: int | None, sliding_window: int | None = None) -> Pattern:
+    """The pattern layer ``layer_idx`` of a model with ``config`` runs (after the model's own locality)."""
+    cfg = _sparse_config(config)
+    pattern = pattern_for_layer(cfg, layer_idx)
+    window, chunk = _layer_locality(config, layer_idx, sliding_window)
+    if window is None and chunk is None:
+        return pattern
+    if cfg["full_attention_layers_only"]:
+        pattern = Dense()
+    return restrict_pattern(pattern, window=window, chunk=chunk)
+
+
+def _shared_layer_idx(config, layer_idx: int) -> int:
+    """Layer index to run for a module without a depth of its own (``layer_idx < 0``: zamba2's shared block)."""
+    cfg = _sparse_config(config)
+    if cfg.get("layers") or cfg.get("dense_layers"):
+        raise ValueError(
+            f"this attention module has layer_idx={layer_idx} (one module shared by several depths), so per-layer "
+            "sparse settings (`layers`, `dense_layers`) cannot apply to it; configure one pattern for all layers"
+        )
+    return 0
+
+
+#: Attribute of an attention module holding its resolved ``(pattern, backend)`` and what they came from.
+_SETUP_ATTR = "_sparse_k_layer_setup"
+
+
+def _layer_setup(module, config, layer_idx: int, sliding_window) -> tuple[Pattern, str]:
+    """``(pattern, backend)`` of this layer, resolved once and kept on the module.
+
+    Kept while the config's ``sparse_attention`` is the same object with the same content (compared to
+    a copy: a dict comparison, no JSON encoding per call). Under ``torch.compile`` the identity alone
+    is checked (the compiled graph guards on the objects it reads), so a traced decode step runs no
+    config parsing; its first call must have run eagerly (``generate``'s prefill does)."""
+    raw = getattr(config, "sparse_attention", None) if config is not None else None
+    store = getattr(module, "__dict__", None)
+    memo = store.get(_SETUP_ATTR) if store is not None else None
+    if (memo is not None and memo[0] is config and memo[1] is raw and memo[2] == (layer_idx, sliding_window)
+            and (_tracing() or memo[3] == raw)):
+        return memo[4], memo[5]
+    pattern = layer_pattern(config, layer_idx, sliding_window)
+    backend = _sparse_config(config).get("backend", "auto")
+    if store is not None:
+        store[_SETUP_ATTR] = (config, raw, (layer_idx, sliding_window), copy.deepcopy(raw), pattern, backend)
+    return pattern, backend
+
+
+def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
+    """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots."""
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    valid = allowed.any(2).any(1)  # (B, Skv)
+    j = torch.arange(valid.shape[-1], device=valid.device)
+    written = int(torch.where(valid, j, -1).amax().item()) + 1
+    return valid[:, : max(written, 1)]
+
+
+#: dtype of a key mask that covers every slot of a static cache (``hf_sparse_attention``'s mask function
+#: returns it for a StaticCache): the valid slots of a row end at its last written slot and the queries
+#: are the last ``Sq`` of them, so ``q_start = (last True + 1) - Sq`` is computed on the device and the
+#: key tensors keep their static size (no slicing by a length read on the host: CUDA-graph friendly).
+STATIC_SLOTS_DTYPE = torch.uint8
+
+
+class _OneReadPerTensor:
+    """A host answer about a tensor, read once per tensor: the model builds one mask (and one
+    ``position_ids``) per forward and every layer receives that same tensor, so a forward pays one
+    synchronisation, not one per layer. Keyed by identity and version counter (inference tensors have
+    none: asked every time)."""
+
+    def __init__(self, read):
+        self._read, self._ref, self._version, self._answer = read, None, -1, None
+
+    def __call__(self, tensor: torch.Tensor):
+        current = None if tensor.is_inference() else tensor._version
+        if self._ref is not None and self._ref() is tensor and current is not None and self._version == current:
+            return self._answer
+        answer = self._read(tensor)
+        self._ref, self._version, self._answer = weakref.ref(tensor), current, answer
+        return answer
+
+
+def _read_all_valid(mask: torch.Tensor) -> bool:
+    return bool(mask.all())
+
+
+#: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys).
+_all_valid = _OneReadPerTensor(_read_all_valid)
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _after_last_valid(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` int64: one past each row's last True slot of ``mask (B, L)`` bool (0 for an empty row)."""
+    j = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return torch.where(mask, j, 0).amax(-1)
+
+
+def _read_packed_starts(position_ids: torch.Tensor):
+    pos = position_ids[0]
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() <= 1 or int(starts[0]) != 0:
+        return None
+    total = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+_packed_starts = _OneReadPerTensor(_read_packed_starts)
+
+
+def _packed_from_position_ids(position_ids: torch.Tensor):
+    """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None (one host
+    read per ``position_ids`` tensor: every layer of a forward gets the same one)."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    return _packed_starts(position_ids)
+
+
+def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module):
+    try:
+        from ..selection.selectors import build_selection
+    except ImportError:
+        warn_once(
+            f"pattern {pattern.name!r}: the selector module is not available; attending to sinks + window only"
+        )
+        return None
+    geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
+    selector = getattr(module, "_sparse_k_selector", None)
+    # The training-free selection's decode memo (the current block's first query) lives on the module; it is
+    # created outside any traced graph (sparse_k.selection.step_state), so a compiled step that finds it traces without a break.
+    memo = None
+    if selector is None and hasattr(module, "__dict__"):
+        memo = module.__dict__.get(SELECTION_MEMO_ATTR)
+        if memo is None:
+            memo = new_state_dict(module, SELECTION_MEMO_ATTR)
+    return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: "int | None" = NOT_PASSED,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    config=None,
+    layer_idx: int | None = None,
+    q_start: "int | torch.Tensor | None" = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Sparse attention for one Transformers attention layer.
+
+    Args:
+        module: the attention module (its ``config``, ``layer_idx``, ``training`` and optional
+            ``_sparse_k_selector`` are read; without a selector the training-free selection keeps its decode memo
+            in ``module._sparse_k_selection_memo``).
+        query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``.
+        key_mask: ``(B, L)`` bool/int (True = key takes part) over absolute cache slots, a 4-D SDPA
+            mask (reduced to key validity), or None (every key, queries bottom-right). Also taken
+            by keyword as ``attention_mask=`` (afmoe).
+        scaling: softmax scale (default ``D ** -0.5``). softcap: logit soft-capping.
+        sliding_window: the model's own window for this layer (None: a global layer); when the model
+            does not pass it, read from the module or config (``_own_window``). s_aux: ``(Hq,)`` sink logits.
+        config: defaults to ``module.config``. layer_idx: defaults to ``module.layer_idx``; a negative
+            one (a layer shared by several depths, zamba2) runs the pattern of layer 0 and is refused
+            when the configuration gives layers different patterns.
+        q_start: key index of query 0 (int or ``(B,)``), overriding the bottom-right default.
+        kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k`` (packed batches), ``position_ids``;
+            ``output_attentions=True`` raises.
+    Returns:
+        ``(attn_output (B, Sq, Hq, D), None)``.
+    """
+    if kwargs.get("output_attentions", False):
+        raise ValueError(
+            'attn_implementation="sparse_k" never materialises attention weights, so output_attentions=True is not '
+            'supported; load the model with attn_implementation="eager" to inspect attention weights'
+        )
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise ValueError(
+            'attn_implementation="sparse_k" runs causal self-attention only; this layer is bidirectional '
+            "(is_causal=False): use sdpa or eager for it"
+        )
+    if dropout and getattr(module, "training", False):
+        warn_once(f"sparse_k attention does not apply attention dropout (got p={dropout}); running without it")
+    if "attention_mask" in kwargs:
+        if key_mask is not None:
+            raise TypeError("sparse_k attention got both a positional key mask and attention_mask=")
+        key_mask = kwargs.pop("attention_mask")
+    config = config if config is not None else getattr(module, "config", None)
+    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
+    layer_idx = 0 if layer_idx is None else int(layer_idx)
+    if sliding_window is NOT_PASSED:
+        sliding_window = _own_window(module, config, layer_idx)
+    if layer_idx < 0:
+        layer_idx = _shared_layer_idx(config, layer_idx)
+    pattern, backend = _layer_setup(module, config, layer_idx, sliding_window)
+    sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None and key_mask is None and query.shape[2] == key.shape[2] > 1:
+        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"))
+    if cu_q is not None or cu_k is not None:
+        if pattern.learned:
+            warn_once(f"pattern {pattern.name!r} on packed sequences: sinks + window only (no learned selection)")
+        out = sparse_attention(
+            query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layer_idx=layer_idx, backend=backend,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    layer = _cache_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
+    if layer is not None:
+        if key_mask is not None and key_mask.dim() == 4:
+            key_mask = _reduce_4d(key_mask, key.shape[2])
+
+        def run(q, k, v, p, sel, qs, km):
+            return sparse_attention(q, k, v, p, scale=scaling, softcap=softcap, sink_logits=sink_logits, attention_mask=km,
+                                    layer_idx=layer_idx, backend=backend, selection=sel, q_start=qs)
+
+        out = layer.attend(query, key, value, pattern, key_mask, run, selector=getattr(module, "_sparse_k_selector", None),
+                           layer_idx=layer_idx)
+        return out.transpose(1, 2).contiguous(), None
+
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor):
+            raise TypeError(f"sparse_k attention expects a 2-D key mask tensor or None, got {type(key_mask).__name__}")
+        if key_mask.dim() == 4:
+            key_mask = _reduce_4d(key_mask, key.shape[2])
+        if key_mask.dim() != 2 or key_mask.shape[0] != query.shape[0]:
+            raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
+        static_slots = key_mask.dtype == STATIC_SLOTS_DTYPE and key_mask.shape[1] == key.shape[2]
+        key_mask = key_mask.to(torch.bool)
+        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
+        if not (all_valid or static_slots or _tracing()):
+            cache_layer = _cache_layer(module, key)  # a SparseCache layer refuses padded batches
+            if cache_layer is not None:
+                cache_layer.check_key_mask(key_mask)
+        L, skv = key_mask.shape[1], key.shape[2]
+        if static_slots:
+            if q_start is None:
+                q_start = _after_last_valid(key_mask) - query.shape[2]
+        elif L < skv:
+            key, value = key[:, :, :L], value[:, :, :L]
+        elif L > skv:
+            dropped = L - skv
+            if _translation_invariant(pattern):
+                key_mask = key_mask[:, dropped:]
+            else:
+                key = torch.nn.functional.pad(key, (0, 0, dropped, 0))
+                value = torch.nn.functional.pad(value, (0, 0, dropped, 0))
+        if all_valid:
+            key_mask = None
+
+    selection = None
+    if pattern.learned and pattern.top_k > 0:
+        selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
+        if selection is None:  # no block has a candidate yet: sinks + window is the whole rule
+            pattern = pattern.static_part()
+    out = sparse_attention(
+        query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
+        attention_mask=key_mask, layer_idx=layer_idx, backend=backend, selection=selection, q_start=q_start,
+    )
+    return out.transpose(1, 2).contiguous(), None

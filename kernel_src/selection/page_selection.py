@@ -1,0 +1,269 @@
+"""Page-level selection: the query-aware training-free default and the page pre-selection stage.
+
+Keys are grouped in *pages* of ``page`` consecutive positions (page ``p`` holds positions
+``[p * page, (p + 1) * page)`` of its row; positions, not tensor indices, so left padding and
+decoding see the same pages). Only keys that can ever be candidates enter a page's summary (a valid
+key at a position ``>= sinks``).
+
+A page is a *candidate page* of query block ``b`` (first position ``b0``) when it holds a
+candidate key (design §6: positions ``[sinks, b0 - window]``) and it is complete when the block
+starts (its last position ``<= b0``), so its summary is fixed before the block's first query and
+decoding sees the same pages as a recompute. (With ``window >= page`` every page holding a
+candidate is complete; a smaller window leaves out the last partly-candidate page.)
+
+Training-free default (``quest_layout``, after Quest, Tang et al. 2024, arXiv 2406.10774): the
+summary of a page is the channel-wise ``min`` and ``max`` of its keys; for a query ``q`` the score
+``sum_c max(q_c * kmin_c, q_c * kmax_c) = relu(q) . kmax + min(q, 0) . kmin`` is an upper bound of
+``q . k`` over the page's keys (one matmul against ``[kmax, kmin]``). The query side of block ``b``
+is the block's *first* query (the only query of the block that exists when it starts: decode
+equals recompute), per query head; the page score of a KV head is the sum of the bounds of its
+query heads (``HEAD_REDUCE``: or their max; or ``"rank"``: pages chosen per query head, merged round
+robin: a page's priority is its best rank among the group's query heads, ties by the summed bound). Per
+block and KV head, the ``top_k // page`` candidate pages with the highest score are taken and expanded
+to their candidate keys (so at most ``top_k`` keys); with at most ``top_k`` candidates, all of them. The result is an ordinary ``TokenLayout``: every attention path consumes it.
+Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELEMENTS_CUDA`` on a
+GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
+shapes (no device read).
+
+Decoding: a call that starts inside a block needs that block's first query, which an earlier call
+saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
+the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the
+call's first query and warns once (as the DSA indexer does). The memo's tensors are buffers written in
+place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..warn import warn_once
+from .step_state import state_buffers
+
+__all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "rank_merge", "top_indices",
+           "top_pages"]
+
+#: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
+DEFAULT_PAGE = 16
+#: How the bounds of a KV head's query heads combine into its page score: "sum" (default), "max" or
+#: "rank" (pages chosen per query head, merged round robin: module docstring).
+HEAD_REDUCE = "sum"
+#: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
+CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS_CUDA = 1 << 27
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, page: int, sinks: int,
+                   n_pages: int, *, aligned: bool = False):
+    """Channel-wise ``(kmin, kmax)`` of every page, each ``(B, Hkv, n_pages, D)`` float32 (float64 keys: float64), and
+    ``ok (B, 1, n_pages)`` bool (the page holds a key at a position ``>= sinks``).
+
+    ``key (B, Hkv, Skv, D)``; ``k_start, k_end (B' in {1, B},)`` the rows' valid key range (tensor
+    indices; position = index - k_start). ``aligned``: every ``k_start`` is 0 (skips the gather).
+    Empty slots hold ``+inf`` (kmin) / ``-inf`` (kmax).
+    """
+    B, H, S, D = key.shape
+    n = n_pages * page
+    pos = torch.arange(n, device=key.device)
+    if aligned:
+        k = _compute(key[:, :, : min(S, n)])
+        if n > S:
+            k = torch.nn.functional.pad(k, (0, 0, 0, n - S))
+        idx = pos.expand(B, n)
+    else:
+        idx = k_start.expand(B)[:, None] + pos  # (B, n) tensor index of each position
+        g = idx.clamp(0, S - 1)[:, None, :, None].expand(B, H, n, D)
+        k = _compute(key.gather(2, g))
+    ok = (pos >= sinks) & (idx < k_end.expand(B)[:, None]) & (idx < S)  # (B, n)
+    ok4 = ok[:, None, :, None]
+    inf = torch.full((), float("inf"), dtype=k.dtype, device=key.device)
+    kmin = torch.where(ok4, k, inf).view(B, H, n_pages, page, D).amin(3)
+    kmax = torch.where(ok4, k, -inf).view(B, H, n_pages, page, D).amax(3)
+    return kmin, kmax, ok.view(B, n_pages, page).any(-1)[:, None]
+
+
+def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
+                 cand_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """Page scores ``(B, Hkv, NB, P)``, higher is better: for every block's query heads ``q_blocks (B, Hkv, NB, G, D)``
+    the Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` summed over the ``G`` heads (float32; ``HEAD_REDUCE``
+    "max": maxed; "rank": the round-robin priority of ``rank_merge`` over ``cand_pages (B, 1|Hkv, NB, P)``,
+    float64). Pages without a key (``ok (B, 1, P)`` False) score 0 here (the caller masks them)."""
+    B, H, NB, G, D = q_blocks.shape
+    q = q_blocks.to(kmin.dtype)
+    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G, 2 * D)
+    okf = ok[..., None]
+    kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
+    per_head = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, -1)
+    if HEAD_REDUCE == "rank":
+        if cand_pages is None:
+            raise ValueError("quest_scores: HEAD_REDUCE 'rank' needs cand_pages")
+        return rank_merge(per_head, cand_pages)
+    if HEAD_REDUCE not in ("sum", "max"):
+        raise ValueError(f"page_selection.HEAD_REDUCE must be 'sum', 'max' or 'rank', got {HEAD_REDUCE!r}")
+    return per_head.amax(3) if HEAD_REDUCE == "max" else per_head.sum(3)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = best) of every entry along the last dim of ``x``, descending, ties to the smaller index."""
+    order = top_indices(x, x.shape[-1])
+    n = x.shape[-1]
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=x.device).expand_as(order))
+
+
+def rank_merge(per_head: torch.Tensor, cand_pages: torch.Tensor) -> torch.Tensor:
+    """Pages chosen per query head, merged round robin: ``(B, H, NB, P)`` float64 priorities (higher first).
+
+    ``per_head (B, H, NB, G, P)`` the query heads' page scores; ``cand_pages (B, 1|H, NB, P)`` bool. Each
+    query head ranks the candidate pages (best first, ties to the earlier page); a page's priority orders
+    by its best rank over the ``G`` heads, then by the summed score (ties to the earlier page), so the top
+    ``n`` pages hold every head's best ``n // G`` pages. Every priority is distinct (exact in float64).
+    """
+    neg = torch.full((), float("-inf"), dtype=per_head.dtype, device=per_head.device)
+    P = per_head.shape[-1]
+    best = _ranks(torch.where(cand_pages[:, :, :, None, :], per_head, neg)).amin(3)  # (B, H, NB, P)
+    tie = _ranks(torch.where(cand_pages, per_head.sum(3), neg))
+    return -(best * P + tie).to(torch.float64)
+
+
+def top_indices(x: torch.Tensor, K: int, *, fused: bool | None = None) -> torch.Tensor:
+    """Indices of the ``K`` largest entries of every row of ``x (..., n)``, best first, ties to the smaller index.
+
+    ``fused`` (default: float32 on CUDA): one ``torch.topk`` on an int64 key (the float's order-preserving
+    bits, then the reversed index), exact and without sorting whole rows; otherwise a stable sort.
+    """
+    if fused is None:
+        fused = x.is_cuda and x.dtype == torch.float32
+    if not fused:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :K]
+    bits = (x.float() + 0.0).contiguous().view(torch.int32)  # + 0.0 turns -0.0 into +0.0 (they tie)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int order == float order
+    n = x.shape[-1]
+    key = (key << 32) | (n - 1 - torch.arange(n, device=x.device))
+    return torch.topk(key, K, dim=-1, sorted=True).indices
+
+
+def top_pages(scores: torch.Tensor, cand_pages: torch.Tensor, n_sel: int):
+    """The ``n_sel`` best candidate pages per row of ``scores (B, H, NB, P)`` (``cand_pages (B, 1|H, NB, P)``
+    bool): ``pages (B, H, NB, n)`` ascending, ``chosen (B, H, NB, n)`` bool (False: fewer candidates)."""
+    n = min(n_sel, scores.shape[-1])
+    neg = torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device)
+    pages = top_indices(torch.where(cand_pages, scores, neg), n)  # ties to the earlier page
+    chosen = cand_pages.expand_as(scores).gather(-1, pages)
+    big = scores.shape[-1]
+    pages = torch.sort(torch.where(chosen, pages, torch.full_like(pages, big)), dim=-1).values
+    chosen = pages < big
+    return pages, chosen
+
+
+def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tensor,
+                 n_keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions of the chosen pages inside ``[lo, hi]`` and below ``n_keys``, packed to the front.
+
+    ``pages, chosen (B, H, NB, n)`` (ascending pages); ``lo, hi (B, NB)`` candidate range;
+    ``n_keys (B,)`` valid keys of each row. Returns ``positions (B, H, NB, width)`` int64 ascending
+    (-1 past the count) and ``counts (B, H, NB)`` int64. ``width`` must be ``>=`` the largest count.
+    """
+    B, H, NB = pages.shape[:3]
+    pos = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)  # (B, H, NB, n*page)
+    ok = chosen.repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
+        & (pos < n_keys[:, None, None, None])
+    dest = torch.where(ok, ok.long().cumsum(-1) - 1, torch.full_like(pos, width))
+    out = torch.full((B, H, NB, width + 1), -1, dtype=torch.int64, device=pages.device)
+    out.scatter_(-1, dest, torch.where(ok, pos, torch.full_like(pos, -1)))
+    return out[..., :width], ok.sum(-1)
+
+
+def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
+    """First query of every block ``(B, Hkv, NB, G, D)``; reads and updates ``memo`` (module docstring).
+
+    Host-known offsets: the memo's block ids are compared on the host (``memo["block_host"]``), so
+    nothing reads the device; with device-only offsets the memo is applied where it matches, unchecked.
+    """
+    B, Hq, Sq, D = query.shape
+    qi = block_start - q_pos0[:, None]  # (B, NB) query tensor index of each block's first query
+    inside = (qi >= 0) & (qi < Sq)
+    g = qi.clamp(0, Sq - 1)[:, None, :, None].expand(B, Hq, qi.shape[1], D)
+    qb = _compute(query.gather(2, g))  # (B, Hq, NB, D)
+    need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
+    rows_host = None
+    if host is not None:
+        rows = max(len(x) for x in host)
+        p0 = [host[0][r if len(host[0]) > 1 else 0] - host[1][r if len(host[1]) > 1 else 0] for r in range(rows)]
+        p0 = [max(0, p) for p in p0] * (B if rows == 1 else 1)
+        rows_host = {"first": [p // query_block for p in p0], "mid": [p % query_block != 0 for p in p0],
+                     "last": [(p + Sq - 1) // query_block for p in p0]}
+    usable = memo is not None and state_buffers(
+        memo, {"block": ((B,), torch.int64, -1), "q": ((B, Hq, D), qb.dtype, 0.0)}, first.device)
+    if usable and rows_host is not None and any(rows_host["mid"]):
+        known = memo.get("block_host")
+        if known is None or any(m and kb != fb for m, kb, fb in zip(rows_host["mid"], known, rows_host["first"])):
+            _warn_memo()
+    elif rows_host is not None and any(rows_host["mid"]):
+        _warn_memo()
+    if memo is not None:  # buffers written in place (sparse_k.selection.step_state: CUDA-graph safe)
+        use = need & (memo["block"] == first)
+        qb[:, :, 0] = torch.where(use[:, None, None], memo["q"], qb[:, :, 0])
+        last = block_ok.sum(-1) - 1  # (B,) each row's last block
+        seen = inside.gather(1, last[:, None]).squeeze(1)
+        q_last = qb[torch.arange(B, device=query.device), :, last]  # (B, Hq, D)
+        memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
+        memo["q"].copy_(torch.where(seen[:, None, None], q_last.detach(), memo["q"]))
+        memo["block_host"] = None if rows_host is None else list(rows_host["last"])
+    return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
+
+
+def _warn_memo():
+    warn_once("training-free selection: a call starts inside a query block whose first query was not seen (keep a "
+              "selection memo per layer, e.g. with hf_sparse_attention.SparseCache); using the call's first query")
+
+
+def quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, width, span, *, memo=None,
+                 page: int | None = None):
+    """The training-free selection of one call as a ``TokenLayout`` (module docstring).
+
+    ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``; ``first, block_start, block_ok`` from
+    ``selectors.selection_blocks``; ``width`` the layout's ``K``; ``span`` one past the last key
+    index any block can select; ``memo`` a per-layer dict for decoding (or None).
+    """
+    from ..layouts.token_layout import TokenLayout
+
+    B, Hq, Sq = query.shape[:3]
+    Hkv = key.shape[1]
+    page = max(1, min(page or DEFAULT_PAGE, pattern.top_k))
+    NB = block_start.shape[1]
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    n_keys = (k_end - k_start).clamp_min(0)
+    aligned = host is not None and all(x == 0 for x in host[1])
+    n_pages = max(1, -(-span // page))
+    kmin, kmax, ok = page_summaries(key, k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+    q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
+    qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, Hq // Hkv)
+    lo, hi = pattern.candidate_range(block_start)
+    p_idx = torch.arange(n_pages, device=key.device)
+    limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
+    step = max(1, limit // max(1, B * Hkv * n_pages * (Hq // Hkv)))  # blocks per chunk: bounded score memory
+    pos_parts, cnt_parts = [], []
+    for c0 in range(0, NB, step):  # host-known sizes: no device read
+        c1 = min(NB, c0 + step)
+        bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
+        cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, c0:c1, None]) \
+            & ((p_idx + 1) * page - 1 <= bs[:, None, :, None]) & bo[:, None, :, None]
+        scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
+        pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
+        pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
+        pos_parts.append(pos_c)
+        cnt_parts.append(cnt_c)
+    pos, cnt = torch.cat(pos_parts, 2), torch.cat(cnt_parts, 2)
+    # With at most top_k candidates: all of them.
+    n_cand = (torch.minimum(hi, n_keys[:, None] - 1) - lo + 1).clamp_min(0) * block_ok  # (B, NB)
+    all_pos = lo[..., None] + torch.arange(width, device=key.device)  # (B, NB, width)
+    all_ok = torch.arange(width, device=key.device) < n_cand[..., None]
+    take_all = (n_cand <= pattern.top_k)[:, None, :, None]
+    pos = torch.where(take_all, torch.where(all_ok, all_pos, -1)[:, None], pos)
+    cnt = torch.where(take_all[..., 0], n_cand[:, None], cnt)
+    idx = torch.where(pos >= 0, pos + k_start[:, None, None, None], -1)
+    return TokenLayout(indices=idx.to(torch.int32), counts=cnt.to(torch.int32), query_block=pattern.query_block,
+                       first_block=first, weights=None)

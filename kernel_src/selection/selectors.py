@@ -1,0 +1,500 @@
+"""Per-query-block selection for the learned patterns (``sparse_k``, ``dsa``): ``build_selection``.
+
+For every query block ``[b0, b0 + query_block)`` of the call (blocks are counted by *position*, so
+decode and recompute share them) the candidates are the keys with positions in
+``[sinks, b0 - window]`` (``pattern.candidate_range``: outside the sinks and the window of the
+block's first query, so nothing is counted twice). With at most ``top_k`` candidates all of them
+are taken with weight 1; otherwise:
+
+* ``SparseK`` + ``SparseKScorer``: query-independent key scores ``u``; SparseK weights
+  ``p = sparsek(u over the candidates, top_k)``. The ``top_k`` keys with the largest ``u`` are
+  kept with their weights ``p``: they are the ``top_k`` largest ``p`` (``p`` is monotone in ``u``
+  and at most ``top_k`` entries reach 1); fractional entries past them are dropped, so the kept
+  weights sum to at most ``top_k``. Ties go to the earlier key. Long rows (more than
+  ``2 * top_k + PREFIX_CHUNK`` candidates) take the same top-k from a prefix scan
+  (``_prefix_topk_layout``: no sort of whole rows; the weights are exact while the SparseK support
+  before the block's grid chunk has at most ``2 * top_k`` keys).
+* ``DSA`` + ``LightningIndexer``: indexer scores of the block's *first* query against the
+  candidates, top ``top_k`` (weight 1), one selection shared by all KV heads (a ``per_kv_head``
+  indexer scores and selects for every KV head separately). Only the first query
+  is used so that the selection is fixed when the block starts: decode equals recompute. A call
+  that starts inside a block (decode) uses the indexer query the indexer memoised when the block's
+  first query went through it (``LightningIndexer._block_memo``); without that memo it falls back
+  to the call's first query with a one-time warning. ``DSA_PRESELECT`` (off) ranks pages by an upper
+  bound of the indexer score first (``_dsa_preselected_layout``).
+* ``selector=None``: the **query-aware training-free default** (one-time warning that trained
+  selectors do better): Quest-style pages scored against the block's first query
+  (``sparse_k.selection.page_selection``), the same for both patterns, unweighted; its decode memo is the
+  ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
+  initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
+* On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
+  float's order-preserving bits, then the reversed index), exact with ties to the earlier key.
+
+Scores from the scorer/indexer keep their autograd graph, so gradients reach the selector through
+the SparseK weights (``log p`` is added to the logit by the attention paths).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..warn import warn_once
+from ..layouts.geometry import RowGeometry
+from ..layouts.patterns import Pattern, SparseK
+from .scorers import LightningIndexer, SparseKScorer
+from .page_selection import page_summaries, quest_layout, top_indices as _top_indices, top_pages
+from .sparsek import sparsek
+from .step_state import new_state_dict, state_buffers
+from ..layouts.token_layout import TokenLayout
+
+__all__ = ["build_selection", "selection_blocks", "selection_from_scores", "training_free_scores"]
+
+#: Upper bound on elements of one (B, Hkv, blocks, keys) score slab (memory of the SparseK sort).
+_CHUNK_ELEMENTS = 1 << 21
+#: The same on a GPU: larger slabs, fewer kernel launches (about 1.5 GiB of temporaries at 128K).
+_CHUNK_ELEMENTS_CUDA = 1 << 26
+
+#: Grid of the prefix top-k scan of a trained ``SparseKScorer`` (``_prefix_topk_layout``), in positions.
+PREFIX_CHUNK = 2048
+#: DSA page pre-selection (``_dsa_preselected_layout``): off by default, since the exact selection already
+#: costs a fraction of attention (H100, 128K, top-2048: docs/selection.md); pages of ``PRESELECT_PAGE``
+#: positions, ``PRESELECT_FACTOR`` times as many pages as ``top_k`` fills.
+DSA_PRESELECT = False
+PRESELECT_PAGE = 64
+PRESELECT_FACTOR = 4
+
+
+def training_free_scores(key: torch.Tensor) -> torch.Tensor:
+    """The key-norm score ``u (B, Hkv, Skv) = -||k||_2`` (float32) from ``key (B, Hkv, Skv, D)`` (the former
+    training-free default; an untrained ``SparseKScorer`` ranks like it)."""
+    return -key.float().norm(dim=-1)
+
+
+def _host_extent(pattern, host, q_len: int, kv_len: int):
+    """``(blocks spanned, most candidates of a block, last candidate key index + 1)`` from host offsets.
+
+    ``host``: ``RowGeometry.host_offsets()`` or None; without it, bounds that hold for any offsets
+    (the layout may then carry empty trailing blocks and slots, which no query reads).
+    """
+    bq, lo = pattern.query_block, pattern.sinks
+    if host is None:
+        return (q_len + bq - 2) // bq + 1, max(0, kv_len - lo), kv_len
+    nb = n_cand = span = 0
+    rows = max(len(x) for x in host)
+    for r in range(rows):
+        qs, ks, ke = (x[r if len(x) > 1 else 0] for x in host)
+        p0, p1 = max(0, qs - ks), max(0, qs - ks + q_len - 1)
+        nb = max(nb, p1 // bq - p0 // bq + 1)
+        hi = min((p1 // bq) * bq - pattern.window, ke - ks - 1)  # the last block has the most candidates
+        if hi >= lo:
+            n_cand = max(n_cand, hi - lo + 1)
+            span = max(span, ks + hi + 1)
+    return nb, n_cand, min(max(span, 1), kv_len)
+
+
+def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
+    """The query blocks of a call and their candidate masks.
+
+    Returns ``first_block (B,)`` int64, ``block_start (B, NB)`` int64 positions, ``block_ok (B, NB)``
+    bool (the block holds a query of this row), ``cand (B, NB, Skv)`` bool candidate mask on key
+    tensor indices and ``kpos (B, Skv)`` key positions. ``nb``: the number of blocks (default: from
+    ``geometry.host_offsets()``, or a bound when only the device knows the offsets); nothing here
+    reads the device.
+    """
+    bq = pattern.query_block
+    if nb is None:
+        nb = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)[0]
+    qpos = geometry.q_positions(q_len).expand(batch, q_len)
+    first = torch.div(qpos[:, 0].clamp_min(0), bq, rounding_mode="floor")
+    last = torch.div(qpos[:, -1].clamp_min(0), bq, rounding_mode="floor")
+    blocks = first[:, None] + torch.arange(nb, device=first.device)
+    block_ok = blocks <= last[:, None]
+    block_start = blocks * bq
+    lo, hi = pattern.candidate_range(block_start)
+    kpos = geometry.k_positions(kv_len).expand(batch, kv_len)
+    valid = geometry.key_valid(kv_len).expand(batch, kv_len)
+    kp = kpos[:, None, :]
+    cand = (kp >= lo[..., None]) & (kp <= hi[..., None]) & valid[:, None, :] & block_ok[..., None]
+    return first, block_start, block_ok, cand, kpos
+
+
+def _check_inputs(pattern, query, key, value, geometry, layer_idx, selector):
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"build_selection: `pattern` must be a Pattern, got {type(pattern).__name__}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"build_selection: `{name}` must be a 4-D tensor (B, H, S, D), got {getattr(t, 'shape', t)!r}")
+    B, Hq = query.shape[:2]
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != B:
+        raise ValueError(f"build_selection: key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}")
+    if Hq % key.shape[1] != 0:
+        raise ValueError(f"build_selection: query heads ({Hq}) must be a multiple of KV heads ({key.shape[1]})")
+    if not isinstance(geometry, RowGeometry):
+        raise TypeError(f"build_selection: `geometry` must be a RowGeometry, got {type(geometry).__name__}")
+    if geometry.rows not in (1, B):
+        raise ValueError(f"build_selection: geometry has {geometry.rows} rows, batch is {B}")
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+        raise ValueError(f"build_selection: `layer_idx` must be a non-negative int, got {layer_idx!r}")
+    if selector is not None:
+        want = SparseKScorer if isinstance(pattern, SparseK) else LightningIndexer
+        if not isinstance(selector, want):
+            raise TypeError(
+                f"build_selection: pattern {pattern.name!r} needs a {want.__name__} selector, got {type(selector).__name__}"
+            )
+
+
+def build_selection(
+    pattern: Pattern,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    geometry: RowGeometry,
+    *,
+    layer_idx: int,
+    selector: nn.Module | None = None,
+    index_keys: torch.Tensor | None = None,
+    memo: dict | None = None,
+) -> TokenLayout | None:
+    """The learned selection of one attention call (module docstring for the rules).
+
+    Args:
+        pattern: a ``SparseK`` or ``DSA`` pattern (any other pattern returns None).
+        query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``, after RoPE and the cache update.
+        geometry: the call's ``RowGeometry`` (positions = key index - ``k_start``).
+        layer_idx: the layer (for messages; the selector is already the layer's own).
+        selector: the layer's ``SparseKScorer`` / ``LightningIndexer``, or None (training-free).
+        index_keys: DSA only: the indexer keys ``(B, Skv, d_I)`` of ``key`` when the caller caches them
+            (decoding computes them for the new keys only); default: computed here.
+        memo: training-free selection only: a dict the caller keeps per layer across the calls of one
+            generation (the first query of the current block, ``sparse_k.selection.page_selection``); None: a call
+            that starts inside a block uses its own first query (one-time warning).
+    Returns:
+        ``TokenLayout`` with ``indices (B, Hkv, NB, K)`` key tensor indices (ascending, -1 past the
+        count), ``counts (B, Hkv, NB)``, ``first_block (B,)``, ``weights`` (SparseK with a scorer:
+        ``p``; otherwise None) and ``K = min(top_k, most candidates of any block)``; None when the
+        pattern is not learned, ``top_k == 0`` or no block has a candidate.
+
+    No host synchronisation: output sizes come from ``geometry.host_offsets()`` (or bounds when only
+    the device knows the offsets, e.g. a padded batch on the GPU: then ``K = top_k`` and blocks
+    without a candidate have count 0); nothing reads a device value.
+    """
+    if not getattr(pattern, "learned", False):
+        return None
+    _check_inputs(pattern, query, key, value, geometry, layer_idx, selector)
+    if pattern.top_k == 0:
+        return None
+    B, _, Sq, _ = query.shape
+    Hkv, Skv = key.shape[1], key.shape[2]
+    host = geometry.host_offsets()
+    nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
+    K = min(pattern.top_k, max_c)
+    reuse_key = _decode_reuse_key(pattern, host, query.shape, Hkv, nb, K, span, query.device) \
+        if selector is None and memo is not None else None
+    if memo is not None and reuse_key is None:  # a prefill, a traced step: the next decode call selects afresh
+        memo.pop("layout_key", None)
+        memo.pop("layout", None)
+    if max_c == 0:
+        return None
+    if reuse_key is not None and memo.get("layout_key") == reuse_key:
+        return memo["layout"]
+    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
+    if selector is None:
+        warn_once(
+            f"{pattern.name}: no trained selector for layer {layer_idx} (and maybe others); using the training-free "
+            "query-aware page selection (Quest-style, see sparse_k.selection.page_selection); trained selectors do better: "
+            "train one with scripts/train_selector.py and set config.sparse_attention['selector_path'].",
+            key=f"{pattern.name}: training-free selection",
+        )
+        layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
+        if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
+            memo["layout_key"], memo["layout"] = reuse_key, layout
+        return layout
+    if isinstance(selector, SparseKScorer):
+        u = selector(value, kpos, key)
+        if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
+            return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
+        return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
+                            weighted=True)
+    if index_keys is None:
+        index_keys = selector.index_keys(key)
+    elif tuple(index_keys.shape) != (B, Skv, selector.key_width):
+        raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.key_width}), got {tuple(index_keys.shape)}")
+    qb, wb = _dsa_block_queries(selector, query, geometry, host, pattern.query_block, first, block_start, block_ok)
+    n_pre = PRESELECT_FACTOR * -(-pattern.top_k // PRESELECT_PAGE)
+    if DSA_PRESELECT and not selector.per_kv_head and pattern.window >= PRESELECT_PAGE and max_c > n_pre * PRESELECT_PAGE:
+        lay = _dsa_preselected_layout(selector, qb, wb, index_keys, pattern, geometry, host, first, block_start,
+                                      block_ok, K, span, n_pre)
+    else:
+        scores = selector.scores(qb, wb, index_keys)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
+        scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
+        lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+    if selector.per_kv_head:
+        return lay
+    shape = (B, Hkv, *lay.indices.shape[2:])
+    return TokenLayout(
+        indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
+        query_block=pattern.query_block, first_block=first, weights=None,
+    )
+
+
+def _decode_reuse_key(pattern, host, q_shape, n_kv_heads: int, nb: int, K: int, span: int, device):
+    """The key under which a training-free decode call may return the layout of the call before it, or None.
+
+    A block's training-free selection depends only on the block's first query and on pages complete when
+    the block starts (``page_selection``), so it is the same for every decode step inside the block. A
+    call qualifies when it has one query per row, the offsets are known on the host (no device read) and
+    nothing is being traced; the key holds every input of the layout's shape and content that can change
+    between such calls (rows' blocks, key offsets, ``K``, ``span``), so a new block, an evicting cache or
+    another batch computes afresh.
+    """
+    if host is None or nb != 1 or q_shape[2] != 1 or torch.compiler.is_compiling():
+        return None
+    rows = max(len(x) for x in host)
+    starts = [tuple(x[r if len(x) > 1 else 0] for x in host) for r in range(rows)]
+    blocks = tuple(max(0, qs - ks) // pattern.query_block for qs, ks, _ in starts)
+    return (pattern, tuple(q_shape), n_kv_heads, K, span, blocks, tuple(ks for _, ks, _ in starts), str(device))
+
+
+def selection_from_scores(pattern: Pattern, scores: torch.Tensor, geometry: RowGeometry, q_len: int,
+                          kv_len: int) -> TokenLayout | None:
+    """The learned pattern's selection (module docstring's candidate rules) for given key scores.
+
+    For analyses that score keys by other means than a selector (e.g. oracle scores read from dense
+    attention, ``scripts/selection_ceiling.py``): per query block and KV head, the ``top_k``
+    candidates with the largest score, weight 1 (``weights`` None); ties go to the earlier key.
+
+    Args:
+        pattern: a learned pattern (``SparseK`` or ``DSA``); its sinks, window, top_k, query_block apply.
+        scores: ``(B, Hkv, 1, Skv)`` (one score per key for every block) or ``(B, Hkv, NB, Skv)`` with
+            ``NB`` the call's query blocks (``selection_blocks``: from the block of each row's first
+            query); any float dtype.
+        geometry: the call's ``RowGeometry``. q_len, kv_len: query and key tensor lengths.
+    Returns:
+        a ``TokenLayout`` as ``build_selection``'s, or None when ``top_k == 0`` or no block has a candidate.
+    """
+    if not getattr(pattern, "learned", False):
+        raise TypeError(f"selection_from_scores: `pattern` must be a learned pattern, got {pattern!r}")
+    if not isinstance(geometry, RowGeometry):
+        raise TypeError(f"selection_from_scores: `geometry` must be a RowGeometry, got {type(geometry).__name__}")
+    nb, max_c, span = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 4 or scores.shape[2] not in (1, nb) \
+            or scores.shape[-1] != kv_len or not scores.is_floating_point():
+        raise ValueError(f"selection_from_scores: `scores` must be a float (B, Hkv, 1 or {nb}, {kv_len}) tensor, "
+                         f"got {getattr(scores, 'shape', scores)!r}")
+    if pattern.top_k == 0 or max_c == 0:
+        return None
+    first, _, _, cand, _ = selection_blocks(pattern, geometry, scores.shape[0], q_len, kv_len, nb)
+    return _topk_layout(scores, cand[:, None], min(pattern.top_k, max_c), pattern.top_k, first, pattern.query_block,
+                        span, weighted=False)
+
+
+def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool) -> TokenLayout:
+    """Top-``K`` per block from scores ``u (B, H, NB', S)`` (NB' in {1, NB}) and candidates ``cand (B, 1, NB, S)``;
+    keys at tensor indices ``>= span`` are never candidates."""
+    B, H, S = u.shape[0], u.shape[1], u.shape[-1]
+    NB = cand.shape[2]
+    u, cand = u[..., :span], cand[..., :span]
+    limit = _CHUNK_ELEMENTS_CUDA if u.is_cuda else _CHUNK_ELEMENTS
+    chunk = max(1, limit // max(1, B * H * span))
+    idx_out, w_out, cnt_out = [], [], []
+    for c0 in range(0, NB, chunk):
+        c1 = min(NB, c0 + chunk)
+        m = cand[:, :, c0:c1].expand(B, H, c1 - c0, span)
+        uc = u[:, :, c0:c1] if u.shape[2] > 1 else u
+        uc = uc.expand(B, H, c1 - c0, span)
+        neg_inf = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
+        order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
+        cnt = m.sum(-1).clamp_max(K)  # (B, H, c)
+        keep = torch.arange(K, device=u.device) < cnt[..., None]
+        idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
+        idx = torch.sort(idx, dim=-1).values
+        keep = idx < S
+        if weighted:
+            p = sparsek(uc, top_k, m)
+            w = p.gather(-1, idx.clamp_max(span - 1))
+            w_out.append(torch.where(keep, w, torch.zeros_like(w)))
+        idx_out.append(torch.where(keep, idx, torch.full_like(idx, -1)))
+        cnt_out.append(cnt)
+    return TokenLayout(
+        indices=torch.cat(idx_out, 2).to(torch.int32), counts=torch.cat(cnt_out, 2).to(torch.int32),
+        query_block=query_block, first_block=first, weights=torch.cat(w_out, 2) if weighted else None,
+    )
+
+
+def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span) -> TokenLayout:
+    """Exact SparseK selection from query-independent scores ``u (B, H, Skv)`` without sorting whole rows.
+
+    The candidates of a block are a prefix of positions, so with a grid of ``PREFIX_CHUNK`` positions:
+    ``L_c`` = the ``M = 2 * top_k`` best keys of positions ``[0, c * PREFIX_CHUNK)`` (``_prefix_best_lists``:
+    a parallel prefix scan over the grid), and a block whose candidates end in
+    chunk ``c`` takes its top ``K`` from ``L_c`` and its own chunk's candidates: at most
+    ``M + PREFIX_CHUNK`` entries per block instead of every candidate. The top ``K`` is exact (ties to
+    the earlier key); the SparseK threshold is computed over those entries, exact whenever the SparseK
+    support (``u > tau``) of the block has at most ``M`` keys before its chunk.
+    """
+    B, H, S = u.shape
+    Z, M = PREFIX_CHUNK, 2 * pattern.top_k
+    n_chunks = max(1, -(-span // Z))
+    n = n_chunks * Z
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    pos = torch.arange(n, device=u.device)
+    idx = k_start[:, None] + pos  # (B, n) tensor index of each position
+    ok = (pos >= pattern.sinks) & (idx < k_end[:, None]) & (idx < S)
+    neg = torch.full((), float("-inf"), dtype=u.dtype, device=u.device)
+    u_pos = torch.where(ok[:, None], u.gather(2, idx.clamp(0, S - 1)[:, None].expand(B, H, n)), neg)  # (B, H, n)
+    lo, hi = pattern.candidate_range(block_start)  # (B, NB)
+    c_blk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)  # chunk of each block's last candidate
+    L = _prefix_best_lists(u_pos.detach(), n_chunks, Z, M)  # (B, H, n_chunks, M)
+    NB = block_start.shape[1]
+    prev = L.gather(2, c_blk[:, None, :, None].expand(B, H, NB, M))  # (B, H, NB, M)
+    tail = (c_blk * Z)[..., None] + torch.arange(Z, device=u.device)  # (B, NB, Z)
+    cand = torch.cat([prev, tail[:, None].expand(B, H, NB, Z)], -1)  # positions, ascending
+    m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None]
+    m = m & ok.gather(1, cand.clamp_min(0).flatten(1)).view(cand.shape)
+    uc = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
+    top = _top_indices(torch.where(m, uc.detach(), neg), K)
+    keep = m.gather(-1, top)
+    big = cand.shape[-1]
+    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
+    keep = top < big
+    sel_pos = cand.gather(-1, top.clamp_max(big - 1))
+    p = sparsek(uc, pattern.top_k, m)
+    w = torch.where(keep, p.gather(-1, top.clamp_max(big - 1)), torch.zeros((), dtype=p.dtype, device=p.device))
+    ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
+    return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=w)
+
+
+def _best_positions(cand: torch.Tensor, u_pos: torch.Tensor, M: int) -> torch.Tensor:
+    """The ``M`` best of the positions ``cand (B, H, C, W)`` (-1 = empty) by score ``u_pos (B, H, n)``, ties to
+    the earlier position: ``(B, H, C, M)`` positions, ascending among the valid ones, -1 for empty slots.
+
+    Valid entries of ``cand`` must be in ascending position order along the last axis (ties then go to the
+    smaller index, which is the earlier position); entries with score -inf count as empty.
+    """
+    if cand.shape[-1] < M:
+        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], M - cand.shape[-1]), -1)], -1)
+    neg = torch.full((), float("-inf"), dtype=u_pos.dtype, device=u_pos.device)
+    val = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
+    val = torch.where(cand >= 0, val, neg)
+    top = torch.sort(_top_indices(val, M), dim=-1).values
+    keep = val.gather(-1, top) > neg
+    return torch.where(keep, cand.gather(-1, top), -1)
+
+
+def _prefix_best_lists(u_pos: torch.Tensor, n_chunks: int, Z: int, M: int) -> torch.Tensor:
+    """``L (B, H, n_chunks, M)``: ``L[..., c, :]`` = the ``M`` best positions of ``[0, c * Z)`` by ``u_pos (B, H, n)``
+    (``n >= n_chunks * Z``; ascending, -1 empty; ties to the earlier position).
+
+    A Hillis-Steele scan: each chunk's own best ``M``, then ``log2(n_chunks)`` rounds that merge every list
+    with the list ``2**r`` chunks before it. "Best ``M`` of a union" is associative with the tie rule, so
+    the result equals the sequential scan, in O(log n_chunks) batched steps instead of n_chunks small ones.
+    """
+    B, H = u_pos.shape[:2]
+    grid = torch.arange(n_chunks, device=u_pos.device)[:, None] * Z + torch.arange(Z, device=u_pos.device)
+    best = _best_positions(grid.expand(B, H, n_chunks, Z), u_pos, M)  # best of chunk c alone
+    step = 1
+    while step < n_chunks:
+        before = torch.cat([best.new_full((B, H, step, M), -1), best[:, :, : n_chunks - step]], 2)
+        best = _best_positions(torch.cat([before, best], -1), u_pos, M)  # chunks (c - 2 * step, c]
+        step *= 2
+    return torch.cat([best.new_full((B, H, 1, M), -1), best[:, :, : n_chunks - 1]], 2)  # exclusive prefix
+
+
+def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_block, first, block_start, block_ok):
+    """Indexer queries ``(B, NB, H, d_I)`` and head weights ``(B, NB, H)`` of every block's first query
+    (design §7; module docstring).
+
+    Reads the device only when a row starts inside a block and the offsets are host-known (to check
+    the memo and warn); with device-only offsets the memo is applied where it matches, without a check.
+    """
+    B, _, Sq, _ = query.shape
+    q_index, w = indexer.index_queries(query)  # (B, Sq, H_I, d_I), (B, Sq, H_I)
+    qpos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
+    qi = block_start - qpos0[:, None]  # (B, NB) query tensor index of each block's first query
+    inside = (qi >= 0) & (qi < Sq)
+    b_ix = torch.arange(B, device=query.device)[:, None]
+    qb = q_index[b_ix, qi.clamp(0, Sq - 1)]  # (B, NB, H_I, d_I)
+    wb = w[b_ix, qi.clamp(0, Sq - 1)]
+    need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
+    memo = indexer._block_memo
+    if memo is None:
+        memo = new_state_dict(indexer, "_block_memo")
+    # Buffers written in place (sparse_k.selection.step_state: CUDA-graph safe), block ids -1 until a block's first query is seen.
+    memo_ok = state_buffers(memo, {"block": ((B,), torch.int64, -1), "q": (tuple(qb.shape[:1] + qb.shape[2:]), qb.dtype, 0.0),
+                                   "w": ((B, wb.shape[-1]), wb.dtype, 0.0)}, first.device)
+    if host is not None:
+        p0 = [qs - ks for qs, ks in zip(*host[:2])]
+        if any(p > 0 and p % query_block != 0 for p in p0):
+            if memo_ok and bool((memo["block"][need] == first[need]).all()):
+                qb[:, 0] = torch.where(need[:, None, None], memo["q"], qb[:, 0])
+                wb[:, 0] = torch.where(need[:, None], memo["w"], wb[:, 0])
+            else:
+                warn_once(
+                    "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
+                    "selector on every call of a generation); using the call's first query for that block"
+                )
+    else:
+        use = need & (memo["block"] == first)
+        qb[:, 0] = torch.where(use[:, None, None], memo["q"], qb[:, 0])
+        wb[:, 0] = torch.where(use[:, None], memo["w"], wb[:, 0])
+    last = block_ok.sum(-1) - 1  # (B,) each row's last block
+    ql = qi.gather(1, last[:, None]).squeeze(1)
+    seen = (ql >= 0) & (ql < Sq)  # rows whose last block's first query is in this call
+    rows = torch.arange(B, device=query.device)
+    memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
+    memo["q"].copy_(torch.where(seen[:, None, None], qb[rows, last].detach(), memo["q"]))
+    memo["w"].copy_(torch.where(seen[:, None], wb[rows, last].detach(), memo["w"]))
+    return qb, wb
+
+
+def _dsa_preselected_layout(indexer, qb, wb, index_keys, pattern, geometry, host, first, block_start, block_ok, K, span,
+                            n_pre) -> TokenLayout:
+    """DSA selection with page pre-selection (shared indexer keys ``(B, Skv, d_I)``).
+
+    Stage 1: per block, the ``n_pre`` candidate pages with the largest upper bound of the indexer score
+    over the page (per indexer head: ``relu`` of the Quest bound of ``q . k`` from the channel-wise
+    min/max of the page's indexer keys, times the head weight; a negative weight takes the lower bound).
+    Stage 2: exact indexer scores of the candidates in those pages, top ``K``. Pages must be complete
+    when the block starts (``window >= PRESELECT_PAGE``, checked by the caller). Equal to the full
+    selection whenever the chosen pages hold its top ``K``.
+    """
+    B, S, dI = index_keys.shape
+    page = PRESELECT_PAGE
+    n_pages = max(1, -(-span // page))
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    aligned = host is not None and all(x == 0 for x in host[1])
+    kmin, kmax, ok = page_summaries(index_keys[:, None], k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+    kmin, kmax = kmin[:, 0], kmax[:, 0]  # (B, P, d_I)
+    okf = ok[:, 0, :, None]
+    kmin, kmax = torch.where(okf, kmin, 0.0), torch.where(okf, kmax, 0.0)
+    q = qb.to(kmin.dtype)  # (B, NB, H, d_I)
+    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).flatten(1, 2)  # (B, NB*H, 2 d_I)
+    ub = torch.matmul(qq, torch.cat([kmax, kmin], -1).transpose(1, 2)).view(*q.shape[:3], -1)  # (B, NB, H, P)
+    lb = torch.matmul(qq, torch.cat([kmin, kmax], -1).transpose(1, 2)).view(*q.shape[:3], -1)
+    w = wb.to(kmin.dtype)[..., None]
+    bound = torch.where(w >= 0, w * ub.relu(), w * lb.relu()).sum(2) / (indexer.indexer_dim ** 0.5)  # (B, NB, P)
+    lo, hi = pattern.candidate_range(block_start)
+    p_idx = torch.arange(n_pages, device=q.device)
+    cand_pages = ok & (p_idx * page <= hi[..., None]) & block_ok[..., None]  # (B, NB, P)
+    pages, chosen = top_pages(bound[:, None], cand_pages[:, None], n_pre)  # (B, 1, NB, n_pre)
+    tok = (pages[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)[:, 0]  # (B, NB, L) positions
+    n_keys = (k_end - k_start)[:, None, None]
+    m = chosen[:, 0].repeat_interleave(page, -1) & (tok >= lo[..., None]) & (tok <= hi[..., None]) & (tok < n_keys)
+    kidx = (tok + k_start[:, None, None]).clamp(0, S - 1)
+    kt = index_keys.gather(1, kidx.flatten(1)[..., None].expand(-1, -1, dI)).view(*tok.shape, dI)  # (B, NB, L, d_I)
+    dots = torch.einsum("bnhd,bnld->bnhl", qb.to(kt.dtype), kt) / (indexer.indexer_dim ** 0.5)
+    sc = torch.einsum("bnh,bnhl->bnl", wb.to(kt.dtype), dots.relu())
+    neg = torch.full((), float("-inf"), dtype=sc.dtype, device=sc.device)
+    Kp = min(K, tok.shape[-1])
+    top = _top_indices(torch.where(m, sc, neg), Kp)
+    keep = m.gather(-1, top)
+    big = tok.shape[-1]
+    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
+    keep = top < big
+    ind = torch.where(keep, kidx.gather(-1, top.clamp_max(big - 1)), torch.full_like(top, -1))
+    if Kp < K:
+        ind = torch.nn.functional.pad(ind, (0, K - Kp), value=-1)
+    return TokenLayout(indices=ind[:, None].to(torch.int32), counts=m.sum(-1).clamp_max(Kp)[:, None].to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=None)

@@ -1,0 +1,26 @@
+"""The key budget ``k`` of the SparseK operator, checked and broadcast to one int64 per row (shared
+by the PyTorch path ``sparsek`` and the Triton kernel ``sparsek_triton``)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["key_budget"]
+
+
+def key_budget(k, lead_shape, device) -> torch.Tensor:
+    """``k`` (an int, or an integer tensor broadcastable to ``lead_shape``) as int64 ``lead_shape``
+    on ``device``; TypeError / ValueError naming the value otherwise."""
+    if isinstance(k, bool):
+        raise TypeError("sparsek: `k` must be an int or an integer tensor, got bool")
+    if isinstance(k, int):
+        if k < 0:
+            raise ValueError(f"sparsek: `k` must be >= 0, got {k}")
+        return torch.full(lead_shape, k, dtype=torch.int64, device=device)
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"sparsek: `k` must be an int or an integer tensor, got {type(k).__name__}")
+    if k.dtype.is_floating_point or k.dtype == torch.bool:
+        raise TypeError(f"sparsek: `k` must hold integers, got dtype {k.dtype}")
+    if bool((k < 0).any()):
+        raise ValueError("sparsek: every `k` must be >= 0")
+    return k.to(device=device, dtype=torch.int64).expand(lead_shape)
