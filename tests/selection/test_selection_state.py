@@ -165,17 +165,18 @@ def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monke
               "another selector")
 
 
-def test_a_generation_restarted_at_slot_zero_steps_from_an_empty_list(monkeypatch):
-    """A one-token prompt on a reused cache (the state matches its owner) is a step at position 0: the prefix
-    list restarts empty, and the steps after it equal the full selection."""
-    monkeypatch.setattr(selectors, "PREFIX_CHUNK", 8)
-    kind = "sparse_k_prefix_scan"
-    selector, state, cache = _selector(kind), {}, Cache(6)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, monkeypatch):
+    """A one-token prompt on a reused cache (the state matches its owner, so it steps): the prefix list restarts
+    empty, pages restart at their first key, and every step equals the full selection."""
+    selector, state, memo, memo_ref, cache = _setup(kind, monkeypatch), {}, {}, {}, Cache(6)
     with torch.no_grad():
-        _select(kind, selector, cache, *cache.call(SLOTS - 20), state, {})
+        _select(kind, selector, cache, *cache.call(SLOTS - 20), state, memo)
         cache.written = 0
-        cache.k.add_(1.0)
+        fresh = Cache(7)
+        for name in ("k", "v", "q"):  # new content, same tensors
+            getattr(cache, name).copy_(getattr(fresh, name))
         for t in range(SLOTS - 20):
             q, geo = cache.call(1)
-            _same(_select(kind, selector, cache, q, geo, state, {}), _select(kind, selector, cache, q, geo, None, {}),
+            _same(_select(kind, selector, cache, q, geo, state, memo), _select(kind, selector, cache, q, geo, None, memo_ref),
                   f"step {t}")
