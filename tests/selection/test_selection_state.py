@@ -23,6 +23,9 @@ SLOTS, PROMPT, PAD = 97, 13, 3  # row 1 is left-padded by PAD slots
 SPARSEK = sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=4)
 DSA = sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
 KINDS = ["sparse_k", "sparse_k_prefix_scan", "dsa", "dsa_per_kv_head", "pages"]
+#: On a GPU the offsets are device tensors: every call takes the bounds a compiled step takes (no host read).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="needs CUDA")])]
 
 
 def _selector(kind):
@@ -46,19 +49,19 @@ def _pattern(kind):
 class Cache:
     """A static cache: ``k, v (B, HKV, SLOTS, D)`` with garbage in unwritten slots, ``written`` slots in use."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, device="cpu"):
         g = torch.Generator().manual_seed(seed)
-        self.k = torch.randn(B, HKV, SLOTS, D, generator=g)
-        self.v = torch.randn(B, HKV, SLOTS, D, generator=g)
-        self.q = torch.randn(B, HQ, SLOTS, D, generator=g)
-        self.written = 0
+        self.k = torch.randn(B, HKV, SLOTS, D, generator=g).to(device)
+        self.v = torch.randn(B, HKV, SLOTS, D, generator=g).to(device)
+        self.q = torch.randn(B, HQ, SLOTS, D, generator=g).to(device)
+        self.written, self.device = 0, device
 
     def call(self, q_len):
         """``(query, geometry)`` of a call that writes ``q_len`` slots (the adapter's static-slots geometry)."""
         self.written += q_len
         mask = torch.arange(SLOTS) < self.written
-        mask = torch.stack([mask, mask & (torch.arange(SLOTS) >= PAD)])
-        q_start = torch.full((B,), self.written - q_len)
+        mask = torch.stack([mask, mask & (torch.arange(SLOTS) >= PAD)]).to(self.device)
+        q_start = torch.full((B,), self.written - q_len, device=self.device)
         geo = sparse_k.row_geometry(B, q_len, SLOTS, mask, q_start)
         return self.q[:, :, self.written - q_len: self.written], geo
 
@@ -86,10 +89,12 @@ def _setup(kind, monkeypatch):
     return _selector(kind)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_stepped_state_equals_full_selection_over_many_steps(kind, monkeypatch):
+def test_stepped_state_equals_full_selection_over_many_steps(kind, device, monkeypatch):
     selector = _setup(kind, monkeypatch)
-    cache, state, memo, memo_ref = Cache(1), {}, {}, {}
+    selector = selector.to(device) if selector is not None else None
+    cache, state, memo, memo_ref = Cache(1, device), {}, {}, {}
     steps = SLOTS - PROMPT
     with torch.no_grad():
         q, geo = cache.call(PROMPT)
@@ -165,15 +170,17 @@ def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monke
               "another selector")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, monkeypatch):
+def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, device, monkeypatch):
     """A one-token prompt on a reused cache (the state matches its owner, so it steps): the prefix list restarts
     empty, pages restart at their first key, and every step equals the full selection."""
-    selector, state, memo, memo_ref, cache = _setup(kind, monkeypatch), {}, {}, {}, Cache(6)
+    selector, state, memo, memo_ref, cache = _setup(kind, monkeypatch), {}, {}, {}, Cache(6, device)
+    selector = selector.to(device) if selector is not None else None
     with torch.no_grad():
         _select(kind, selector, cache, *cache.call(SLOTS - 20), state, memo)
         cache.written = 0
-        fresh = Cache(7)
+        fresh = Cache(7, device)
         for name in ("k", "v", "q"):  # new content, same tensors
             getattr(cache, name).copy_(getattr(fresh, name))
         for t in range(SLOTS - 20):
