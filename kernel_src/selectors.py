@@ -308,7 +308,7 @@ def _state_features(kind: str, state: dict, step: bool, pattern, selector, key, 
 def _u_at(u: torch.Tensor, cand: torch.Tensor, geometry, sinks: int):
     """Scores ``u (B, H, S)`` (by tensor index) at positions ``cand (B, H, ...)``: ``(values, ok)``, values -inf
     where ``ok`` is False (not a possible candidate: a sink, before or past the row's keys, or -1)."""
-    B, H, S = u.shape
+    B, S = u.shape[0], u.shape[2]
     shape = (B,) + (1,) * (cand.dim() - 1)
     ks, ke = geometry.k_start.expand(B).view(shape), geometry.k_end.expand(B).view(shape)
     idx = cand + ks
@@ -338,7 +338,7 @@ def _advance_prefix_list(state, pattern, geometry, span):
     most). Writes the state; returns ``(L (B, H, M), chunk (B,))``, the list of ``_prefix_topk_layout`` for the
     block and the block's chunk."""
     u, L, have = state["u"], state["L"], state["chunk"]
-    B, H, S = u.shape
+    B, H = u.shape[:2]
     Z, M = PREFIX_CHUNK, L.shape[-1]
     # A row whose new key is its first (a generation restarted on the same cache) has no list yet.
     restart = geometry.q_start.expand(B) == geometry.k_start.expand(B)

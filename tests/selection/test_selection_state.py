@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import sparse_k
-import sparse_k.selectors as selectors
 import torch
+from sparse_k import selectors
 from sparse_k.scorers import LightningIndexer, SparseKScorer
 from sparse_k.selectors import build_selection
 
