@@ -393,6 +393,9 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     pos = length
     forward = model.forward
     if args.decode_mode == "compiled":
+        # Compiled code of earlier rows (another attention, another selector) is dropped: Dynamo's per-function
+        # recompile limit would otherwise send this row's layers to eager once earlier rows used it up.
+        torch._dynamo.reset()
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
 
     def step():

@@ -54,6 +54,8 @@ __all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern
 CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
+#: Attribute of an attention module holding its selection state over a static cache (``sparse_k.selection.selection_state``).
+SELECTION_STATE_ATTR = "_sparse_k_selection_state"
 
 
 def _cache_layer(module, key):
@@ -352,7 +354,7 @@ def _packed_from_position_ids(position_ids: torch.Tensor):
     return _packed_starts(position_ids)
 
 
-def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module):
+def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module, cache_slots=None):
     try:
         from ..selection.selectors import build_selection
     except ImportError:
@@ -369,7 +371,15 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
         memo = module.__dict__.get(SELECTION_MEMO_ATTR)
         if memo is None:
             memo = new_state_dict(module, SELECTION_MEMO_ATTR)
-    return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo)
+    # Over a static cache (``cache_slots``: its slots) the selection's per-key inputs are kept and updated for the
+    # new key only (sparse_k.selection.selection_state), in buffers made outside any traced graph, as the memo's.
+    state = None
+    if cache_slots is not None and hasattr(module, "__dict__"):
+        state = module.__dict__.get(SELECTION_STATE_ATTR)
+        if state is None:
+            state = new_state_dict(module, SELECTION_STATE_ATTR)
+    return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo,
+                           state=state, state_slots=cache_slots)
 
 
 def attention_forward(
@@ -462,6 +472,7 @@ def attention_forward(
                            layer_idx=layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
+    cache_slots = None  # a static cache's slots: the key tensor holds all of them, or its written front
     if key_mask is not None:
         if not isinstance(key_mask, torch.Tensor):
             raise TypeError(f"sparse_k attention expects a 2-D key mask tensor or None, got {type(key_mask).__name__}")
@@ -478,9 +489,11 @@ def attention_forward(
                 cache_layer.check_key_mask(key_mask)
         L, skv = key_mask.shape[1], key.shape[2]
         if static_slots:
+            cache_slots = skv
             if q_start is None:
                 q_start = _after_last_valid(key_mask) - query.shape[2]
         elif L < skv:
+            cache_slots = skv
             key, value = key[:, :, :L], value[:, :, :L]
         elif L > skv:
             dropped = L - skv
@@ -494,7 +507,7 @@ def attention_forward(
 
     selection = None
     if pattern.learned and pattern.top_k > 0:
-        selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module)
+        selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module, cache_slots=cache_slots)
         if selection is None:  # no block has a candidate yet: sinks + window is the whole rule
             pattern = pattern.static_part()
     out = sparse_attention(

@@ -39,7 +39,8 @@ import torch
 from ..warn import warn_once
 from .step_state import state_buffers
 
-__all__ = ["DEFAULT_PAGE", "expand_pages", "page_summaries", "quest_layout", "quest_scores", "rank_merge", "top_indices",
+__all__ = ["DEFAULT_PAGE", "expand_pages", "page_size", "page_summaries", "quest_layout", "quest_scores", "rank_merge",
+           "top_indices",
            "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
@@ -50,6 +51,11 @@ HEAD_REDUCE = "sum"
 #: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
 CHUNK_ELEMENTS = 1 << 22
 CHUNK_ELEMENTS_CUDA = 1 << 27
+
+
+def page_size(pattern, page: int | None = None) -> int:
+    """The page size ``quest_layout`` uses for ``pattern``: ``page`` (default ``DEFAULT_PAGE``), at most ``top_k``."""
+    return max(1, min(page or DEFAULT_PAGE, pattern.top_k))
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
@@ -221,24 +227,29 @@ def _warn_memo():
 
 
 def quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, width, span, *, memo=None,
-                 page: int | None = None):
+                 page: int | None = None, summaries=None):
     """The training-free selection of one call as a ``TokenLayout`` (module docstring).
 
     ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``; ``first, block_start, block_ok`` from
     ``selectors.selection_blocks``; ``width`` the layout's ``K``; ``span`` one past the last key
-    index any block can select; ``memo`` a per-layer dict for decoding (or None).
+    index any block can select; ``memo`` a per-layer dict for decoding (or None); ``summaries``: the
+    ``page_summaries`` ``(kmin, kmax, ok)`` of at least the pages below ``span`` when the caller keeps them
+    (``sparse_k.selection.selection_state``), else computed here.
     """
     from ..layouts.token_layout import TokenLayout
 
     B, Hq, Sq = query.shape[:3]
     Hkv = key.shape[1]
-    page = max(1, min(page or DEFAULT_PAGE, pattern.top_k))
+    page = page_size(pattern, page)
     NB = block_start.shape[1]
     k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
     n_keys = (k_end - k_start).clamp_min(0)
     aligned = host is not None and all(x == 0 for x in host[1])
     n_pages = max(1, -(-span // page))
-    kmin, kmax, ok = page_summaries(key, k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+    if summaries is None:
+        kmin, kmax, ok = page_summaries(key, k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+    else:
+        kmin, kmax, ok = (t[:, :, :n_pages] for t in summaries)
     q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
     qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, Hq // Hkv)
     lo, hi = pattern.candidate_range(block_start)

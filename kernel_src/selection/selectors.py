@@ -43,7 +43,8 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import page_summaries, quest_layout, top_indices as _top_indices, top_pages
+from .page_selection import page_size, page_summaries, quest_layout, top_indices as _top_indices, top_pages
+from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
 from ..layouts.token_layout import TokenLayout
@@ -155,6 +156,8 @@ def build_selection(
     selector: nn.Module | None = None,
     index_keys: torch.Tensor | None = None,
     memo: dict | None = None,
+    state: dict | None = None,
+    state_slots: int | None = None,
 ) -> TokenLayout | None:
     """The learned selection of one attention call (module docstring for the rules).
 
@@ -169,6 +172,10 @@ def build_selection(
         memo: training-free selection only: a dict the caller keeps per layer across the calls of one
             generation (the first query of the current block, ``sparse_k.selection.page_selection``); None: a call
             that starts inside a block uses its own first query (one-time warning).
+        state: a dict the caller keeps per layer for calls over a static cache (``sparse_k.selection.selection_state``):
+            a one-query call updates it for its new key instead of recomputing the selection's inputs from
+            every cached key; any other call rewrites it. state_slots: the cache's slots (default ``Skv``;
+            more when the call's key tensor is the written front of a static cache).
     Returns:
         ``TokenLayout`` with ``indices (B, Hkv, NB, K)`` key tensor indices (ascending, -1 past the
         count), ``counts (B, Hkv, NB)``, ``first_block (B,)``, ``weights`` (SparseK with a scorer:
@@ -189,11 +196,20 @@ def build_selection(
     host = geometry.host_offsets()
     nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
     K = min(pattern.top_k, max_c)
+    kind, step, spec, tag = sst.state_kind(selector), False, None, None
+    if state is not None:
+        slots = Skv if state_slots is None else max(int(state_slots), Skv)
+        spec = _state_spec(kind, pattern, selector, key, value, slots)
+        tag = sst.owner_tag(kind, key, slots, selector, pattern)
+        step = Sq == 1 and slots == Skv and (kind != "sparse_k" or pattern.query_block <= PREFIX_CHUNK) and sst.ready(state, spec, key, tag)
+        if not step:
+            sst.prepare(state, spec, key, tag)
     reuse_key = _decode_reuse_key(pattern, host, query.shape, Hkv, nb, K, span, query.device) \
-        if selector is None and memo is not None else None
+        if selector is None and memo is not None and state is None else None
     if memo is not None and reuse_key is None:  # a prefill, a traced step: the next decode call selects afresh
         memo.pop("layout_key", None)
         memo.pop("layout", None)
+    feats = None if state is None else _state_features(kind, state, step, pattern, selector, key, value, geometry, Sq, span)
     if max_c == 0:
         return None
     if reuse_key is not None and memo.get("layout_key") == reuse_key:
@@ -206,17 +222,27 @@ def build_selection(
             "train one with scripts/train_selector.py and set config.sparse_attention['selector_path'].",
             key=f"{pattern.name}: training-free selection",
         )
-        layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo)
+        layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo,
+                              summaries=feats)
         if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
             memo["layout_key"], memo["layout"] = reuse_key, layout
         return layout
     if isinstance(selector, SparseKScorer):
-        u = selector(value, kpos, key)
+        if step:
+            u, listed, chunk = feats
+        else:
+            u = selector(value, kpos, key) if feats is None else feats
         if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
+            if step:
+                return _prefix_select(listed[:, :, None], chunk[:, None],
+                                      lambda c: _u_at(u, c, geometry, pattern.sinks), pattern, geometry, first,
+                                      *pattern.candidate_range(block_start), block_ok, K)
             return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
         return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
                             weighted=True)
-    if index_keys is None:
+    if feats is not None:
+        index_keys = feats
+    elif index_keys is None:
         index_keys = selector.index_keys(key)
     elif tuple(index_keys.shape) != (B, Skv, selector.key_width):
         raise ValueError(f"build_selection: `index_keys` must be ({B}, {Skv}, {selector.key_width}), got {tuple(index_keys.shape)}")
@@ -236,6 +262,100 @@ def build_selection(
         indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
         query_block=pattern.query_block, first_block=first, weights=None,
     )
+
+
+def _state_spec(kind: str, pattern, selector, key, value, slots: int) -> dict:
+    """The buffers of a layer's ``sparse_k.selection.selection_state`` for a cache of ``slots`` slots."""
+    if kind == "sparse_k":
+        return sst.sparsek_specs(pattern, key, value, slots)
+    if kind == "dsa":
+        return sst.dsa_specs(selector, key, slots)
+    return sst.page_specs(key, page_size(pattern), slots)
+
+
+def _state_features(kind: str, state: dict, step: bool, pattern, selector, key, value, geometry, q_len: int, span: int):
+    """What the selection reads from every cached key, kept in ``state`` (``sparse_k.selection.selection_state``).
+
+    ``step``: update the state for the call's new key only and return its buffers; otherwise compute
+    from every key, write the state and return what was computed (with its autograd graph). Returns
+    ``u (B, Hkv, Skv)`` (sparse_k; a step: ``(u, L, chunk)``, ``_advance_prefix_list``), the indexer keys ``(B, Skv, key_width)`` (dsa) or the page
+    summaries ``(kmin, kmax, ok)`` over every page of the key tensor (pages).
+    """
+    B, _, S, _ = key.shape
+    if kind == "pages":
+        page = page_size(pattern)
+        if step:
+            return sst.step_pages(state, key, geometry, page, pattern.sinks)
+        summaries = page_summaries(key, geometry.k_start.expand(B), geometry.k_end.expand(B), page, pattern.sinks,
+                                   max(1, -(-S // page)))
+        sst.fill_pages(state, summaries)
+        return summaries
+    if kind == "dsa":
+        if step:
+            return sst.step_index_keys(state, selector, key, geometry)
+        ik = selector.index_keys(key)
+        state["ik"][:, :S].copy_(ik.detach())
+        return ik
+    if step:
+        u = sst.step_sparsek_scores(state, selector, key, value, geometry)
+        return (u, *_advance_prefix_list(state, pattern, geometry, span))
+    u = selector(value, geometry.k_positions(S).expand(B, S), key)
+    state["u"][:, :, :S].copy_(u.detach())
+    _fill_prefix_list(state, pattern, geometry, q_len)
+    return u
+
+
+def _u_at(u: torch.Tensor, cand: torch.Tensor, geometry, sinks: int):
+    """Scores ``u (B, H, S)`` (by tensor index) at positions ``cand (B, H, ...)``: ``(values, ok)``, values -inf
+    where ``ok`` is False (not a possible candidate: a sink, before or past the row's keys, or -1)."""
+    B, S = u.shape[0], u.shape[2]
+    shape = (B,) + (1,) * (cand.dim() - 1)
+    ks, ke = geometry.k_start.expand(B).view(shape), geometry.k_end.expand(B).view(shape)
+    idx = cand + ks
+    ok = (cand >= 0) & (cand >= sinks) & (idx < ke) & (idx < S)
+    val = u.gather(2, idx.clamp(0, S - 1).flatten(2)).view(cand.shape)
+    return torch.where(ok, val, torch.full((), float("-inf"), dtype=u.dtype, device=u.device)), ok
+
+
+def _fill_prefix_list(state: dict, pattern, geometry, q_len: int) -> None:
+    """``state["L"], state["chunk"]``: the ``2 * top_k`` best positions before the chunk holding each row's last
+    block's last candidate (``_prefix_topk_layout``'s list for that block), from ``state["u"]``."""
+    u = state["u"]
+    B, H, S = u.shape
+    Z, bq = PREFIX_CHUNK, pattern.query_block
+    q_last = (geometry.q_start + q_len - 1 - geometry.k_start).expand(B).clamp_min(0)
+    hi = torch.div(q_last, bq, rounding_mode="floor") * bq - pattern.window
+    chunk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor")
+    pos = torch.arange(S, device=u.device)
+    cand = torch.where(pos < (chunk * Z)[:, None], pos, -1)[:, None].expand(B, H, S)
+    state["L"].copy_(sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], state["L"].shape[-1]))
+    state["chunk"].copy_(chunk)
+
+
+def _advance_prefix_list(state, pattern, geometry, span):
+    """A one-query call's prefix list (``sparse_k.selection.selection_state``): the stored one, or the stored one merged with
+    the chunk the call's block has just left (a block moves by ``query_block <= PREFIX_CHUNK``: one chunk at
+    most). Writes the state; returns ``(L (B, H, M), chunk (B,))``, the list of ``_prefix_topk_layout`` for the
+    block and the block's chunk."""
+    u, L, have = state["u"], state["L"], state["chunk"]
+    B, H = u.shape[:2]
+    Z, M = PREFIX_CHUNK, L.shape[-1]
+    # A row whose new key is its first (a generation restarted on the same cache) has no list yet.
+    restart = geometry.q_start.expand(B) == geometry.k_start.expand(B)
+    L = torch.where(restart[:, None, None], -1, L)
+    have = torch.where(restart, 0, have)
+    n_chunks = max(1, -(-span // Z))
+    q_pos = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
+    hi = pattern.candidate_range(torch.div(q_pos, pattern.query_block, rounding_mode="floor") * pattern.query_block)[1]
+    need = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)
+    left = (have * Z)[:, None] + torch.arange(Z, device=u.device)  # (B, Z) positions of the stored chunk
+    cand = torch.cat([L, left[:, None].expand(B, H, Z)], -1)
+    merged = sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], M)
+    advance = need > have
+    L = torch.where(advance[:, None, None], merged, L)
+    state["L"].copy_(L)
+    state["chunk"].copy_(torch.where(advance, have + 1, have))
+    return L, need
 
 
 def _decode_reuse_key(pattern, host, q_shape, n_kv_heads: int, nb: int, K: int, span: int, device):
@@ -348,11 +468,25 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     L = _prefix_best_lists(u_pos.detach(), n_chunks, Z, M)  # (B, H, n_chunks, M)
     NB = block_start.shape[1]
     prev = L.gather(2, c_blk[:, None, :, None].expand(B, H, NB, M))  # (B, H, NB, M)
-    tail = (c_blk * Z)[..., None] + torch.arange(Z, device=u.device)  # (B, NB, Z)
+
+    def u_at(cand):
+        flat = cand.clamp_min(0).flatten(2)
+        return u_pos.gather(2, flat).view(cand.shape), ok.gather(1, flat.flatten(1)).view(cand.shape)
+
+    return _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K)
+
+
+def _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K) -> TokenLayout:
+    """The top ``K`` and SparseK weights of every block among ``prev (B, H, NB, M)`` (the best positions before
+    the block's chunk ``c_blk (B, NB)``) and the chunk's own positions; ``u_at(cand) -> (scores, ok)`` at
+    positions ``cand (B, H, NB, W)``; ``lo, hi (B, NB)`` candidate ranges."""
+    B, H, NB, _ = prev.shape
+    Z = PREFIX_CHUNK
+    tail = (c_blk * Z)[..., None] + torch.arange(Z, device=prev.device)  # (B, NB, Z)
     cand = torch.cat([prev, tail[:, None].expand(B, H, NB, Z)], -1)  # positions, ascending
-    m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None]
-    m = m & ok.gather(1, cand.clamp_min(0).flatten(1)).view(cand.shape)
-    uc = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
+    uc, okc = u_at(cand)
+    m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None] & okc
+    neg = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
     top = _top_indices(torch.where(m, uc.detach(), neg), K)
     keep = m.gather(-1, top)
     big = cand.shape[-1]
@@ -361,6 +495,7 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     sel_pos = cand.gather(-1, top.clamp_max(big - 1))
     p = sparsek(uc, pattern.top_k, m)
     w = torch.where(keep, p.gather(-1, top.clamp_max(big - 1)), torch.zeros((), dtype=p.dtype, device=p.device))
+    k_start = geometry.k_start.expand(B)
     ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
     return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
                        query_block=pattern.query_block, first_block=first, weights=w)
@@ -373,14 +508,7 @@ def _best_positions(cand: torch.Tensor, u_pos: torch.Tensor, M: int) -> torch.Te
     Valid entries of ``cand`` must be in ascending position order along the last axis (ties then go to the
     smaller index, which is the earlier position); entries with score -inf count as empty.
     """
-    if cand.shape[-1] < M:
-        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], M - cand.shape[-1]), -1)], -1)
-    neg = torch.full((), float("-inf"), dtype=u_pos.dtype, device=u_pos.device)
-    val = u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape)
-    val = torch.where(cand >= 0, val, neg)
-    top = torch.sort(_top_indices(val, M), dim=-1).values
-    keep = val.gather(-1, top) > neg
-    return torch.where(keep, cand.gather(-1, top), -1)
+    return sst.best_of(cand, u_pos.gather(2, cand.clamp_min(0).flatten(2)).view(cand.shape), M)
 
 
 def _prefix_best_lists(u_pos: torch.Tensor, n_chunks: int, Z: int, M: int) -> torch.Tensor:

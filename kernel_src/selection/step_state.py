@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["new_state_dict", "state_buffers"]
+__all__ = ["buffers_fit", "new_state_dict", "state_buffers"]
 
 #: ``name -> (shape, dtype, fill)`` of the buffers one call needs.
 Spec = dict
 
 
-def _fits(state: dict, spec: Spec, device: torch.device) -> bool:
+def buffers_fit(state: dict, spec: Spec, device: torch.device) -> bool:
+    """Whether every ``spec`` entry of ``state`` is a tensor of that shape and dtype on ``device`` (reads no device value)."""
     for name, (shape, dtype, _) in spec.items():
         t = state.get(name)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
@@ -54,7 +55,7 @@ def state_buffers(state: dict, spec: Spec, device: torch.device) -> bool:
     when they were (re)allocated and hold their ``fill`` values (first call, or another batch size,
     dtype or device). Callers write them with ``copy_`` only.
     """
-    if _fits(state, spec, device):
+    if buffers_fit(state, spec, device):
         return True
     _allocate(state, spec, device)
     return False

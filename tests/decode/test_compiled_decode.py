@@ -197,3 +197,27 @@ def test_triton_sparsek_with_a_mask_compiles():
     want = sparsek(u, 7, mask)
     got = torch.compile(lambda a, m: sparsek(a, 7, m), fullgraph=True)(u, mask)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (CUDA graphs)")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_200_compiled_steps_trace_one_graph(variant, monkeypatch):
+    """200 compiled StaticCache steps (many query blocks, prefix-scan chunks and pages, the selection state
+    stepped every time) trace one graph and record CUDA graphs without a skip: no recompile as the cache fills."""
+    import transformers
+    from torch._dynamo.utils import counters
+
+    model = _model(variant, monkeypatch)
+    ids = torch.randint(1, 50, (2, PROMPT), generator=torch.Generator().manual_seed(4)).to(DEV)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + 205)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for t in range(200):
+            cp = torch.tensor([PROMPT + t], device=DEV)
+            nxt = forward(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=cp).logits[:, -1:].argmax(-1)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["inductor"].get("cudagraph_skips", 0), dict(counters["inductor"])

@@ -1,0 +1,172 @@
+"""Selection state that a static-cache decode step updates for its new key only (O(new keys) per step).
+
+A learned selection is a function of the cached keys. Recomputing it at every decode step reads the
+whole cache: per-key SparseK scores and the prefix top-k lists, the DSA indexer keys, the page
+summaries of the training-free selection. Each of these is a function of one key (or, for the prefix
+lists, of a prefix of positions that only grows), so a decode step keeps them in buffers
+(``sparse_k.selection.step_state``: allocated once, fixed address, written in place, so CUDA graphs replay
+them) and updates them for the key it writes:
+
+* ``"sparse_k"`` (a ``SparseKScorer``): ``u (B, Hkv, Skv)``, the score of every key slot, and for the
+  prefix scan (``selectors._prefix_topk_layout``) ``L (B, Hkv, M)``, the ``M = 2 * top_k`` best
+  positions before chunk ``chunk (B,)`` (``PREFIX_CHUNK`` positions a chunk). A step scores its key,
+  merges the chunk its block has left into ``L`` (a top-``M`` of ``M + PREFIX_CHUNK`` entries; the same
+  list as the prefix scan, since "best ``M`` of a union" is associative with the tie rule) and selects
+  from ``L`` and its block's chunk: constant work per step.
+* ``"dsa"`` (a ``LightningIndexer``): ``ik (B, Skv, key_width)``, the indexer key of every slot. A step
+  computes its key's; the indexer query's product with all stored keys stays (cheap and inherent).
+* ``"pages"`` (no selector, ``page_selection``): ``kmin, kmax (B, Hkv, P, D)`` and ``ok (B, 1, P)`` of
+  every page; a step folds its key into its page (exact: a min and a max).
+
+Which calls step: the adapter passes a state dict only for calls over a static cache (the key mask
+covers every slot, as Transformers' ``StaticCache`` gives). A call with one query per row and no
+autograd steps when the state's buffers fit (batch, heads, slots, dtype, device) and belong to the same
+cache and selector; an eager call checks that on the host (``owner_tag``: the key tensor's address, the
+selector, the pattern), a traced call cannot and trusts the state (a compiled step follows the eager
+prefill that wrote it). Every other call computes the selection in full and rewrites the state. The
+key of a step sits at tensor index ``q_start`` (its query's own slot).
+
+Limitation: a beam reorder of a static cache (``reorder_cache``) permutes the keys but not this state;
+eager steps notice (the key tensor is replaced) and recompute, a compiled step does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .page_selection import top_indices
+from .step_state import buffers_fit, state_buffers
+
+__all__ = ["best_of", "owner_tag", "prepare", "ready", "state_kind"]
+
+
+def state_kind(selector) -> str:
+    """``"sparse_k"``, ``"dsa"`` or ``"pages"`` (no selector) for a layer's selector."""
+    if selector is None:
+        return "pages"
+    return getattr(selector, "kind", type(selector).__name__)
+
+
+def owner_tag(kind: str, key: torch.Tensor, slots: int, selector, pattern) -> tuple | None:
+    """What the state was written for, on the host (None while tracing: no address to read): the cache's
+    key tensor (address, ``slots``), the selector and the pattern."""
+    if torch.compiler.is_compiling():
+        return None
+    return (kind, key.data_ptr(), tuple(key.shape[:2]), slots, id(selector), pattern)
+
+
+def ready(state: dict | None, spec: dict, key: torch.Tensor, tag) -> bool:
+    """Whether a one-query call may step ``state`` (module docstring): its buffers fit ``spec`` and, in an
+    eager call, it was written for this cache and selector (``tag``)."""
+    if state is None or torch.is_grad_enabled() or not buffers_fit(state, spec, key.device):
+        return False
+    return tag is None or state.get("owner") == tag
+
+
+def prepare(state: dict, spec: dict, key: torch.Tensor, tag) -> None:
+    """Buffers for a full call, reset to their fill values (the call then writes what its keys give);
+    records ``tag`` as the owner."""
+    if state_buffers(state, spec, key.device):
+        for name, (_, _, fill) in spec.items():
+            state[name].fill_(fill)
+    if tag is not None:
+        state["owner"] = tag
+
+
+def best_of(cand: torch.Tensor, val: torch.Tensor, M: int) -> torch.Tensor:
+    """The ``M`` best positions of ``cand (..., W)`` (-1 = empty) by ``val (..., W)`` (-inf = empty), ties to the
+    earlier position: ``(..., M)`` ascending among the valid ones, -1 for empty slots.
+
+    Valid entries of ``cand`` must be in ascending position order (ties then go to the smaller index).
+    """
+    if cand.shape[-1] < M:
+        pad = M - cand.shape[-1]
+        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], pad), -1)], -1)
+        val = torch.cat([val, val.new_full((*val.shape[:-1], pad), float("-inf"))], -1)
+    neg = torch.full((), float("-inf"), dtype=val.dtype, device=val.device)
+    val = torch.where(cand >= 0, val, neg)
+    top = torch.sort(top_indices(val, M), dim=-1).values
+    keep = val.gather(-1, top) > neg
+    return torch.where(keep, cand.gather(-1, top), -1)
+
+
+def _new_slot(geometry, batch: int) -> torch.Tensor:
+    """``(B,)`` tensor index of each row's new key (its query's own slot)."""
+    return geometry.q_start.expand(batch)
+
+
+def _key_at(t: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, S, D)`` at one slot per row: ``(B, H, 1, D)``."""
+    B, H, _, D = t.shape
+    return t.gather(2, slot[:, None, None, None].expand(B, H, 1, D))
+
+
+def sparsek_specs(pattern, key: torch.Tensor, value: torch.Tensor, S: int) -> dict:
+    """Buffers of the ``"sparse_k"`` state (module docstring) for ``key/value (B, Hkv, ., D)`` and ``S`` cache slots."""
+    B, H = key.shape[:2]
+    dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    return {"u": ((B, H, S), dtype, 0.0), "L": ((B, H, 2 * pattern.top_k), torch.int64, -1),
+            "chunk": ((B,), torch.int64, 0)}
+
+
+def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.Tensor, geometry) -> torch.Tensor:
+    """Score the new key of every row into ``state["u"]``; returns ``u (B, Hkv, Skv)`` (the buffer)."""
+    B, H = key.shape[:2]
+    slot = _new_slot(geometry, B)
+    kpos = (slot - geometry.k_start.expand(B))[:, None]
+    u_new = selector(_key_at(value, slot), kpos, _key_at(key, slot))  # (B, H, 1)
+    state["u"].scatter_(2, slot[:, None, None].expand(B, H, 1), u_new.to(state["u"].dtype))
+    return state["u"]
+
+
+def dsa_specs(selector, key: torch.Tensor, S: int) -> dict:
+    B = key.shape[0]
+    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+    return {"ik": ((B, S, selector.key_width), dtype, 0.0)}
+
+
+def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch.Tensor:
+    """The new key's indexer key into ``state["ik"]``; returns the indexer keys ``(B, Skv, key_width)`` (the buffer)."""
+    B = key.shape[0]
+    slot = _new_slot(geometry, B)
+    ik = state["ik"]
+    ik.scatter_(1, slot[:, None, None].expand(B, 1, ik.shape[-1]), selector.index_keys(_key_at(key, slot)).to(ik.dtype))
+    return ik
+
+
+def page_specs(key: torch.Tensor, page: int, S: int) -> dict:
+    B, H, _, D = key.shape
+    P = max(1, -(-S // page))
+    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+    return {"kmin": ((B, H, P, D), dtype, float("inf")), "kmax": ((B, H, P, D), dtype, float("-inf")),
+            "ok": ((B, 1, P), torch.bool, False)}
+
+
+def fill_pages(state: dict, summaries) -> None:
+    """Write full ``page_summaries`` (``kmin, kmax (B, Hkv, P', D)``, ``ok (B, 1, P')``) of the call's keys into the
+    state's first ``P'`` pages."""
+    for name, t in zip(("kmin", "kmax", "ok"), summaries):
+        state[name][:, :, : t.shape[2]].copy_(t)
+
+
+def step_pages(state: dict, key: torch.Tensor, geometry, page: int, sinks: int) -> tuple:
+    """Fold every row's new key into its page (reset when the key is the page's first position); returns
+    the state's ``(kmin, kmax, ok)``. Equals ``page_summaries`` over the keys written so far."""
+    B, H, S, D = key.shape
+    kmin, kmax, ok = state["kmin"], state["kmax"], state["ok"]
+    slot = _new_slot(geometry, B)
+    pos = slot - geometry.k_start.expand(B)
+    pg = torch.div(pos.clamp_min(0), page, rounding_mode="floor").clamp_max(kmin.shape[2] - 1)
+    fresh = (pos % page == 0)[:, None, None, None]
+    take = ((pos >= sinks) & (slot < geometry.k_end.expand(B)) & (slot < S))[:, None, None, None]
+    k = _key_at(key, slot).to(kmin.dtype)
+    gi = pg[:, None, None, None].expand(B, H, 1, D)
+    inf = torch.full((), float("inf"), dtype=kmin.dtype, device=key.device)
+    lo = torch.where(fresh, inf, kmin.gather(2, gi))
+    hi = torch.where(fresh, -inf, kmax.gather(2, gi))
+    kmin.scatter_(2, gi, torch.where(take, torch.minimum(lo, k), lo))
+    kmax.scatter_(2, gi, torch.where(take, torch.maximum(hi, k), hi))
+    go = pg[:, None, None]
+    was = ok.gather(2, go) & ~fresh[:, :, :, 0]
+    ok.scatter_(2, go, was | take[:, :, :, 0])
+    return kmin, kmax, ok

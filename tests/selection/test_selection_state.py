@@ -1,0 +1,189 @@
+"""The selection state a static-cache decode step updates for its new key only (``sparse_k.selection.selection_state``).
+
+Over many steps of a static cache (random keys, values and queries, odd lengths, GQA, a left-padded
+row, unwritten slots holding garbage), the layout ``build_selection`` returns from the stepped state
+equals the layout it computes from every key of the same call (``state=None``), for the SparseK
+scorer (exact path and prefix scan), the DSA indexer (shared and per KV head) and the training-free
+pages. A step reads the new key only (the scorer, the indexer keys and the page summaries are
+computed for one key per row), and the state is what the step reads (a corrupted state changes the
+selection); a state written for another cache or selector is not trusted by an eager call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sparse_k
+import torch
+from sparse_k.selection import selectors
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
+from sparse_k.selection.selectors import build_selection
+
+B, HQ, HKV, D = 2, 4, 2, 16
+SLOTS, PROMPT, PAD = 97, 13, 3  # row 1 is left-padded by PAD slots
+SPARSEK = sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=4)
+DSA = sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
+KINDS = ["sparse_k", "sparse_k_prefix_scan", "dsa", "dsa_per_kv_head", "pages"]
+#: On a GPU the offsets are device tensors: every call takes the bounds a compiled step takes (no host read).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="needs CUDA")])]
+
+
+def _selector(kind):
+    torch.manual_seed(5)
+    if kind.startswith("sparse_k"):
+        scorer = SparseKScorer(HKV, D)
+        with torch.no_grad():
+            for prm in scorer.parameters():
+                prm.copy_(torch.randn(prm.shape))
+            scorer.log_gain.fill_(0.0)  # gain 1: many fractional SparseK weights
+        return scorer
+    if kind.startswith("dsa"):
+        return LightningIndexer(HQ, HKV, D, indexer_heads=2, indexer_dim=8, per_kv_head=kind == "dsa_per_kv_head")
+    return None
+
+
+def _pattern(kind):
+    return DSA if kind.startswith("dsa") else SPARSEK
+
+
+class Cache:
+    """A static cache: ``k, v (B, HKV, SLOTS, D)`` with garbage in unwritten slots, ``written`` slots in use."""
+
+    def __init__(self, seed, device="cpu"):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(B, HKV, SLOTS, D, generator=g).to(device)
+        self.v = torch.randn(B, HKV, SLOTS, D, generator=g).to(device)
+        self.q = torch.randn(B, HQ, SLOTS, D, generator=g).to(device)
+        self.written, self.device = 0, device
+
+    def call(self, q_len):
+        """``(query, geometry)`` of a call that writes ``q_len`` slots (the adapter's static-slots geometry)."""
+        self.written += q_len
+        mask = torch.arange(SLOTS) < self.written
+        mask = torch.stack([mask, mask & (torch.arange(SLOTS) >= PAD)]).to(self.device)
+        q_start = torch.full((B,), self.written - q_len, device=self.device)
+        geo = sparse_k.row_geometry(B, q_len, SLOTS, mask, q_start)
+        return self.q[:, :, self.written - q_len: self.written], geo
+
+
+def _select(kind, selector, cache, q, geo, state, memo):
+    return build_selection(_pattern(kind), q, cache.k, cache.v, geo, layer_idx=0, selector=selector, memo=memo,
+                           state=state)
+
+
+def _same(got, want, where):
+    assert (got is None) == (want is None), where
+    if got is None:
+        return
+    assert torch.equal(got.counts, want.counts), where
+    assert torch.equal(got.indices, want.indices), where
+    assert torch.equal(got.first_block, want.first_block), where
+    assert (got.weights is None) == (want.weights is None), where
+    if got.weights is not None:
+        torch.testing.assert_close(got.weights, want.weights, rtol=0, atol=1e-6, msg=where)
+
+
+def _setup(kind, monkeypatch):
+    if kind == "sparse_k_prefix_scan":
+        monkeypatch.setattr(selectors, "PREFIX_CHUNK", 8)
+    return _selector(kind)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_stepped_state_equals_full_selection_over_many_steps(kind, device, monkeypatch):
+    selector = _setup(kind, monkeypatch)
+    selector = selector.to(device) if selector is not None else None
+    cache, state, memo, memo_ref = Cache(1, device), {}, {}, {}
+    steps = SLOTS - PROMPT
+    with torch.no_grad():
+        q, geo = cache.call(PROMPT)
+        _same(_select(kind, selector, cache, q, geo, state, memo), _select(kind, selector, cache, q, geo, None, memo_ref),
+              "prefill")
+        for t in range(steps):
+            q, geo = cache.call(1)
+            _same(_select(kind, selector, cache, q, geo, state, memo),
+                  _select(kind, selector, cache, q, geo, None, memo_ref), f"step {t}")
+    assert state["owner"][0] == sparse_k.selection.selection_state.state_kind(selector)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_reads_only_the_new_key(kind, monkeypatch):
+    """The scorer, the indexer keys and the page summaries see one key per row in a step."""
+    selector = _setup(kind, monkeypatch)
+    seen = []
+    if kind.startswith("sparse_k"):
+        forward = SparseKScorer.forward
+        monkeypatch.setattr(SparseKScorer, "forward", lambda self, v, *a, **k: seen.append(v.shape[2]) or forward(self, v, *a, **k))
+    elif kind.startswith("dsa"):
+        index_keys = LightningIndexer.index_keys
+        monkeypatch.setattr(LightningIndexer, "index_keys", lambda self, k: seen.append(k.shape[2]) or index_keys(self, k))
+    else:
+        summaries = selectors.page_summaries
+        monkeypatch.setattr(selectors, "page_summaries", lambda key, *a, **k: seen.append(key.shape[2]) or summaries(key, *a, **k))
+    cache, state, memo = Cache(2), {}, {}
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(PROMPT), state, memo)
+        assert seen == [SLOTS]
+        seen.clear()
+        for _ in range(2 * _pattern(kind).query_block + 1):
+            _select(kind, selector, cache, *cache.call(1), state, memo)
+    assert seen == ([] if kind == "pages" else [1] * len(seen)) and (kind == "pages" or seen), seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_step_reads_the_state(kind, monkeypatch):
+    """Corrupting the stored per-key inputs changes a step's selection (the step does not recompute them)."""
+    selector = _setup(kind, monkeypatch)
+    cache, state, memo = Cache(3), {}, {}
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(SLOTS - 8), state, memo)
+        clean = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        q, geo = cache.call(1)
+        want = _select(kind, selector, cache, q, geo, state, memo)
+        for k, v in clean.items():
+            state[k].copy_(v)
+        name = {"sparse_k": "u", "sparse_k_prefix_scan": "u", "dsa": "ik", "dsa_per_kv_head": "ik", "pages": "kmax"}[kind]
+        state[name].copy_(-state[name])
+        got = _select(kind, selector, cache, q, geo, state, memo)
+    assert not torch.equal(got.indices, want.indices)
+
+
+def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monkeypatch):
+    """The state dict of one cache, then a decode step over another cache (same shapes) or with another selector:
+    the eager step recomputes from every key (equal to the full selection) and takes the state over."""
+    monkeypatch.setattr(selectors, "PREFIX_CHUNK", 8)
+    kind = "sparse_k_prefix_scan"
+    selector, state = _selector(kind), {}
+    first, other = Cache(4), Cache(5)
+    with torch.no_grad():
+        _select(kind, selector, first, *first.call(SLOTS - 10), state, {})
+        other.written = SLOTS - 11
+        q, geo = other.call(1)
+        _same(_select(kind, selector, other, q, geo, state, {}), _select(kind, selector, other, q, geo, None, {}),
+              "another cache")
+        assert state["owner"][1] == other.k.data_ptr()
+        torch.manual_seed(9)
+        fresh = SparseKScorer(HKV, D)
+        q, geo = other.call(1)
+        _same(_select(kind, fresh, other, q, geo, state, {}), _select(kind, fresh, other, q, geo, None, {}),
+              "another selector")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, device, monkeypatch):
+    """A one-token prompt on a reused cache (the state matches its owner, so it steps): the prefix list restarts
+    empty, pages restart at their first key, and every step equals the full selection."""
+    selector, state, memo, memo_ref, cache = _setup(kind, monkeypatch), {}, {}, {}, Cache(6, device)
+    selector = selector.to(device) if selector is not None else None
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(SLOTS - 20), state, memo)
+        cache.written = 0
+        fresh = Cache(7, device)
+        for name in ("k", "v", "q"):  # new content, same tensors
+            getattr(cache, name).copy_(getattr(fresh, name))
+        for t in range(SLOTS - 20):
+            q, geo = cache.call(1)
+            _same(_select(kind, selector, cache, q, geo, state, memo), _select(kind, selector, cache, q, geo, None, memo_ref),
+                  f"step {t}")
