@@ -37,7 +37,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 16)
+    run_file_interpreted(__file__, 18)
 
 
 @pytest.fixture(autouse=True)
@@ -124,6 +124,35 @@ def test_decode_layout_matches_reference(name):
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
                                                sink_logits=sink, key_mask=mask, out=o, structured=False)
                     assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
+
+
+@_SUBPROCESS_ONLY
+def test_decode_key_mask_in_any_memory_form_is_read_without_a_copy_kernel():
+    """The decode kernel reads a bool key mask as bytes in place (no conversion kernel per layer and
+    step), and takes it contiguous, broadcast over rows (stride 0), strided along the keys, or uint8."""
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D, S = 2, 4, 2, 16, 45
+    q, k, v = rand(B, Hq, 1, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    row = torch.rand(S, generator=g) > 0.3
+    row[-1] = True  # the query's own key
+    forms = {
+        "contiguous": row.expand(B, S).clone(),
+        "broadcast": row[None].expand(B, S),
+        "key_strided": row[:, None].expand(S, 3).clone().t()[:B],
+        "uint8": row.expand(B, S).to(torch.uint8),
+    }
+    assert forms["key_strided"].stride(-1) != 1 and forms["broadcast"].stride(0) == 0
+    ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=forms["contiguous"].to(DEV))
+    for name, mask in forms.items():
+        mask = mask.to(DEV)
+        if mask.dtype == torch.bool and mask.stride(-1) == 1:
+            assert triton_fwd.mask_bytes(mask).data_ptr() == mask.data_ptr(), name
+        lay = decode_layout(p, 1, S, row_geometry(B, 1, S, mask, device=DEV), block_q=16, block_k=16,
+                            num_kv_heads=Hkv)
+        o = torch.full((B, Hq, 1, D), float("nan"), device=DEV)
+        dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, key_mask=mask, out=o, structured=False, num_splits=2)
+        assert not o.isnan().any() and rel(o, ref) < TOL, name
 
 
 @_SUBPROCESS_ONLY
@@ -358,6 +387,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("name, params", [
     ("sliding_window", {"window": 11}),
+    ("streaming", {"sinks": 3, "window": 11}),
     ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
 ])
 def test_static_cache_decode_traces_as_one_graph(name, params):
