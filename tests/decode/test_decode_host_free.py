@@ -37,7 +37,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 18)
+    run_file_interpreted(__file__, 19)
 
 
 @pytest.fixture(autouse=True)
@@ -420,3 +420,50 @@ def test_static_cache_decode_traces_as_one_graph(name, params):
             assert rel(logits, ref) < TOL, t
             nxt = logits[:, None].argmax(-1)
     assert counters["stats"]["unique_graphs"] - graphs0 == 1
+
+
+def _leaf_guards(entry) -> int:
+    """Leaf guards of a compiled frame's cache entry (the lines of its guard tree that are not managers)."""
+    lines = str(entry.guard_manager).splitlines()
+    return sum(1 for line in lines if "+- " in line and "GuardManager" not in line)
+
+
+def _decode_step_guards(impl: str, layers: int) -> int:
+    """Leaf guards of a compiled StaticCache decode step of a ``layers``-layer Llama with ``impl``."""
+    import transformers
+    import hf_sparse_attention
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(DEV)
+    if impl != "sdpa":
+        hf_sparse_attention.configure(model, impl, window=8)
+    model.set_attn_implementation("sdpa" if impl == "sdpa" else "sparse_k")
+    cache = transformers.StaticCache(config=cfg, max_cache_len=48)
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        nxt = model(torch.randint(1, 50, (1, 20), device=DEV), past_key_values=cache, use_cache=True).logits[:, -1:]
+        step(input_ids=nxt.argmax(-1), past_key_values=cache, use_cache=True,
+             cache_position=torch.tensor([20], device=DEV))
+    (entry,) = _debug_get_cache_entry_list(getattr(model.forward, "__func__", model.forward).__code__)
+    return _leaf_guards(entry)
+
+
+@_SUBPROCESS_ONLY
+def test_static_cache_decode_guards_per_layer_are_bounded():
+    """Every replayed decode step evaluates the compiled frame's guards on the host: the sparse_k adapter
+    adds a fixed set (its modules and functions) and a few cheap checks per layer (the layer's setup
+    memo and pattern: about 14, against about 146 for a layer of sdpa), no per-layer dict, config or cache reads."""
+    pytest.importorskip("transformers")
+    import torch._dynamo.eval_frame as eval_frame
+
+    if not hasattr(eval_frame, "_debug_get_cache_entry_list"):
+        pytest.skip("this torch version does not expose the compiled frame's cache entries")
+    sdpa = {n: _decode_step_guards("sdpa", n) for n in (2, 4)}
+    ours = {n: _decode_step_guards("sliding_window", n) for n in (2, 4)}
+    per_layer_sdpa, per_layer_ours = (sdpa[4] - sdpa[2]) / 2, (ours[4] - ours[2]) / 2
+    assert per_layer_ours <= per_layer_sdpa + 16, (sdpa, ours)
+    assert ours[2] - sdpa[2] <= 200, (sdpa, ours)
