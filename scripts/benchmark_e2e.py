@@ -378,7 +378,9 @@ def _new_cache(model, name: str, args, length: int):
     if args.decode_mode == "compiled":
         from transformers import StaticCache
 
-        return StaticCache(config=model.config, max_cache_len=length + args.decode_steps * (args.max_warmup_rounds + 2) + 16)
+        # every step measure_decode runs: warm-up rounds, two timed loops, host-issue and profiler steps
+        steps = args.warmup_steps * args.max_warmup_rounds + 2 * args.decode_steps + 16
+        return StaticCache(config=model.config, max_cache_len=length + steps)
     if spec["impl"] == "sparse_k":
         from hf_sparse_attention import SparseCache
 
