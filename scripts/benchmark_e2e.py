@@ -21,10 +21,16 @@ variant and length:
   ``hf_sparse_attention.SparseCache``, the bounded / selection-keeping cache a user passes to
   ``generate``), then greedy decode steps. Warm-up steps repeat until a whole warm-up round compiles
   nothing (Triton JIT hook and torch.compile counters), then ``--decode-steps`` are timed; the row
-  says how many compilations happened inside the timed steps (must be 0). ``gpu ms`` is the pure GPU
-  time of one step (sum of the kernels' device time in the profiler); ``ms/token`` over ``gpu ms`` is
-  how host-bound the step is (1.0 = GPU-bound). ``--decode-mode compiled`` runs the steps through
-  ``torch.compile(mode="reduce-overhead")`` on a ``StaticCache`` (CUDA graphs) instead of eagerly.
+  says how many compilations happened inside the timed steps (must be 0). The loop keeps the next
+  token and ``cache_position`` on the device (``cache_position + 1``, as ``generate`` advances it), so
+  no step waits for the GPU: ``ms/token`` is the larger of the host's and the GPU's time per step.
+  ``synced ms/token`` runs the same loop with one ``synchronize`` per step (as ``generate``'s stopping
+  check does: host and GPU time add up). ``gpu ms`` is the pure GPU time of one step (sum of the
+  kernels' device time in the profiler); ``ms/token`` over ``gpu ms`` is how host-bound the step is
+  (1.0 = GPU-bound). ``--decode-mode compiled`` runs the steps through
+  ``torch.compile(mode="reduce-overhead")`` on a ``StaticCache`` (CUDA graphs) instead of eagerly; it
+  also reports ``host ms`` (the host time to issue one step while the GPU is busy) and ``GPU span``
+  (first to last kernel of a step, gaps included).
 
 Variants (``--variants``, comma list): ``sdpa``, ``flex_attention``, ``sliding_window`` (window
 ``--window`` 4096), ``streaming`` (``--sinks`` 4 + 4096), ``sparse_k`` (trained-shaped random
@@ -293,10 +299,11 @@ class CompileCounter:
             return 0
 
 
-def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, str | None]:
-    """(GPU ms per call, top kernels [(name, ms per call)], attention kernel) of ``fn`` (profiler)."""
+def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, str | None, dict | None]:
+    """(GPU ms per call, top kernels [(name, ms per call, launches per call)], attention kernel, every
+    GPU operation {name: (launches per call, ms per call)}) of ``fn`` (profiler)."""
     if torch.device(device).type != "cuda":
-        return None, [], None
+        return None, [], None, None
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
@@ -305,10 +312,12 @@ def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, st
             fn()
         _sync(device)
     kernels: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or memcpy/memset) on the GPU
             t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
             kernels[e.name] = kernels.get(e.name, 0.0) + t / steps / 1000
+            counts[e.name] = counts.get(e.name, 0) + 1
     total = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
     attention = None
@@ -317,7 +326,8 @@ def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, st
         if hits:
             attention = f"{label} ({hits[0][:60]})"
             break
-    return total, [(k[:80], round(v, 4)) for k, v in top], attention
+    every = {k[:80]: (counts[k] / steps, round(v, 4)) for k, v in sorted(kernels.items(), key=lambda kv: -counts[kv[0]])}
+    return total, [(k[:80], round(v, 4), counts[k] / steps) for k, v in top], attention, every
 
 
 def planned_kernels(fn) -> str | None:
@@ -358,7 +368,7 @@ def measure_prefill(model, name: str, length: int, args) -> dict:
     row = {"prefill_ms": 1e3 * statistics.median(times), "prefill_peak_gb": peak / 1e9 if peak is not None else None,
            "prefill_attention_kernel": planned}
     if not args.no_profile:
-        gpu_ms, top, attention = _profile_kernels(step, device)
+        gpu_ms, top, attention, _ = _profile_kernels(step, device)
         row.update(prefill_gpu_ms=gpu_ms, prefill_top_kernels=top, prefill_attention_kernel=planned or attention)
     return row
 
@@ -368,7 +378,9 @@ def _new_cache(model, name: str, args, length: int):
     if args.decode_mode == "compiled":
         from transformers import StaticCache
 
-        return StaticCache(config=model.config, max_cache_len=length + args.decode_steps * (args.max_warmup_rounds + 2) + 16)
+        # every step measure_decode runs: warm-up rounds, two timed loops, host-issue and profiler steps
+        steps = args.warmup_steps * args.max_warmup_rounds + 2 * args.decode_steps + 16
+        return StaticCache(config=model.config, max_cache_len=length + steps)
     if spec["impl"] == "sparse_k":
         from hf_sparse_attention import SparseCache
 
@@ -378,8 +390,36 @@ def _new_cache(model, name: str, args, length: int):
     return DynamicCache(config=model.config)
 
 
+def _host_issue(step, device, steps: int = 5) -> tuple[float | None, float | None]:
+    """``(host ms, GPU span ms)`` of one step, medians over ``steps``: the host time to issue the step while
+    the GPU is kept busy by a sleep kernel queued first (so no issue waits on the GPU), and the GPU time
+    from the step's first to its last kernel (gaps between kernels included). CUDA only."""
+    if torch.device(device).type != "cuda":
+        return None, None
+    host, span = [], []
+    for _ in range(steps):
+        _sync(device)
+        torch.cuda._sleep(50_000_000)  # tens of ms: longer than any step takes to issue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        step()
+        host.append(1e3 * (time.perf_counter() - t0))
+        end.record()
+        _sync(device)
+        span.append(start.elapsed_time(end))
+    return statistics.median(host), statistics.median(span)
+
+
 @torch.no_grad()
 def measure_decode(model, name: str, length: int, args) -> dict:
+    """Decode steps as a user's loop runs them: the next token and ``cache_position`` stay on the device
+    (``cache_position + 1``, as ``generate`` advances it), so nothing in the loop waits for the GPU.
+
+    ``ms/token`` times that loop (host and GPU overlap: the larger of the two per step). ``ms/token
+    synced`` times the same loop with one ``synchronize`` per step, as ``generate``'s stopping check does
+    (host and GPU add up). ``host ms`` is the host time to issue one step, ``GPU span`` its first to last
+    kernel on the GPU (both with the GPU kept busy; compiled mode, where a step never waits on the GPU)."""
     device = args.device
     gen = torch.Generator().manual_seed(args.seed + 7 * length)
     ids = torch.randint(0, model.config.vocab_size, (args.decode_batch, length), generator=gen).to(device)
@@ -390,7 +430,7 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     del ids
     nxt = out.logits[:, -1:].argmax(-1)
-    pos = length
+    cache_position = torch.tensor([length], device=device)
     forward = model.forward
     if args.decode_mode == "compiled":
         # Compiled code of earlier rows (another attention, another selector) is dropped: Dynamo's per-function
@@ -399,17 +439,28 @@ def measure_decode(model, name: str, length: int, args) -> dict:
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
 
     def step():
-        nonlocal nxt, pos
-        cache_position = torch.tensor([pos], device=device)
+        nonlocal nxt, cache_position
         o = forward(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=cache_position)
         nxt = o.logits[:, -1:].argmax(-1)
-        pos += 1
+        cache_position = cache_position + 1
+
+    def synced_step():
+        step()
+        _sync(device)
 
     rounds, compiled_in_warmup, planned = 0, 0, None
 
     def warm_round():
         for _ in range(args.warmup_steps):
             step()
+
+    def timed(fn) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            fn()
+        _sync(device)
+        return 1e3 * (time.perf_counter() - t0) / args.decode_steps
 
     with CompileCounter() as cc:
         while rounds < args.max_warmup_rounds:
@@ -425,22 +476,22 @@ def measure_decode(model, name: str, length: int, args) -> dict:
             if new == 0:
                 break
         before = cc.triton + cc.dynamo_graphs()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.decode_steps):
-            step()
-        _sync(device)
-        elapsed = time.perf_counter() - t0
+        ms = timed(step)
+        ms_synced = timed(synced_step)
         compiled_in_timed = cc.triton + cc.dynamo_graphs() - before
-    ms = 1e3 * elapsed / args.decode_steps
     peak = int(torch.cuda.max_memory_allocated()) if torch.device(device).type == "cuda" else None
-    row = {"decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms, "decode_peak_gb": peak / 1e9 if peak is not None else None,
+    row = {"decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms, "decode_ms_per_token_synced": ms_synced,
+           "decode_peak_gb": peak / 1e9 if peak is not None else None,
            "warmup_rounds": rounds, "compiles_in_warmup": compiled_in_warmup, "compiles_in_timed_steps": compiled_in_timed,
            "decode_mode": args.decode_mode, "batch": args.decode_batch, "decode_attention_kernel": planned}
+    if args.decode_mode == "compiled":
+        row["decode_host_ms"], row["decode_gpu_span_ms"] = _host_issue(step, device)
     if not args.no_profile:
-        gpu_ms, top, attention = _profile_kernels(step, device, steps=4)
+        gpu_ms, top, attention, every = _profile_kernels(step, device, steps=4)
         row.update(decode_gpu_ms=gpu_ms, decode_top_kernels=top, decode_attention_kernel=planned or attention,
-                   decode_host_bound_ratio=ms / gpu_ms if gpu_ms else None)
+                   decode_kernels_per_step=sum(n for n, _ in every.values()) if every else None, decode_kernels=every,
+                   decode_host_bound_ratio=ms / gpu_ms if gpu_ms else None,
+                   decode_host_bound_ratio_synced=ms_synced / gpu_ms if gpu_ms else None)
     return row
 
 
@@ -526,6 +577,25 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['variant']} | {r['phase']} | {length} | {_fmt(ms, '.2f')} | {ratio} | {_fmt(gpu, '.2f')} | {_fmt(peak, '.2f')} | {check}{extra} | {kern or '-'} |")
 
 
+def print_decode_table(rows: list[dict]) -> None:
+    """The decode rows' host/GPU split: pipelined and synced ms/token, each over the GPU ms."""
+    rows = [r for r in rows if r["phase"] == "decode" and r.get("decode_ms_per_token") is not None]
+    if not rows:
+        return
+    base = {(r["length"], r.get("batch", 1)): r["decode_ms_per_token"] for r in rows if r["variant"] == "flex_attention"}
+    print("\n| variant | context (batch) | ms/token | vs flex | synced ms/token | GPU ms | host ratio | synced host ratio"
+          " | host ms/step | GPU span ms | GPU ops/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get((r["length"], r.get("batch", 1)))
+        vs = f"{r['decode_ms_per_token'] / b:.2f}x" if b else "-"
+        print(f"| {r['variant']} | {r['length']} ({r.get('batch', 1)}) | {r['decode_ms_per_token']:.2f} | {vs} | "
+              f"{_fmt(r.get('decode_ms_per_token_synced'), '.2f')} | {_fmt(r.get('decode_gpu_ms'), '.2f')} | "
+              f"{_fmt(r.get('decode_host_bound_ratio'), '.2f')} | {_fmt(r.get('decode_host_bound_ratio_synced'), '.2f')} | "
+              f"{_fmt(r.get('decode_host_ms'), '.2f')} | {_fmt(r.get('decode_gpu_span_ms'), '.2f')} | "
+              f"{_fmt(r.get('decode_kernels_per_step'), '.0f')} |")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
@@ -568,6 +638,7 @@ def main(argv=None) -> int:
         print(f"[e2e] {json.dumps(row, default=str)}", flush=True)
         rows.append(row)
     print_table([r for r in rows if r["phase"] in ("prefill", "decode")])
+    print_decode_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(), "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1, default=str)

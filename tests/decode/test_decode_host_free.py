@@ -39,7 +39,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 16)
+    run_file_interpreted(__file__, 19)
 
 
 @pytest.fixture(autouse=True)
@@ -126,6 +126,35 @@ def test_decode_layout_matches_reference(name):
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
                                                sink_logits=sink, key_mask=mask, out=o, structured=False)
                     assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
+
+
+@_SUBPROCESS_ONLY
+def test_decode_key_mask_in_any_memory_form_is_read_without_a_copy_kernel():
+    """The decode kernel reads a bool key mask as bytes in place (no conversion kernel per layer and
+    step), and takes it contiguous, broadcast over rows (stride 0), strided along the keys, or uint8."""
+    p = PATTERNS["streaming"]
+    g = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D, S = 2, 4, 2, 16, 45
+    q, k, v = rand(B, Hq, 1, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+    row = torch.rand(S, generator=g) > 0.3
+    row[-1] = True  # the query's own key
+    forms = {
+        "contiguous": row.expand(B, S).clone(),
+        "broadcast": row[None].expand(B, S),
+        "key_strided": row[:, None].expand(S, 3).clone().t()[:B],
+        "uint8": row.expand(B, S).to(torch.uint8),
+    }
+    assert forms["key_strided"].stride(-1) != 1 and forms["broadcast"].stride(0) == 0
+    ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=forms["contiguous"].to(DEV))
+    for name, mask in forms.items():
+        mask = mask.to(DEV)
+        if mask.dtype == torch.bool and mask.stride(-1) == 1:
+            assert triton_fwd.mask_bytes(mask).data_ptr() == mask.data_ptr(), name
+        lay = decode_layout(p, 1, S, row_geometry(B, 1, S, mask, device=DEV), block_q=16, block_k=16,
+                            num_kv_heads=Hkv)
+        o = torch.full((B, Hq, 1, D), float("nan"), device=DEV)
+        dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, key_mask=mask, out=o, structured=False, num_splits=2)
+        assert not o.isnan().any() and rel(o, ref) < TOL, name
 
 
 @_SUBPROCESS_ONLY
@@ -360,6 +389,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("name, params", [
     ("sliding_window", {"window": 11}),
+    ("streaming", {"sinks": 3, "window": 11}),
     ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
 ])
 def test_static_cache_decode_traces_as_one_graph(name, params):
@@ -392,3 +422,50 @@ def test_static_cache_decode_traces_as_one_graph(name, params):
             assert rel(logits, ref) < TOL, t
             nxt = logits[:, None].argmax(-1)
     assert counters["stats"]["unique_graphs"] - graphs0 == 1
+
+
+def _leaf_guards(entry) -> int:
+    """Leaf guards of a compiled frame's cache entry (the lines of its guard tree that are not managers)."""
+    lines = str(entry.guard_manager).splitlines()
+    return sum(1 for line in lines if "+- " in line and "GuardManager" not in line)
+
+
+def _decode_step_guards(impl: str, layers: int) -> int:
+    """Leaf guards of a compiled StaticCache decode step of a ``layers``-layer Llama with ``impl``."""
+    import transformers
+    import hf_sparse_attention
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(DEV)
+    if impl != "sdpa":
+        hf_sparse_attention.configure(model, impl, window=8)
+    model.set_attn_implementation("sdpa" if impl == "sdpa" else "sparse_k")
+    cache = transformers.StaticCache(config=cfg, max_cache_len=48)
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        nxt = model(torch.randint(1, 50, (1, 20), device=DEV), past_key_values=cache, use_cache=True).logits[:, -1:]
+        step(input_ids=nxt.argmax(-1), past_key_values=cache, use_cache=True,
+             cache_position=torch.tensor([20], device=DEV))
+    (entry,) = _debug_get_cache_entry_list(getattr(model.forward, "__func__", model.forward).__code__)
+    return _leaf_guards(entry)
+
+
+@_SUBPROCESS_ONLY
+def test_static_cache_decode_guards_per_layer_are_bounded():
+    """Every replayed decode step evaluates the compiled frame's guards on the host: the sparse_k adapter
+    adds a fixed set (its modules and functions) and a few cheap checks per layer (the layer's setup
+    memo and pattern: about 14, against about 146 for a layer of sdpa), no per-layer dict, config or cache reads."""
+    pytest.importorskip("transformers")
+    import torch._dynamo.eval_frame as eval_frame
+
+    if not hasattr(eval_frame, "_debug_get_cache_entry_list"):
+        pytest.skip("this torch version does not expose the compiled frame's cache entries")
+    sdpa = {n: _decode_step_guards("sdpa", n) for n in (2, 4)}
+    ours = {n: _decode_step_guards("sliding_window", n) for n in (2, 4)}
+    per_layer_sdpa, per_layer_ours = (sdpa[4] - sdpa[2]) / 2, (ours[4] - ours[2]) / 2
+    assert per_layer_ours <= per_layer_sdpa + 16, (sdpa, ours)
+    assert ours[2] - sdpa[2] <= 200, (sdpa, ours)

@@ -56,8 +56,9 @@ def test_batched_decode_rows(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["phase"], r["batch"]) for r in rows] == [("streaming", "decode", 3), ("sparse_k", "decode", 3)]
-    assert all(r["check_ok"] and r["decode_ms_per_token"] > 0 for r in rows)
+    assert all(r["check_ok"] and r["decode_ms_per_token"] > 0 and r["decode_ms_per_token_synced"] > 0 for r in rows)
     assert "| 100 (B=3) |" in proc.stdout
+    assert "| streaming | 100 (3) |" in proc.stdout  # the decode table: pipelined and synced ms/token
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -24,7 +24,7 @@ from ..memory_order import new_output
 from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
-__all__ = ["check_sel_fast", "combine_splits", "layout_forward"]
+__all__ = ["check_sel_fast", "combine_splits", "layout_forward", "mask_bytes"]
 
 #: ``dilated`` with at most this many scales compiles its scale loop unrolled (one kernel variant per
 #: scale count); more scales loop at run time.
@@ -541,6 +541,15 @@ def check_sel_fast(sel_fast) -> None:
         raise ValueError(f"sel_fast={sel_fast!r}: allowed are None (default), 0 / False, 1 / True and 2")
 
 
+def mask_bytes(key_mask: torch.Tensor) -> torch.Tensor:
+    """``key_mask (B, Skv)`` as the uint8 rows the kernels read (unit stride along the keys, any row
+    stride, 0 for a broadcast row). A bool mask is reinterpreted in place, not copied: a decode step
+    launches no conversion kernel per layer."""
+    if key_mask.stride(-1) != 1:
+        key_mask = key_mask.contiguous()
+    return key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask.to(torch.uint8)
+
+
 def layout_forward(
     q, k, v, layout, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None, key_mask=None, pack=1,
     num_splits=1, out=None, selection=None, num_warps=None, num_stages=None, use_tma=None, full_contig=None,
@@ -597,7 +606,7 @@ def layout_forward(
         out = new_output(q)
     lse = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
     sink = sink_logits if sink_logits is not None else lse
-    kmask = key_mask.to(torch.uint8) if key_mask is not None else placeholder(dev, torch.uint8, 2)
+    kmask = mask_bytes(key_mask) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     struct = bool(getattr(layout, "structured_decode", False))
     if struct:  # a ``decode_layout.DecodeLayout``: the kernel computes the tile runs (no index lists)
         if pid not in (0, 1, 2) or not is_causal:
