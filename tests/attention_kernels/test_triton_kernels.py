@@ -659,3 +659,44 @@ def test_bigbird_tiles_dividing_the_block():
     ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
     assert not o.isnan().any()
     assert rel(o, ro) < TOL32
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("name", ["sliding_window", "bigbird"])
+def test_forward_with_fewer_stages_when_shared_memory_does_not_fit(name, monkeypatch):
+    """Both forward launchers (structured tiles, layout path) go through ``fitting.launch``: a kernel
+    that Triton refuses above one stage (as float32 inputs can be on an H100) still gives the
+    reference's result."""
+    from triton.runtime.errors import OutOfResources
+    from sparse_k.attention.triton import fitting
+
+    stages = []
+
+    class OneStage:
+        def __init__(self, kernel):
+            self.kernel, self.__name__ = kernel, "one_stage_" + name
+
+        def __getitem__(self, grid):
+            def run(*args, num_stages, **options):
+                stages.append(num_stages)
+                if num_stages > 1:
+                    raise OutOfResources(245760, 232448, "shared memory")
+                return self.kernel[grid](*args, num_stages=num_stages, **options)
+
+            return run
+
+    monkeypatch.setattr(fitting, "_FITTED", {})
+    monkeypatch.setattr(triton_structured, "_st_fwd", OneStage(triton_structured._st_fwd))
+    monkeypatch.setattr(triton_fwd, "_attn_fwd", OneStage(triton_fwd._attn_fwd))
+    p = PATTERNS[name]
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D = 1, 4, 2, 16
+    Sq, Skv = (48, 64) if name == "bigbird" else (37, 53)
+    q, k, v = rand(B, Hq, Sq, D, gen=g), rand(B, Hkv, Skv, D, gen=g), rand(B, Hkv, Skv, D, gen=g)
+    geo = row_geometry(B, Sq, Skv, None, device=DEV)
+    out = torch.full((B, Hq, Sq, D), float("nan"), device=DEV)
+    with pytest.warns(UserWarning, match="pipeline stage"):
+        o, _ = dispatch.attention_forward(q, k, v, _layout(p, Sq, Skv, geo, Hkv), scale=D ** -0.5, out=out, cuda=False)
+    ro, _ = reference_attention(q, k, v, p, geo, scale=D ** -0.5)
+    assert stages[0] > 1 and stages[-1] == 1
+    assert not o.isnan().any() and rel(o, ro) < TOL32

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ...layouts.block_layout import transposed_layout
 from ..launch_buffers import selection_args
+from .fitting import launch
 from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 
 __all__ = ["bwd_preprocess", "layout_backward"]
@@ -390,7 +391,8 @@ def layout_backward(
     )
     fnum, fidx, pnum, pidx = transposed_layout(layout)
     lay_b, lay_h = int(pnum.shape[0] > 1), int(pnum.shape[1] > 1)
-    _attn_bwd_dkdv[(NK, B * Hkv)](
+    launch(
+        _attn_bwd_dkdv, (NK, B * Hkv),
         q, k, v, do, lse, delta, dk, dv, kmask, geo.q_start, geo.k_start, geo.k_end, fnum, fidx, pnum, pidx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
@@ -411,7 +413,8 @@ def layout_backward(
         dw32 = torch.zeros(selection.indices.shape, device=dev, dtype=torch.float32)
     else:
         dk32 = dv32 = dw32 = torch.zeros(1, 1, 1, 1, device=dev, dtype=torch.float32)
-    _attn_bwd_dq[(NQ, B * Hq)](
+    launch(
+        _attn_bwd_dq, (NQ, B * Hq),
         q, k, v, do, lse, delta, dq, kmask, geo.q_start, geo.k_start, geo.k_end, fnum, fidx, pnum, pidx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),

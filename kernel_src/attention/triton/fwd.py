@@ -21,6 +21,7 @@ import triton.language as tl
 from ...layouts.block_layout import full_tiles_contiguous
 from ..launch_buffers import placeholder, selection_args, split_counters
 from ..memory_order import new_output
+from .fitting import launch
 from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
@@ -656,7 +657,8 @@ def layout_forward(
     fuse = sem is not None
     if not fuse:
         sem = lse
-    _attn_fwd[grid](
+    launch(
+        _attn_fwd, grid,
         q, k_arg, v_arg, o_w, l_w, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         fnum, fidx, pnum, pidx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

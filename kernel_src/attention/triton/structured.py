@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ..memory_order import new_output
+from .fitting import launch
 from .rules import LOG2E, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
@@ -299,7 +300,8 @@ def structured_forward(
     grid = (NQ, B * Hq) if order != 2 else (B * Hq, NQ)
     k_arg, v_arg = (kv_descriptor(k, block_n), kv_descriptor(v, block_n)) if use_tma else (k, v)
     geo = geometry
-    _st_fwd[grid](
+    launch(
+        _st_fwd, grid,
         q, k_arg, v_arg, out, lse, sink, kmask, geo.q_start, geo.k_start, geo.k_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),

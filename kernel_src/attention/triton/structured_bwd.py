@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .bwd import bwd_preprocess
+from .fitting import launch
 from .rules import LOG2E, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
@@ -459,7 +460,8 @@ def structured_backward(
     qd, dod = (kv_descriptor(q, bm1), kv_descriptor(do, bm1)) if use_tma else (q, do)
     kv_tma = bool(use_tma if kv_tma is None else kv_tma) and Skv % bn1 == 0 and tma_ok(k, v)
     kd1, vd1 = (kv_descriptor(k, bn1), kv_descriptor(v, bn1)) if kv_tma else (k, v)
-    _st_dkdv[(triton.cdiv(Skv, bn1), B * Hkv)](
+    launch(
+        _st_dkdv, (triton.cdiv(Skv, bn1), B * Hkv),
         q, k, v, do, lse2, delta, dk, dv, dq_acc, qd, dod, kd1, vd1, dqd, kmask, geo.q_start, geo.k_start, geo.k_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -473,7 +475,8 @@ def structured_backward(
     else:
         dq = torch.empty_like(q)
         kd, vd = (kv_descriptor(k, bn2), kv_descriptor(v, bn2)) if dq_tma else (k, v)
-        _st_dq[(triton.cdiv(Sq, bm2), B * Hq)](
+        launch(
+            _st_dq, (triton.cdiv(Sq, bm2), B * Hq),
             q, k, v, kd, vd, do, lse2, delta, dq, kmask, geo.q_start, geo.k_start, geo.k_end,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), kmask.stride(0), geo_stride,
