@@ -25,8 +25,9 @@ Position modes:
   the token and its position). Needs the model's rotary frequencies (Llama-style ``rotate_half`` RoPE).
 
 Learned layers (``sparse_k``, ``dsa``) get a ``SelectionLayer``, which the attention function
-recognises (the key tensor it receives is the one the layer just returned) and which keeps the
-layer's decode state between steps:
+finds through ``sparse_k.integrations.cache_protocol`` (the layer announces the key tensor it just
+returned) and which keeps the layer's decode state between steps
+(``sparse_k.selection.cache_state.CachedSelection``; the layer stores the kept keys and values):
 
 * ``sparse_k``: the running selection (``sparse_k.selection.decode_selection.SparseKDecodeState``): when a new
   query block starts, only its new candidates are scored and merged (no re-sort of all candidates).
@@ -56,12 +57,11 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from sparse_k.integrations.cache_protocol import announce
 from sparse_k.integrations.config import validate_sparse_config
-from sparse_k.selection.decode_selection import SparseKDecodeState
-from sparse_k.layouts.patterns import DSA, SlidingWindow, SparseK, Streaming
-from sparse_k.selection.selectors import build_selection
-from sparse_k.layouts.token_layout import TokenLayout
-from sparse_k.integrations.transformers_adapter import CACHE_LAYER_ATTR, WithinWindow, _translation_invariant, layer_pattern
+from sparse_k.integrations.transformers_adapter import WithinWindow, layer_pattern, translation_invariant
+from sparse_k.layouts.patterns import SlidingWindow, Streaming
+from sparse_k.selection.cache_state import CachedSelection
 
 __all__ = ["BoundedLayer", "SelectionLayer", "SparseCache", "bounded_keep"]
 
@@ -84,19 +84,13 @@ class _KeptKeysLayer(CacheLayerMixin):
     ``keys`` holds the kept ones, and the next update's key tensor starts at slot 0."""
 
     _module = None
-    _returned = None
 
-    def _mark_returned(self, keys: torch.Tensor) -> None:
-        """Remember ``keys`` as this update's result and tell the attention module (the adapter finds
-        this layer through ``CACHE_LAYER_ATTR`` and ``owns``)."""
-        self._returned = weakref.ref(keys)
+    def _announce(self, keys: torch.Tensor) -> None:
+        """Tell the attention module that this update returned ``keys`` (the adapter then finds this layer:
+        ``sparse_k.integrations.cache_protocol``)."""
         module = self._module() if self._module is not None else None
         if module is not None:
-            module.__dict__[CACHE_LAYER_ATTR] = weakref.ref(self)
-
-    def owns(self, key: torch.Tensor) -> bool:
-        """True when ``key`` is the tensor this layer's last ``update`` returned."""
-        return self._returned is not None and self._returned() is key
+            announce(module, self, keys)
 
     def check_key_mask(self, key_mask: torch.Tensor | None) -> None:
         """Raise ``ValueError`` when ``key_mask`` (``(B, L)`` bool) marks padding: the kept slots of a
@@ -178,7 +172,7 @@ class BoundedLayer(_KeptKeysLayer):
                 kept_k[0] = rotate_keys(self.sink_keys, self.inv_freq, first_window_pos - self.sinks)
             self.keys = torch.cat(kept_k, dim=-2)
             self.values = torch.cat(kept_v, dim=-2)
-        self._mark_returned(keys)
+        self._announce(keys)
         return keys, values
 
     def reset(self) -> None:
@@ -195,38 +189,27 @@ class BoundedLayer(_KeptKeysLayer):
         raise ValueError("a bounded SparseCache cannot be cropped (it no longer holds the dropped keys)")
 
 
-_BIG = torch.iinfo(torch.int64).max
-#: ``TokenLayout.query_block`` of the one-block layouts a ``SelectionLayer`` hands to attention: every
-#: query of the call is in block 0.
-_ONE_BLOCK = 1 << 30
-
-
 class SelectionLayer(_KeptKeysLayer):
-    """Cache layer of a learned-selection attention layer (module docstring).
-
-    Slots of ``keys``/``values``: a *front* of ``F`` slots (the sinks and the current selection, at
-    positions ``front_pos (B, Hkv, F)``, ascending; empty slots at ``_BIG``), then the *tail*: the
-    contiguous positions ``tail_start ..`` up to the newest token. Before anything is evicted
-    ``F == 0`` and ``tail_start == 0`` (slot = position).
-    """
+    """Cache layer of a learned-selection attention layer (module docstring): stores the kept keys and
+    values; the selection state and what to evict live in ``selection``
+    (``sparse_k.selection.cache_state.CachedSelection``). A ``SelectionCacheLayer`` of
+    ``sparse_k.integrations.cache_protocol``."""
 
     is_sliding = False
     is_compileable = False
 
     def __init__(self, pattern, module: torch.nn.Module, evict: bool = True):
         super().__init__()
-        if not isinstance(pattern, (SparseK, DSA)):
-            raise TypeError(f"SelectionLayer needs a sparse_k or dsa pattern, got {type(pattern).__name__}")
-        self.pattern, self.evict = pattern, bool(evict) and isinstance(pattern, SparseK)
+        self.selection = CachedSelection(pattern, evict)
+        self.pattern, self.evict = pattern, self.selection.evict
         self._module = weakref.ref(module)
         self.cumulative_length = 0
-        self.front_pos: torch.Tensor | None = None
-        self.tail_start = 0
-        self.state: SparseKDecodeState | None = None
-        self.index_keys: torch.Tensor | None = None
-        self.memo: dict = {}  # training-free selection: the current block's first query (sparse_k.selection.page_selection)
-        self._index_owner = None
         self._new_tokens = 0
+
+    @property
+    def memo(self) -> dict:
+        """The training-free selection's memo of the current block (``selection.memo``)."""
+        return self.selection.memo
 
     # -- Transformers cache-layer interface ------------------------------------------------------
 
@@ -239,40 +222,28 @@ class SelectionLayer(_KeptKeysLayer):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
         self._new_tokens = key_states.shape[-2]
-        self._mark_returned(self.keys)
+        self._announce(self.keys)
         return self.keys, self.values
 
     def reset(self) -> None:
-        self.keys = self.values = self.front_pos = self.state = self.index_keys = None
-        self.memo = {}
+        self.keys = self.values = None
+        self.selection.reset()
         self.is_initialized = False
-        self.cumulative_length, self.tail_start = 0, 0
+        self.cumulative_length = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
-        self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
-        for name in ("block", "q"):
-            if name in self.memo:  # buffers written in place (sparse_k.selection.step_state)
-                self.memo[name].copy_(pick(self.memo[name]))
-        for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
-            self.memo.pop(name, None)
-        if self.state is not None:
-            for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
-                setattr(self.state, name, pick(getattr(self.state, name)))
+        self.selection.reorder(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if self.front_pos is not None:
-            raise ValueError("a SparseCache layer that evicted keys cannot be cropped")
-        if tokens_to_remove <= 0:
+        if tokens_to_remove <= 0 and not self.selection.evicted:
             return
-        self.keys, self.values = self.keys[:, :, :-tokens_to_remove], self.values[:, :, :-tokens_to_remove]
-        self.cumulative_length -= tokens_to_remove
-        self.state = None  # rebuilt from scratch at the next call
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys[:, : self.cumulative_length]
+        length = self.cumulative_length - max(tokens_to_remove, 0)
+        self.selection.crop(length)  # raises once keys were evicted
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.cumulative_length = length
 
-    # -- attention ----------------------------------------------------------------------------------
+    # -- attention ------------------------------------------------------------------------------------
 
     def attend(self, query, key, value, pattern, key_mask, run, *, selector, layer_idx: int):
         """Attention of this call's queries over the slots ``key``/``value`` that ``update`` returned.
@@ -281,110 +252,11 @@ class SelectionLayer(_KeptKeysLayer):
         layer's other arguments. Returns ``(B, Hq, Sq, D)``.
         """
         self.check_key_mask(key_mask)
-        if pattern != self.pattern:
-            raise ValueError(f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.pattern!r}")
-        if isinstance(pattern, DSA) or selector is None:
-            if self.front_pos is not None:
-                raise ValueError(f"SparseCache: layer {layer_idx} evicted keys under a trained selector, which is gone now")
-            return self._attend_dsa(query, key, value, run, selector, layer_idx)
-        if self.state is None:
-            geo_sel = build_selection(pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector)
-            out = run(query, key, value, pattern if geo_sel is not None else pattern.static_part(), geo_sel, None, None)
-            self.state = SparseKDecodeState(pattern, weighted=True)
-        else:
-            out = self._attend_blocks(query, key, value, run, selector)
-        self._after_call(key, value, selector)
+        out, kept = self.selection.attend(query, key, value, pattern, run, selector=selector, layer_idx=layer_idx,
+                                          seen=self.cumulative_length, new_tokens=self._new_tokens)
+        if kept is not None:
+            self.keys, self.values = kept
         return out
-
-    def _attend_dsa(self, query, key, value, run, selector, layer_idx):
-        """Selection from scratch each call (``dsa``, and the training-free default of both patterns),
-        with the layer's memo of the current block's first query (training-free) or its cached indexer keys."""
-        index_keys = None
-        if selector is not None and isinstance(self.pattern, DSA):
-            old = key.shape[2] - self._new_tokens
-            fresh = self._index_owner is selector and self.index_keys is not None and self.index_keys.shape[1] == old
-            with torch.no_grad():
-                if fresh:  # indexer keys of the new tokens only
-                    self.index_keys = torch.cat([self.index_keys, selector.index_keys(key[:, :, old:])], 1)
-                else:
-                    self.index_keys = selector.index_keys(key)
-            self._index_owner = selector
-            index_keys = self.index_keys
-        sel = build_selection(self.pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector,
-                              index_keys=index_keys, memo=self.memo if selector is None else None)
-        return run(query, key, value, self.pattern if sel is not None else self.pattern.static_part(), sel, None, None)
-
-    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
-        """Slot index of key positions ``pos (B, Hkv, n)`` (-1 stays -1)."""
-        F = 0 if self.front_pos is None else self.front_pos.shape[-1]
-        idx = F + pos - self.tail_start
-        if F:
-            front = torch.searchsorted(self.front_pos, pos.contiguous())
-            idx = torch.where(pos >= self.tail_start, idx, front)
-        return torch.where(pos >= 0, idx, torch.full_like(idx, -1))
-
-    def _scores(self, key, value, selector):
-        def scores(lo: int, hi: int) -> torch.Tensor:
-            F = 0 if self.front_pos is None else self.front_pos.shape[-1]
-            i0 = F + lo - self.tail_start
-            k, v = key[:, :, i0 : i0 + hi - lo + 1], value[:, :, i0 : i0 + hi - lo + 1]
-            with torch.no_grad():
-                return selector(v, torch.arange(lo, hi + 1, device=k.device)[None], k)
-
-        return scores
-
-    def _attend_blocks(self, query, key, value, run, selector):
-        B, _, Sq, _ = query.shape
-        Skv, bq = key.shape[2], self.pattern.query_block
-        q0 = self.cumulative_length - Sq  # position of the call's first query
-        scores = self._scores(key, value, selector)
-        outs, t = [], 0
-        while t < Sq:
-            blk = (q0 + t) // bq
-            t1 = min(Sq, (blk + 1) * bq - q0)
-            self.state.advance(blk, scores)
-            st = self.state
-            if st.positions is None:  # no candidate yet: sinks + window
-                outs.append(run(query[:, :, t:t1], key, value, self.pattern.static_part(), None, Skv - Sq + t, None))
-            else:
-                lay = TokenLayout(
-                    indices=self._slots(st.positions)[:, :, None].to(torch.int32),
-                    counts=st.counts[:, :, None].to(torch.int32), query_block=_ONE_BLOCK,
-                    first_block=torch.zeros(B, dtype=torch.int64, device=key.device),
-                    weights=None if st.weights is None else st.weights[:, :, None],
-                )
-                outs.append(run(query[:, :, t:t1], key, value, self.pattern, lay, Skv - Sq + t, None))
-            t = t1
-        return torch.cat(outs, 2)
-
-    def _after_call(self, key, value, selector):
-        """Advance the state to the next query's block; with eviction, keep only what it can use."""
-        p = self.pattern
-        nxt = self.cumulative_length // p.query_block
-        self.state.advance(nxt, self._scores(key, value, selector))
-        new_tail = nxt * p.query_block - p.window + 1
-        if not self.evict or new_tail <= p.sinks or self.state.positions is None:
-            return
-        B, H = key.shape[:2]
-        dev = key.device
-        sinks = torch.arange(p.sinks, device=dev).expand(B, H, p.sinks)
-        sel = torch.where(self.state.positions >= 0, self.state.positions, torch.full_like(self.state.positions, _BIG))
-        front = torch.cat([sinks, sel], -1)
-        idx = self._slots(torch.where(front == _BIG, torch.full_like(front, -1), front))
-        ok = idx >= 0
-        g = idx.clamp_min(0)[..., None]
-        fk = torch.where(ok[..., None], key.gather(2, g.expand(-1, -1, -1, key.shape[-1])), torch.zeros((), dtype=key.dtype, device=dev))
-        fv = torch.where(ok[..., None], value.gather(2, g.expand(-1, -1, -1, value.shape[-1])), torch.zeros((), dtype=value.dtype, device=dev))
-        t0 = (0 if self.front_pos is None else self.front_pos.shape[-1]) + new_tail - self.tail_start
-        self.keys = torch.cat([fk, key[:, :, t0:]], 2)
-        self.values = torch.cat([fv, value[:, :, t0:]], 2)
-        self.front_pos, self.tail_start = front, new_tail
-
-
-def _geometry(query, key):
-    from sparse_k.layouts.geometry import row_geometry
-
-    return row_geometry(query.shape[0], query.shape[2], key.shape[2], device=query.device)
 
 
 def bounded_keep(pattern) -> tuple[int, int] | None:
@@ -394,7 +266,7 @@ def bounded_keep(pattern) -> tuple[int, int] | None:
         return pattern.sinks, pattern.window
     if isinstance(pattern, SlidingWindow) and pattern.causal:
         return 0, pattern.window
-    if isinstance(pattern, WithinWindow) and _translation_invariant(pattern.base):
+    if isinstance(pattern, WithinWindow) and translation_invariant(pattern.base):
         return 0, pattern.window
     return None
 

@@ -25,6 +25,10 @@ slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
   depends only on ``i - j`` use the tail of the mask; the others (sinks, blocks) see K/V padded
   back at the front so that positions stay absolute (never attended: the window excludes them).
 
+A cache layer that announced ``key`` on the module (``sparse_k.integrations.cache_protocol``, e.g.
+``hf_sparse_attention.SparseCache``'s) is consulted: it may refuse the key mask, and for a learned
+pattern it runs the call's attention (``SelectionCacheLayer.attend``, with its own decode state).
+
 A 4-D mask (the hub route, where Transformers builds an SDPA mask) is reduced to key validity.
 Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
 from ``position_ids`` that restart at 0 inside one row without a mask.
@@ -41,28 +45,19 @@ from typing import ClassVar
 import torch
 
 from ..api import sparse_attention
-from ..warn import warn_once
-from .config import pattern_for_layer, validate_sparse_config
 from ..layouts.geometry import row_geometry
 from ..layouts.patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
 from ..selection.step_state import new_state_dict
+from ..warn import warn_once
+from .cache_protocol import announced_layer
+from .config import pattern_for_layer, validate_sparse_config
 
-__all__ = ["attention_forward", "WithinWindow", "WithinChunk", "restrict_pattern", "layer_pattern", "CACHE_LAYER_ATTR"]
+__all__ = ["WithinChunk", "WithinWindow", "attention_forward", "layer_pattern", "restrict_pattern", "translation_invariant"]
 
-#: Attribute of an attention module holding a weak reference to the cache layer that last updated it
-#: (``hf_sparse_attention.SparseCache``'s ``SelectionLayer``: it keeps the learned layers' decode state).
-CACHE_LAYER_ATTR = "_sparse_k_cache_layer"
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
 #: Attribute of an attention module holding its selection state over a static cache (``sparse_k.selection.selection_state``).
 SELECTION_STATE_ATTR = "_sparse_k_selection_state"
-
-
-def _cache_layer(module, key):
-    """The ``SparseCache`` layer that returned ``key`` for this call, or None."""
-    ref = getattr(module, "__dict__", {}).get(CACHE_LAYER_ATTR)
-    layer = ref() if ref is not None else None
-    return layer if layer is not None and layer.owns(key) else None
 
 
 @dataclass(frozen=True)
@@ -169,12 +164,12 @@ def restrict_pattern(pattern: Pattern, *, window: int | None = None, chunk: int 
     return pattern
 
 
-def _translation_invariant(p: Pattern) -> bool:
+def translation_invariant(p: Pattern) -> bool:
     """True when the rule depends on ``i - j`` only (dropping leading keys cannot change it)."""
     if isinstance(p, (Dense, SlidingWindow, Dilated)):
         return True
     if isinstance(p, WithinWindow):
-        return _translation_invariant(p.base)
+        return translation_invariant(p.base)
     return False
 
 
@@ -391,12 +386,12 @@ def attention_forward(
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: "int | None" = NOT_PASSED,
+    sliding_window: int | None = NOT_PASSED,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     config=None,
     layer_idx: int | None = None,
-    q_start: "int | torch.Tensor | None" = None,
+    q_start: int | torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Sparse attention for one Transformers attention layer.
@@ -459,7 +454,7 @@ def attention_forward(
         )
         return out.transpose(1, 2).contiguous(), None
 
-    layer = _cache_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
+    layer = announced_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
     if layer is not None:
         if key_mask is not None and key_mask.dim() == 4:
             key_mask = _reduce_4d(key_mask, key.shape[2])
@@ -484,7 +479,7 @@ def attention_forward(
         key_mask = key_mask.to(torch.bool)
         all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
         if not (all_valid or static_slots or _tracing()):
-            cache_layer = _cache_layer(module, key)  # a SparseCache layer refuses padded batches
+            cache_layer = announced_layer(module, key)  # e.g. a SparseCache layer refuses padded batches
             if cache_layer is not None:
                 cache_layer.check_key_mask(key_mask)
         L, skv = key_mask.shape[1], key.shape[2]
@@ -497,7 +492,7 @@ def attention_forward(
             key, value = key[:, :, :L], value[:, :, :L]
         elif L > skv:
             dropped = L - skv
-            if _translation_invariant(pattern):
+            if translation_invariant(pattern):
                 key_mask = key_mask[:, dropped:]
             else:
                 key = torch.nn.functional.pad(key, (0, 0, dropped, 0))

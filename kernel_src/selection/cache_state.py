@@ -1,0 +1,203 @@
+"""Selection state of one learned layer over a cache that may drop keys (``sparse_k`` and ``dsa``).
+
+``CachedSelection`` is the bookkeeping behind ``hf_sparse_attention.SparseCache``'s ``SelectionLayer``
+(which stores the key/value tensors and delegates here). Between the calls of a generation it keeps:
+
+* ``sparse_k`` with a trained scorer: the running selection (``decode_selection.SparseKDecodeState``);
+  a call runs its queries block by block over the selection of their block. With ``evict=True`` the
+  keys that can never be selected again are dropped after each call: the cache keeps the sinks, the
+  current block's ``top_k`` selection and the keys from the current block's first candidate-to-be
+  onwards (at most ``sinks + top_k + window + query_block - 2`` keys between calls);
+* ``dsa`` with a trained indexer: the indexer keys of the cached tokens (a call computes its new ones only);
+* no trained selector (either pattern, ``page_selection``): the memo of the current block's first query.
+
+Slots of the cached key tensor: a *front* of ``F`` slots (the sinks and the kept selection, at
+positions ``front_pos (B, Hkv, F)``, ascending; empty slots at ``BIG``), then the *tail*: the
+contiguous positions ``tail_start ..`` up to the newest token. Before anything is evicted ``F == 0``
+and ``tail_start == 0`` (slot = position). Rows must be unpadded (the caller refuses padded batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..layouts.geometry import row_geometry
+from ..layouts.patterns import DSA, SparseK
+from ..layouts.token_layout import TokenLayout
+from .decode_selection import SparseKDecodeState
+from .selectors import build_selection
+
+__all__ = ["BIG", "CachedSelection"]
+
+#: Position of an empty front slot.
+BIG = torch.iinfo(torch.int64).max
+#: ``TokenLayout.query_block`` of the one-block layouts handed to attention: every query of the call is in block 0.
+_ONE_BLOCK = 1 << 30
+
+
+class CachedSelection:
+    """Decode state of one learned layer (module docstring).
+
+    Args:
+        pattern: the layer's ``SparseK`` or ``DSA`` pattern. evict: drop the keys no later query can
+            select (``sparse_k`` only; ignored for ``dsa``).
+    """
+
+    def __init__(self, pattern, evict: bool = True):
+        if not isinstance(pattern, (SparseK, DSA)):
+            raise TypeError(f"SelectionLayer needs a sparse_k or dsa pattern, got {type(pattern).__name__}")
+        self.pattern, self.evict = pattern, bool(evict) and isinstance(pattern, SparseK)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a new generation)."""
+        self.front_pos: torch.Tensor | None = None
+        self.tail_start = 0
+        self.state: SparseKDecodeState | None = None
+        self.index_keys: torch.Tensor | None = None
+        self.memo: dict = {}  # training-free selection: the current block's first query (page_selection)
+        self._index_owner = None
+
+    @property
+    def evicted(self) -> bool:
+        """True once keys were dropped (the cache no longer holds every position)."""
+        return self.front_pos is not None
+
+    def attend(self, query, key, value, pattern, run: Callable[..., torch.Tensor], *, selector, layer_idx: int,
+               seen: int, new_tokens: int):
+        """Attention of this call's queries over the cached slots ``key/value (B, Hkv, Skv, D)``.
+
+        ``seen``: tokens the cache has taken so far (this call's included), ``new_tokens``: this call's.
+        ``run(q, k, v, pattern, selection, q_start, key_mask)`` runs ``sparse_attention``.
+        Returns ``(out (B, Hq, Sq, D), kept)``: ``kept`` is None, or the ``(keys, values)`` the cache
+        keeps from now on (after an eviction).
+        """
+        if pattern != self.pattern:
+            raise ValueError(f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.pattern!r}")
+        if isinstance(pattern, DSA) or selector is None:
+            if self.evicted:
+                raise ValueError(f"SparseCache: layer {layer_idx} evicted keys under a trained selector, which is gone now")
+            return self._attend_from_scratch(query, key, value, run, selector, layer_idx, new_tokens), None
+        if self.state is None:
+            geo_sel = build_selection(pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector)
+            out = run(query, key, value, pattern if geo_sel is not None else pattern.static_part(), geo_sel, None, None)
+            self.state = SparseKDecodeState(pattern, weighted=True)
+        else:
+            out = self._attend_blocks(query, key, value, run, selector, seen)
+        return out, self._after_call(key, value, selector, seen)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the rows (beam search): row ``i`` becomes the old row ``beam_idx[i]``."""
+        pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
+        self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
+        for name in ("block", "q"):
+            if name in self.memo:  # buffers written in place (step_state)
+                self.memo[name].copy_(pick(self.memo[name]))
+        for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
+            self.memo.pop(name, None)
+        if self.state is not None:
+            for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
+                setattr(self.state, name, pick(getattr(self.state, name)))
+
+    def crop(self, length: int) -> None:
+        """The cache was cut back to its first ``length`` tokens (only before any eviction)."""
+        if self.evicted:
+            raise ValueError("a SparseCache layer that evicted keys cannot be cropped")
+        self.state = None  # rebuilt from scratch at the next call
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[:, :length]
+
+    def _attend_from_scratch(self, query, key, value, run, selector, layer_idx, new_tokens):
+        """Selection from scratch each call (``dsa``, and the training-free default of both patterns),
+        with the memo of the current block's first query (training-free) or the cached indexer keys."""
+        index_keys = None
+        if selector is not None and isinstance(self.pattern, DSA):
+            old = key.shape[2] - new_tokens
+            fresh = self._index_owner is selector and self.index_keys is not None and self.index_keys.shape[1] == old
+            with torch.no_grad():
+                if fresh:  # indexer keys of the new tokens only
+                    self.index_keys = torch.cat([self.index_keys, selector.index_keys(key[:, :, old:])], 1)
+                else:
+                    self.index_keys = selector.index_keys(key)
+            self._index_owner = selector
+            index_keys = self.index_keys
+        sel = build_selection(self.pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector,
+                              index_keys=index_keys, memo=self.memo if selector is None else None)
+        return run(query, key, value, self.pattern if sel is not None else self.pattern.static_part(), sel, None, None)
+
+    def _front(self) -> int:
+        return 0 if self.front_pos is None else self.front_pos.shape[-1]
+
+    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slot index of key positions ``pos (B, Hkv, n)`` (-1 stays -1)."""
+        F = self._front()
+        idx = F + pos - self.tail_start
+        if F:
+            front = torch.searchsorted(self.front_pos, pos.contiguous())
+            idx = torch.where(pos >= self.tail_start, idx, front)
+        return torch.where(pos >= 0, idx, torch.full_like(idx, -1))
+
+    def _scores(self, key, value, selector):
+        """``scores(lo, hi)``: the selector's scores ``(B, Hkv, hi - lo + 1)`` of positions ``lo .. hi`` (in the tail)."""
+        def scores(lo: int, hi: int) -> torch.Tensor:
+            i0 = self._front() + lo - self.tail_start
+            k, v = key[:, :, i0 : i0 + hi - lo + 1], value[:, :, i0 : i0 + hi - lo + 1]
+            with torch.no_grad():
+                return selector(v, torch.arange(lo, hi + 1, device=k.device)[None], k)
+
+        return scores
+
+    def _attend_blocks(self, query, key, value, run, selector, seen):
+        """The call's queries block by block, each over its block's running selection."""
+        B, _, Sq, _ = query.shape
+        Skv, bq = key.shape[2], self.pattern.query_block
+        q0 = seen - Sq  # position of the call's first query
+        scores = self._scores(key, value, selector)
+        outs, t = [], 0
+        while t < Sq:
+            blk = (q0 + t) // bq
+            t1 = min(Sq, (blk + 1) * bq - q0)
+            self.state.advance(blk, scores)
+            st = self.state
+            if st.positions is None:  # no candidate yet: sinks + window
+                outs.append(run(query[:, :, t:t1], key, value, self.pattern.static_part(), None, Skv - Sq + t, None))
+            else:
+                lay = TokenLayout(
+                    indices=self._slots(st.positions)[:, :, None].to(torch.int32),
+                    counts=st.counts[:, :, None].to(torch.int32), query_block=_ONE_BLOCK,
+                    first_block=torch.zeros(B, dtype=torch.int64, device=key.device),
+                    weights=None if st.weights is None else st.weights[:, :, None],
+                )
+                outs.append(run(query[:, :, t:t1], key, value, self.pattern, lay, Skv - Sq + t, None))
+            t = t1
+        return torch.cat(outs, 2)
+
+    def _after_call(self, key, value, selector, seen):
+        """Advance the state to the next query's block; with eviction, return the ``(keys, values)`` it can
+        still use (else None)."""
+        p = self.pattern
+        nxt = seen // p.query_block
+        self.state.advance(nxt, self._scores(key, value, selector))
+        new_tail = nxt * p.query_block - p.window + 1
+        if not self.evict or new_tail <= p.sinks or self.state.positions is None:
+            return None
+        B, H = key.shape[:2]
+        dev = key.device
+        sinks = torch.arange(p.sinks, device=dev).expand(B, H, p.sinks)
+        sel = torch.where(self.state.positions >= 0, self.state.positions, torch.full_like(self.state.positions, BIG))
+        front = torch.cat([sinks, sel], -1)
+        idx = self._slots(torch.where(front == BIG, torch.full_like(front, -1), front))
+        ok = idx >= 0
+        g = idx.clamp_min(0)[..., None]
+        fk = torch.where(ok[..., None], key.gather(2, g.expand(-1, -1, -1, key.shape[-1])), torch.zeros((), dtype=key.dtype, device=dev))
+        fv = torch.where(ok[..., None], value.gather(2, g.expand(-1, -1, -1, value.shape[-1])), torch.zeros((), dtype=value.dtype, device=dev))
+        t0 = self._front() + new_tail - self.tail_start
+        kept = torch.cat([fk, key[:, :, t0:]], 2), torch.cat([fv, value[:, :, t0:]], 2)
+        self.front_pos, self.tail_start = front, new_tail
+        return kept
+
+
+def _geometry(query, key):
+    return row_geometry(query.shape[0], query.shape[2], key.shape[2], device=query.device)
