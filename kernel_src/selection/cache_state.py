@@ -47,7 +47,7 @@ class CachedSelection:
 
     def __init__(self, pattern, evict: bool = True):
         if not isinstance(pattern, (SparseK, DSA)):
-            raise TypeError(f"SelectionLayer needs a sparse_k or dsa pattern, got {type(pattern).__name__}")
+            raise TypeError(f"CachedSelection needs a sparse_k or dsa pattern, got {type(pattern).__name__}")
         self.pattern, self.evict = pattern, bool(evict) and isinstance(pattern, SparseK)
         self.reset()
 
@@ -98,8 +98,7 @@ class CachedSelection:
         for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
             self.memo.pop(name, None)
         if self.state is not None:
-            for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
-                setattr(self.state, name, pick(getattr(self.state, name)))
+            self.state.select_rows(beam_idx)
 
     def crop(self, length: int) -> None:
         """The cache was cut back to its first ``length`` tokens (only before any eviction)."""

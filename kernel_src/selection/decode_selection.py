@@ -79,6 +79,13 @@ class SparseKDecodeState:
         self.merged_hi = hi
         self._select(u, pos, hi - self.pattern.sinks + 1)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows (B',)`` int64 in that order (a beam reorder): row ``i`` becomes the old row ``rows[i]``."""
+        for name in ("sup_u", "sup_pos", "positions", "counts", "weights"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows.to(t.device)))
+
     def _select(self, u: torch.Tensor, pos: torch.Tensor, n_total: int) -> None:
         """Selection and support from the merged entries ``u, pos (B, H, n)`` (ascending positions,
         -1 = empty slot) of ``n_total`` candidates in all."""

@@ -125,6 +125,32 @@ def test_sparse_cache_evicts_and_equals_recompute(trained):
     assert min(min(x) for x in lengths[20:]) >= params["sinks"] + params["top_k"] + params["window"] - 1
 
 
+@pytest.mark.parametrize("beam_idx", [[1, 0], [1, 1]])
+def test_beam_reorder_of_an_evicting_cache_equals_running_the_reordered_rows(beam_idx):
+    """sparse_k with a trained scorer: after keys were evicted, ``reorder_cache(beam_idx)`` permutes the kept
+    keys, their positions and the running selection together; the next steps equal a cache that ran the
+    reordered rows from the start (a permutation, and one row duplicated)."""
+    from hf_sparse_attention import SparseCache
+
+    params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
+    model = sparse_tiny_llama("sparse_k", params, random_selectors=True)
+    seq = torch.randint(1, 50, (2, 45), generator=torch.Generator().manual_seed(6))
+    rows = torch.tensor(beam_idx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = SparseCache(model)
+        _step_logits(model, seq[:, :30], 13, cache)
+        assert any(layer.selection.evicted for layer in cache.layers)
+        cache.reorder_cache(rows)
+        after = []
+        with torch.no_grad():
+            for t in range(30, 45):
+                after.append(model(seq[rows, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        want, _ = _step_logits(model, seq[rows], 13, SparseCache(model))
+    torch.testing.assert_close(torch.stack(after), want[-15:], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want[-1, 0], want[-1, 1]) or beam_idx == [1, 1]
+
+
 @pytest.mark.parametrize("per_kv_head", [False, True])
 def test_dsa_cache_keeps_indexer_keys(monkeypatch, per_kv_head):
     """dsa with SparseCache: decode computes indexer keys of the new token only, logits == recompute
