@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RowGeometry", "bottom_right_geometry", "decode_geometry", "plain_geometry", "row_geometry"]
+__all__ = ["RowGeometry", "bottom_right_geometry", "decode_geometry", "host_rows", "plain_geometry", "row_geometry"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,13 @@ class RowGeometry:
         if self.q_start.device.type == "cpu" and not torch.compiler.is_compiling():
             return self.q_start.tolist(), self.k_start.tolist(), self.k_end.tolist()
         return None  # (traced CPU tensors too: their values are not known while tracing)
+
+
+def host_rows(host: tuple) -> list[tuple[int, ...]]:
+    """``RowGeometry.host_offsets()`` (lists of one int per row, or one int for all rows) as one
+    ``(q_start, k_start, k_end)`` tuple per row: as many rows as the longest list (one when all are shared)."""
+    rows = max(len(x) for x in host)
+    return [tuple(x[r if len(x) > 1 else 0] for x in host) for r in range(rows)]
 
 
 def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:

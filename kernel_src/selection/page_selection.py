@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts.geometry import host_rows
 from ..warn import warn_once
 from .step_state import state_buffers
 
@@ -196,9 +197,8 @@ def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, b
     need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
     rows_host = None
     if host is not None:
-        rows = max(len(x) for x in host)
-        p0 = [host[0][r if len(host[0]) > 1 else 0] - host[1][r if len(host[1]) > 1 else 0] for r in range(rows)]
-        p0 = [max(0, p) for p in p0] * (B if rows == 1 else 1)
+        p0 = [max(0, qs - ks) for qs, ks, _ in host_rows(host)]
+        p0 = p0 * (B if len(p0) == 1 else 1)
         rows_host = {"first": [p // query_block for p in p0], "mid": [p % query_block != 0 for p in p0],
                      "last": [(p + Sq - 1) // query_block for p in p0]}
     usable = memo is not None and state_buffers(

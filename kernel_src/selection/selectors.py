@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..warn import warn_once
-from ..layouts.geometry import RowGeometry
+from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
 from .page_selection import page_size, page_summaries, quest_layout, top_indices as _top_indices, top_pages
@@ -82,9 +82,7 @@ def _host_extent(pattern, host, q_len: int, kv_len: int):
     if host is None:
         return (q_len + bq - 2) // bq + 1, max(0, kv_len - lo), kv_len
     nb = n_cand = span = 0
-    rows = max(len(x) for x in host)
-    for r in range(rows):
-        qs, ks, ke = (x[r if len(x) > 1 else 0] for x in host)
+    for qs, ks, ke in host_rows(host):
         p0, p1 = max(0, qs - ks), max(0, qs - ks + q_len - 1)
         nb = max(nb, p1 // bq - p0 // bq + 1)
         hi = min((p1 // bq) * bq - pattern.window, ke - ks - 1)  # the last block has the most candidates
@@ -370,8 +368,7 @@ def _decode_reuse_key(pattern, host, q_shape, n_kv_heads: int, nb: int, K: int, 
     """
     if host is None or nb != 1 or q_shape[2] != 1 or torch.compiler.is_compiling():
         return None
-    rows = max(len(x) for x in host)
-    starts = [tuple(x[r if len(x) > 1 else 0] for x in host) for r in range(rows)]
+    starts = host_rows(host)
     blocks = tuple(max(0, qs - ks) // pattern.query_block for qs, ks, _ in starts)
     return (pattern, tuple(q_shape), n_kv_heads, K, span, blocks, tuple(ks for _, ks, _ in starts), str(device))
 
@@ -553,7 +550,7 @@ def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_b
     memo_ok = state_buffers(memo, {"block": ((B,), torch.int64, -1), "q": (tuple(qb.shape[:1] + qb.shape[2:]), qb.dtype, 0.0),
                                    "w": ((B, wb.shape[-1]), wb.dtype, 0.0)}, first.device)
     if host is not None:
-        p0 = [qs - ks for qs, ks in zip(*host[:2])]
+        p0 = [qs - ks for qs, ks, _ in host_rows(host)]
         if any(p > 0 and p % query_block != 0 for p in p0):
             if memo_ok and bool((memo["block"][need] == first[need]).all()):
                 qb[:, 0] = torch.where(need[:, None, None], memo["q"], qb[:, 0])

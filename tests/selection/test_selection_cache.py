@@ -176,6 +176,33 @@ def test_dsa_cache_keeps_indexer_keys(monkeypatch, per_kv_head):
     assert seen[:n_layers] == [11] * n_layers and set(seen[n_layers:]) == {1}
 
 
+def test_dsa_padded_decode_equals_recompute():
+    """dsa with ``query_block > 1`` on a left-padded batch (DynamicCache): the rows are at different places in
+    their blocks (one starts a block while the other is inside one, which takes its block's first query from
+    the indexer's memo); every step's logits equal recomputing each row's unpadded prefix."""
+    from transformers import DynamicCache
+
+    params = {"sinks": 2, "window": 6, "top_k": 4, "query_block": 4}
+    model = sparse_tiny_llama("dsa", params)
+    S, P, pad = 30, 13, 3
+    seq = torch.randint(1, 50, (2, S), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[0, :pad] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        cache, got = DynamicCache(), []
+        model(seq[:, :P], attention_mask=mask[:, :P], position_ids=position_ids[:, :P], past_key_values=cache, use_cache=True)
+        for t in range(P, S):
+            out = model(seq[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=position_ids[:, t : t + 1],
+                        past_key_values=cache, use_cache=True)
+            got.append(out.logits[:, -1])
+        # Recomputed after the decode: a full forward rewrites the indexer's memo of block queries.
+        want = [torch.stack([model(seq[r : r + 1, start : t + 1], use_cache=False).logits[0, -1] for r, start in ((0, pad), (1, 0))])
+                for t in range(P, S)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-4, rtol=1e-4)
+
+
 def test_build_without_host_offsets_equals_host_build(monkeypatch):
     """The build path sized from bounds (offsets only on the device, as for a padded batch on a GPU)
     selects exactly what the host-sized build selects; only empty trailing blocks/slots differ."""
