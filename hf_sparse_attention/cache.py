@@ -201,7 +201,6 @@ class SelectionLayer(_KeptKeysLayer):
     def __init__(self, pattern, module: torch.nn.Module, evict: bool = True):
         super().__init__()
         self.selection = CachedSelection(pattern, evict)
-        self.pattern, self.evict = pattern, self.selection.evict
         self._module = weakref.ref(module)
         self.cumulative_length = 0
         self._new_tokens = 0
