@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .page_selection import top_indices
+from .page_selection import front_pack, top_mask
 from .step_state import buffers_fit, state_buffers
 
 __all__ = ["best_of", "owner_tag", "prepare", "ready", "state_kind"]
@@ -75,19 +75,14 @@ def prepare(state: dict, spec: dict, key: torch.Tensor, tag) -> None:
 
 def best_of(cand: torch.Tensor, val: torch.Tensor, M: int) -> torch.Tensor:
     """The ``M`` best positions of ``cand (..., W)`` (-1 = empty) by ``val (..., W)`` (-inf = empty), ties to the
-    earlier position: ``(..., M)`` ascending among the valid ones, -1 for empty slots.
+    earlier position: ``(..., M)`` ascending, packed to the front, -1 past them.
 
-    Valid entries of ``cand`` must be in ascending position order (ties then go to the smaller index).
+    Valid entries of ``cand`` must be in ascending position order (ties then go to the smaller index, and
+    packing them in ``cand``'s order keeps them ascending: no sort).
     """
-    if cand.shape[-1] < M:
-        pad = M - cand.shape[-1]
-        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], pad), -1)], -1)
-        val = torch.cat([val, val.new_full((*val.shape[:-1], pad), float("-inf"))], -1)
     neg = torch.full((), float("-inf"), dtype=val.dtype, device=val.device)
     val = torch.where(cand >= 0, val, neg)
-    top = torch.sort(top_indices(val, M), dim=-1).values
-    keep = val.gather(-1, top) > neg
-    return torch.where(keep, cand.gather(-1, top), -1)
+    return front_pack(top_mask(val, M) & (val > neg), M, cand, -1)
 
 
 def _new_slot(geometry, batch: int) -> torch.Tensor:

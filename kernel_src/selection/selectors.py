@@ -43,7 +43,8 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import page_size, page_summaries, quest_layout, top_indices as _top_indices, top_pages
+from .page_selection import front_pack, page_size, page_summaries, quest_layout, top_indices as _top_indices, \
+    top_mask, top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
@@ -424,11 +425,15 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
         uc = u[:, :, c0:c1] if u.shape[2] > 1 else u
         uc = uc.expand(B, H, c1 - c0, span)
         neg_inf = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
-        order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
         cnt = m.sum(-1).clamp_max(K)  # (B, H, c)
-        keep = torch.arange(K, device=u.device) < cnt[..., None]
-        idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
-        idx = torch.sort(idx, dim=-1).values
+        if NB == 1:  # one block (a decode step): the top K as a mask, packed in key order (no top-K list, no sort)
+            sel = top_mask(torch.where(m, uc.detach(), neg_inf), K) & m
+            idx = front_pack(sel, K, torch.arange(span, device=u.device).expand(sel.shape), S)
+        else:
+            order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
+            keep = torch.arange(K, device=u.device) < cnt[..., None]
+            idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
+            idx = torch.sort(idx, dim=-1).values
         keep = idx < S
         if weighted:
             p = sparsek(uc, top_k, m)
@@ -487,16 +492,12 @@ def _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok
     uc, okc = u_at(cand)
     m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None] & okc
     neg = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
-    top = _top_indices(torch.where(m, uc.detach(), neg), K)
-    keep = m.gather(-1, top)
-    big = cand.shape[-1]
-    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
-    keep = top < big
-    sel_pos = cand.gather(-1, top.clamp_max(big - 1))
+    # The top K as a mask, packed in cand's (ascending) order: no top-K list, no sort (candidates have finite scores).
+    sel = top_mask(torch.where(m, uc.detach(), neg), K) & m
     p = sparsek(uc, pattern.top_k, m)
-    w = torch.where(keep, p.gather(-1, top.clamp_max(big - 1)), torch.zeros((), dtype=p.dtype, device=p.device))
+    w = front_pack(sel, K, p, 0.0)
     k_start = geometry.k_start.expand(B)
-    ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
+    ind = front_pack(sel, K, cand + k_start[:, None, None, None], -1)
     return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
                        query_block=pattern.query_block, first_block=first, weights=w)
 
