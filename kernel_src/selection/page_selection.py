@@ -154,9 +154,9 @@ def top_mask(x: torch.Tensor, K: int) -> torch.Tensor:
     """``(..., n)`` bool: the ``K`` largest entries of every row of ``x (..., n)`` (the set ``top_indices`` returns,
     ties to the smaller index), without ordering them.
 
-    Float32 and narrower: the ``K``-th largest of ``top_indices``' int64 key (one ``torch.kthvalue``, a radix
-    select: no top-``K`` list gathered, no sort) and a comparison; float64 (whose order the float32 key would
-    not keep): the indices of ``top_indices`` scattered.
+    Float32 and narrower: one ``torch.topk(sorted=False)`` on ``top_indices``' int64 key (distinct keys, so the
+    set is exact; unsorted: no sort of the ``K`` results, which ``sorted=True`` adds on CUDA), scattered into
+    the mask; float64 (whose order the float32 key would not keep): the indices of ``top_indices`` scattered.
     """
     n = x.shape[-1]
     if K >= n:
@@ -167,8 +167,9 @@ def top_mask(x: torch.Tensor, K: int) -> torch.Tensor:
         return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(-1, top_indices(x, K), True)
     bits = (x.float() + 0.0).contiguous().view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    key = (key << 32) | (n - 1 - torch.arange(n, device=x.device))  # distinct: exactly K entries pass
-    return key >= torch.kthvalue(key, n - K + 1, dim=-1, keepdim=True).values
+    key = (key << 32) | (n - 1 - torch.arange(n, device=x.device))  # distinct: the top-K set is unique
+    top = torch.topk(key, K, dim=-1, sorted=False).indices
+    return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
 
 
 def front_pack(mask: torch.Tensor, K: int, src: torch.Tensor, fill) -> torch.Tensor:
