@@ -101,7 +101,9 @@ def sparsek_specs(pattern, key: torch.Tensor, value: torch.Tensor, S: int) -> di
     B, H = key.shape[:2]
     dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
     return {"u": ((B, H, S), dtype, 0.0), "L": ((B, H, 2 * pattern.top_k), torch.int64, -1),
-            "chunk": ((B,), torch.int64, 0)}
+            "chunk": ((B,), torch.int64, 0), "N": ((B, H, 2 * pattern.top_k), torch.int64, -1),
+            "next": ((B,), torch.int64, 0), "R": ((B, H, pattern.top_k), torch.int64, -1),
+            "S": ((B, H, pattern.top_k), torch.int64, -1)}
 
 
 def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.Tensor, geometry) -> torch.Tensor:
