@@ -8,11 +8,23 @@ lists, of a prefix of positions that only grows), so a decode step keeps them in
 them) and updates them for the key it writes:
 
 * ``"sparse_k"`` (a ``SparseKScorer``): ``u (B, Hkv, Skv)``, the score of every key slot, and for the
-  prefix scan (``selectors._prefix_topk_layout``) ``L (B, Hkv, M)``, the ``M = 2 * top_k`` best
-  positions before chunk ``chunk (B,)`` (``PREFIX_CHUNK`` positions a chunk). A step scores its key,
-  merges the chunk its block has left into ``L`` (a top-``M`` of ``M + PREFIX_CHUNK`` entries; the same
-  list as the prefix scan, since "best ``M`` of a union" is associative with the tie rule) and selects
-  from ``L`` and its block's chunk: constant work per step.
+  prefix scan (``selectors._prefix_topk_layout``) lists of positions, packed ascending (-1 after):
+  ``L (B, Hkv, M)``, the ``M = 2 * top_k`` best positions before chunk ``chunk (B,)`` (``PREFIX_CHUNK``
+  positions a chunk); ``N``, the next ``L`` (the ``M`` best before ``next (B,)``); ``R (B, Hkv, top_k)``,
+  the best candidates so far; ``S``, the current block's selection. A step scores its key and
+  (``selectors._advance_prefix_list``) inserts one position into ``R`` and a few into ``N``
+  (``selectors._insert_last``: elementwise work and two reductions over the list, no top-k, no sort),
+  swaps ``N`` in as ``L`` when its block's candidates enter the next chunk (``torch.where``) and, at a
+  block's first step, stores ``R`` as ``S``. Its layout is ``S`` with the SparseK weights of the prefix
+  scan over ``L`` and its chunk (``selectors._stepped_select``): equal to the full recomputation, exactly.
+
+  Why not skip the work on the steps inside a block: a compiled step is one CUDA graph that replays the
+  same kernels every step, so it cannot branch on the block's start; ``torch.cond`` would branch, but
+  Inductor (torch 2.11, ``_inductor/lowering.py``, the ``cond`` lowering) disables CUDA graphs for any
+  graph holding one ("control flow operator: torch.cond") and reads the predicate on the host. So a step
+  does the same small work every step (insertions instead of the merge's and the block's top-k and
+  sorts), and the block's selection is frozen by ``torch.where``. The SparseK operator over the
+  ``M + PREFIX_CHUNK`` entries still runs every step (its weights are read at ``S``).
 * ``"dsa"`` (a ``LightningIndexer``): ``ik (B, Skv, key_width)``, the indexer key of every slot. A step
   computes its key's; the indexer query's product with all stored keys stays (cheap and inherent).
 * ``"pages"`` (no selector, ``page_selection``): ``kmin, kmax (B, Hkv, P, D)`` and ``ok (B, 1, P)`` of

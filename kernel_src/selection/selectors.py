@@ -28,7 +28,10 @@ are taken with weight 1; otherwise:
   ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
   initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
 * On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
-  float's order-preserving bits, then the reversed index), exact with ties to the earlier key.
+  float's order-preserving bits, then the reversed index), exact with ties to the earlier key. Where the
+  result only has to be ascending (the prefix lists, the prefix scan's block selection, a one-block call
+  such as a DSA decode step), the top-k set is a mask (``page_selection.top_mask``: ``topk(sorted=False)``)
+  packed in key order with a scan (``page_selection.front_pack``): no sort.
 
 Scores from the scorer/indexer keep their autograd graph, so gradients reach the selector through
 the SparseK weights (``log p`` is added to the logit by the attention paths).
@@ -59,6 +62,10 @@ _CHUNK_ELEMENTS_CUDA = 1 << 26
 
 #: Grid of the prefix top-k scan of a trained ``SparseKScorer`` (``_prefix_topk_layout``), in positions.
 PREFIX_CHUNK = 2048
+#: Most positions a decode step inserts into the next prefix list (``_advance_prefix_list``: ``ceil(PREFIX_CHUNK /
+#: (PREFIX_CHUNK - query_block + 1))``, 2 for ``query_block <= PREFIX_CHUNK / 2``); above it a step merges the chunk
+#: its block leaves in one top-M instead.
+MAX_STEP_INSERTS = 4
 #: DSA page pre-selection (``_dsa_preselected_layout``): off by default, since the exact selection already
 #: costs a fraction of attention (H100, 128K, top-2048: docs/selection.md); pages of ``PRESELECT_PAGE``
 #: positions, ``PRESELECT_FACTOR`` times as many pages as ``top_k`` fills.
@@ -373,6 +380,8 @@ def _advance_prefix_list(state, pattern, geometry, span):
       ``L``, built a few positions a step (``_insert_last``; ``ceil(Z / (Z - query_block + 1))`` a step fill a
       chunk between two chunk advances, which are ``>= Z - query_block + 1`` steps apart, and its keys are
       written before it is needed). When the block's candidates enter the next chunk, ``L = N`` (complete).
+      Above ``MAX_STEP_INSERTS`` insertions a step (a query block close to ``Z``), ``L`` merges the chunk it
+      leaves in one top-M instead (``N`` unused).
     * ``R``: the ``top_k`` best candidates ``[sinks, q - window]`` (one insertion a step); ``S``: ``R`` as it was at
       the block's first step, the block's selection (the top ``top_k`` of its candidates: equal to the prefix
       scan's, whose list holds the ``M >= top_k`` best before the chunk).
@@ -387,16 +396,23 @@ def _advance_prefix_list(state, pattern, geometry, span):
     have, nxt = torch.where(restart, 0, have), torch.where(restart, 0, nxt)
     q = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
     R = _insert_last(R, q - pattern.window, u, geometry, pattern.sinks)
-    end = torch.minimum(q + 1, (have + 1) * Z)  # written, and inside the chunk N is built for
-    for _ in range(-(-Z // (Z - bq + 1))):
-        put = nxt < end
-        N = _insert_last(N, torch.where(put, nxt, -1), u, geometry, pattern.sinks)
-        nxt = nxt + put.long()
+    inserts = -(-Z // (Z - bq + 1))
+    if inserts <= MAX_STEP_INSERTS:
+        end = torch.minimum(q + 1, (have + 1) * Z)  # written, and inside the chunk N is built for
+        for _ in range(inserts):
+            put = nxt < end
+            N = _insert_last(N, torch.where(put, nxt, -1), u, geometry, pattern.sinks)
+            nxt = nxt + put.long()
+        merged = N
+    else:  # a query block close to the chunk: merge the chunk the block leaves in one top-M (every step)
+        left = (have * Z)[:, None] + torch.arange(Z, device=u.device)
+        cand = torch.cat([L, left[:, None].expand(B, H, Z)], -1)
+        merged = sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], M)
     n_chunks = max(1, -(-span // Z))
     hi = pattern.candidate_range(torch.div(q, bq, rounding_mode="floor") * bq)[1]
     need = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)
     advance = need > have
-    L = torch.where(advance[:, None, None], N, L)
+    L = torch.where(advance[:, None, None], merged, L)
     Sel = torch.where((q % bq == 0)[:, None, None], R, Sel)
     for name, t in (("L", L), ("chunk", torch.where(advance, have + 1, have)), ("N", N), ("next", nxt), ("R", R),
                     ("S", Sel)):
