@@ -41,8 +41,7 @@ from ..warn import warn_once
 from .step_state import state_buffers
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_size", "page_summaries", "quest_layout", "quest_scores", "rank_merge",
-           "top_indices",
-           "top_pages"]
+           "front_pack", "top_indices", "top_mask", "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
@@ -150,6 +149,37 @@ def top_indices(x: torch.Tensor, K: int, *, fused: bool | None = None) -> torch.
     n = x.shape[-1]
     key = (key << 32) | (n - 1 - torch.arange(n, device=x.device))
     return torch.topk(key, K, dim=-1, sorted=True).indices
+
+
+def top_mask(x: torch.Tensor, K: int) -> torch.Tensor:
+    """``(..., n)`` bool: the ``K`` largest entries of every row of ``x (..., n)`` (the set ``top_indices`` returns,
+    ties to the smaller index), without ordering them.
+
+    Float32 and narrower: one ``torch.topk(sorted=False)`` on ``top_indices``' int64 key (distinct keys, so the
+    set is exact; unsorted: no sort of the ``K`` results, which ``sorted=True`` adds on CUDA), scattered into
+    the mask; float64 (whose order the float32 key would not keep): the indices of ``top_indices`` scattered.
+    """
+    n = x.shape[-1]
+    if K >= n:
+        return torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    if K <= 0:
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    if x.dtype == torch.float64:
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(-1, top_indices(x, K), True)
+    bits = (x.float() + 0.0).contiguous().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    key = (key << 32) | (n - 1 - torch.arange(n, device=x.device))  # distinct: the top-K set is unique
+    top = torch.topk(key, K, dim=-1, sorted=False).indices
+    return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
+
+
+def front_pack(mask: torch.Tensor, K: int, src: torch.Tensor, fill) -> torch.Tensor:
+    """The entries of ``src (..., n)`` where ``mask (..., n)`` holds (at most ``K`` per row), moved to the front in
+    their order: ``(..., K)``, ``fill`` past each row's count. A scan and a scatter (no sort); differentiable
+    in ``src``."""
+    dest = torch.where(mask, mask.cumsum(-1) - 1, K)  # unselected entries go to a slot K that is cut off
+    out = torch.full((*src.shape[:-1], K + 1), fill, dtype=src.dtype, device=src.device)
+    return out.scatter(-1, dest, torch.where(mask, src, torch.full((), fill, dtype=src.dtype, device=src.device)))[..., :K]
 
 
 def top_pages(scores: torch.Tensor, cand_pages: torch.Tensor, n_sel: int):

@@ -8,11 +8,23 @@ lists, of a prefix of positions that only grows), so a decode step keeps them in
 them) and updates them for the key it writes:
 
 * ``"sparse_k"`` (a ``SparseKScorer``): ``u (B, Hkv, Skv)``, the score of every key slot, and for the
-  prefix scan (``selectors._prefix_topk_layout``) ``L (B, Hkv, M)``, the ``M = 2 * top_k`` best
-  positions before chunk ``chunk (B,)`` (``PREFIX_CHUNK`` positions a chunk). A step scores its key,
-  merges the chunk its block has left into ``L`` (a top-``M`` of ``M + PREFIX_CHUNK`` entries; the same
-  list as the prefix scan, since "best ``M`` of a union" is associative with the tie rule) and selects
-  from ``L`` and its block's chunk: constant work per step.
+  prefix scan (``selectors._prefix_topk_layout``) lists of positions, packed ascending (-1 after):
+  ``L (B, Hkv, M)``, the ``M = 2 * top_k`` best positions before chunk ``chunk (B,)`` (``PREFIX_CHUNK``
+  positions a chunk); ``N``, the next ``L`` (the ``M`` best before ``next (B,)``); ``R (B, Hkv, top_k)``,
+  the best candidates so far; ``S``, the current block's selection. A step scores its key and
+  (``selectors._advance_prefix_list``) inserts one position into ``R`` and a few into ``N``
+  (``selectors._insert_last``: elementwise work and two reductions over the list, no top-k, no sort),
+  swaps ``N`` in as ``L`` when its block's candidates enter the next chunk (``torch.where``) and, at a
+  block's first step, stores ``R`` as ``S``. Its layout is ``S`` with the SparseK weights of the prefix
+  scan over ``L`` and its chunk (``selectors._stepped_select``): equal to the full recomputation, exactly.
+
+  Why not skip the work on the steps inside a block: a compiled step is one CUDA graph that replays the
+  same kernels every step, so it cannot branch on the block's start; ``torch.cond`` would branch, but
+  Inductor (torch 2.11, ``_inductor/lowering.py``, the ``cond`` lowering) disables CUDA graphs for any
+  graph holding one ("control flow operator: torch.cond") and reads the predicate on the host. So a step
+  does the same small work every step (insertions instead of the merge's and the block's top-k and
+  sorts), and the block's selection is frozen by ``torch.where``. The SparseK operator over the
+  ``M + PREFIX_CHUNK`` entries still runs every step (its weights are read at ``S``).
 * ``"dsa"`` (a ``LightningIndexer``): ``ik (B, Skv, key_width)``, the indexer key of every slot. A step
   computes its key's; the indexer query's product with all stored keys stays (cheap and inherent).
 * ``"pages"`` (no selector, ``page_selection``): ``kmin, kmax (B, Hkv, P, D)`` and ``ok (B, 1, P)`` of
@@ -34,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .page_selection import top_indices
+from .page_selection import front_pack, top_mask
 from .step_state import buffers_fit, state_buffers
 
 __all__ = ["best_of", "owner_tag", "prepare", "ready", "state_kind"]
@@ -75,19 +87,14 @@ def prepare(state: dict, spec: dict, key: torch.Tensor, tag) -> None:
 
 def best_of(cand: torch.Tensor, val: torch.Tensor, M: int) -> torch.Tensor:
     """The ``M`` best positions of ``cand (..., W)`` (-1 = empty) by ``val (..., W)`` (-inf = empty), ties to the
-    earlier position: ``(..., M)`` ascending among the valid ones, -1 for empty slots.
+    earlier position: ``(..., M)`` ascending, packed to the front, -1 past them.
 
-    Valid entries of ``cand`` must be in ascending position order (ties then go to the smaller index).
+    Valid entries of ``cand`` must be in ascending position order (ties then go to the smaller index, and
+    packing them in ``cand``'s order keeps them ascending: no sort).
     """
-    if cand.shape[-1] < M:
-        pad = M - cand.shape[-1]
-        cand = torch.cat([cand, cand.new_full((*cand.shape[:-1], pad), -1)], -1)
-        val = torch.cat([val, val.new_full((*val.shape[:-1], pad), float("-inf"))], -1)
     neg = torch.full((), float("-inf"), dtype=val.dtype, device=val.device)
     val = torch.where(cand >= 0, val, neg)
-    top = torch.sort(top_indices(val, M), dim=-1).values
-    keep = val.gather(-1, top) > neg
-    return torch.where(keep, cand.gather(-1, top), -1)
+    return front_pack(top_mask(val, M) & (val > neg), M, cand, -1)
 
 
 def _new_slot(geometry, batch: int) -> torch.Tensor:
@@ -106,7 +113,9 @@ def sparsek_specs(pattern, key: torch.Tensor, value: torch.Tensor, S: int) -> di
     B, H = key.shape[:2]
     dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
     return {"u": ((B, H, S), dtype, 0.0), "L": ((B, H, 2 * pattern.top_k), torch.int64, -1),
-            "chunk": ((B,), torch.int64, 0)}
+            "chunk": ((B,), torch.int64, 0), "N": ((B, H, 2 * pattern.top_k), torch.int64, -1),
+            "next": ((B,), torch.int64, 0), "R": ((B, H, pattern.top_k), torch.int64, -1),
+            "S": ((B, H, pattern.top_k), torch.int64, -1)}
 
 
 def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.Tensor, geometry) -> torch.Tensor:

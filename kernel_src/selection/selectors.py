@@ -28,7 +28,10 @@ are taken with weight 1; otherwise:
   ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
   initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
 * On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
-  float's order-preserving bits, then the reversed index), exact with ties to the earlier key.
+  float's order-preserving bits, then the reversed index), exact with ties to the earlier key. Where the
+  result only has to be ascending (the prefix lists, the prefix scan's block selection, a one-block call
+  such as a DSA decode step), the top-k set is a mask (``page_selection.top_mask``: ``topk(sorted=False)``)
+  packed in key order with a scan (``page_selection.front_pack``): no sort.
 
 Scores from the scorer/indexer keep their autograd graph, so gradients reach the selector through
 the SparseK weights (``log p`` is added to the logit by the attention paths).
@@ -43,7 +46,8 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import page_size, page_summaries, quest_layout, top_indices as _top_indices, top_pages
+from .page_selection import front_pack, page_size, page_summaries, quest_layout, top_indices as _top_indices, \
+    top_mask, top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
@@ -58,6 +62,10 @@ _CHUNK_ELEMENTS_CUDA = 1 << 26
 
 #: Grid of the prefix top-k scan of a trained ``SparseKScorer`` (``_prefix_topk_layout``), in positions.
 PREFIX_CHUNK = 2048
+#: Most positions a decode step inserts into the next prefix list (``_advance_prefix_list``: ``ceil(PREFIX_CHUNK /
+#: (PREFIX_CHUNK - query_block + 1))``, 2 for ``query_block <= PREFIX_CHUNK / 2``); above it a step merges the chunk
+#: its block leaves in one top-M instead.
+MAX_STEP_INSERTS = 4
 #: DSA page pre-selection (``_dsa_preselected_layout``): off by default, since the exact selection already
 #: costs a fraction of attention (H100, 128K, top-2048: docs/selection.md); pages of ``PRESELECT_PAGE``
 #: positions, ``PRESELECT_FACTOR`` times as many pages as ``top_k`` fills.
@@ -227,14 +235,13 @@ def build_selection(
         return layout
     if isinstance(selector, SparseKScorer):
         if step:
-            u, listed, chunk = feats
+            u, listed, chunk, chosen = feats
         else:
             u = selector(value, kpos, key) if feats is None else feats
         if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
             if step:
-                return _prefix_select(listed[:, :, None], chunk[:, None],
-                                      lambda c: _u_at(u, c, geometry, pattern.sinks), pattern, geometry, first,
-                                      *pattern.candidate_range(block_start), block_ok, K)
+                return _stepped_select(listed, chunk, chosen, u, pattern, geometry, first,
+                                       *pattern.candidate_range(block_start), block_ok)
             return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
         return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
                             weighted=True)
@@ -276,7 +283,7 @@ def _state_features(kind: str, state: dict, step: bool, pattern, selector, key, 
 
     ``step``: update the state for the call's new key only and return its buffers; otherwise compute
     from every key, write the state and return what was computed (with its autograd graph). Returns
-    ``u (B, Hkv, Skv)`` (sparse_k; a step: ``(u, L, chunk)``, ``_advance_prefix_list``), the indexer keys ``(B, Skv, key_width)`` (dsa) or the page
+    ``u (B, Hkv, Skv)`` (sparse_k; a step: ``(u, L, chunk, S)``, ``_advance_prefix_list``), the indexer keys ``(B, Skv, key_width)`` (dsa) or the page
     summaries ``(kmin, kmax, ok)`` over every page of the key tensor (pages).
     """
     B, _, S, _ = key.shape
@@ -316,44 +323,99 @@ def _u_at(u: torch.Tensor, cand: torch.Tensor, geometry, sinks: int):
 
 
 def _fill_prefix_list(state: dict, pattern, geometry, q_len: int) -> None:
-    """``state["L"], state["chunk"]``: the ``2 * top_k`` best positions before the chunk holding each row's last
-    block's last candidate (``_prefix_topk_layout``'s list for that block), from ``state["u"]``."""
+    """The prefix lists of a full call's last query, from ``state["u"]`` (``_advance_prefix_list`` for what they are):
+    ``L, chunk`` (``_prefix_topk_layout``'s list for the row's last block), ``N, next``, ``R`` and ``S``."""
     u = state["u"]
     B, H, S = u.shape
-    Z, bq = PREFIX_CHUNK, pattern.query_block
+    Z, bq, M, K = PREFIX_CHUNK, pattern.query_block, state["L"].shape[-1], state["R"].shape[-1]
     q_last = (geometry.q_start + q_len - 1 - geometry.k_start).expand(B).clamp_min(0)
     hi = torch.div(q_last, bq, rounding_mode="floor") * bq - pattern.window
     chunk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor")
+    nxt = torch.minimum(q_last + 1, (chunk + 1) * Z)
     pos = torch.arange(S, device=u.device)
-    cand = torch.where(pos < (chunk * Z)[:, None], pos, -1)[:, None].expand(B, H, S)
-    state["L"].copy_(sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], state["L"].shape[-1]))
+
+    def best(below, n):  # the n best positions < below (B,)
+        cand = torch.where(pos < below[:, None], pos, -1)[:, None].expand(B, H, S)
+        return sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], n)
+
+    state["L"].copy_(best(chunk * Z, M))
     state["chunk"].copy_(chunk)
+    state["N"].copy_(best(nxt, M))
+    state["next"].copy_(nxt)
+    state["R"].copy_(best(q_last - pattern.window + 1, K))
+    state["S"].copy_(best(hi + 1, K))
+
+
+def _insert_last(lst: torch.Tensor, p: torch.Tensor, u: torch.Tensor, geometry, sinks: int) -> torch.Tensor:
+    """The ``W`` best of ``lst (B, H, W)`` (positions, ascending, packed, -1 after; the ``W`` best of the positions
+    seen so far, ties to the earlier) and position ``p (B,)`` (after all of them; -1 or not a possible candidate:
+    none), by the scores ``u (B, H, S)``: ``(B, H, W)``, packed ascending. Elementwise work and two reductions:
+    a full list drops its worst entry (lowest score, the latest among equal scores) when ``p`` scores higher
+    (an equal score loses: ``p`` is the later position)."""
+    B, H, W = lst.shape
+    v, ok = _u_at(u, p[:, None, None].expand(B, H, 1), geometry, sinks)  # (B, H, 1)
+    have = lst >= 0
+    vals = _u_at(u, lst, geometry, sinks)[0]
+    count = have.sum(-1, keepdim=True)
+    inf = torch.full((), float("inf"), dtype=vals.dtype, device=vals.device)
+    worst = torch.where(have, vals, inf).amin(-1, keepdim=True)
+    idx = torch.arange(W, device=lst.device)
+    j = torch.where(have & (vals == worst), idx, -1).amax(-1, keepdim=True)
+    full = count == W
+    take = ok & (~full | (v > worst))
+    shifted = lst.gather(-1, torch.where(full & (idx >= j), idx + 1, idx).clamp_max(W - 1).expand(B, H, W))
+    slot = torch.where(full, W - 1, count)
+    return torch.where(take & (idx == slot), p[:, None, None], torch.where(take, shifted, lst))
 
 
 def _advance_prefix_list(state, pattern, geometry, span):
-    """A one-query call's prefix list (``sparse_k.selection.selection_state``): the stored one, or the stored one merged with
-    the chunk the call's block has just left (a block moves by ``query_block <= PREFIX_CHUNK``: one chunk at
-    most). Writes the state; returns ``(L (B, H, M), chunk (B,))``, the list of ``_prefix_topk_layout`` for the
-    block and the block's chunk."""
+    """Step the prefix lists of a one-query call (``sparse_k.selection.selection_state``) for its position ``q``; no
+    top-k, no sort. Writes the state; returns ``(L (B, H, M), chunk (B,), S (B, H, top_k))``.
+
+    * ``L``, ``chunk``: the ``M = 2 * top_k`` best positions before chunk ``chunk`` (``_prefix_topk_layout``'s
+      list for the step's block, whose last candidate lies in ``chunk``).
+    * ``N``, ``next``: the ``M`` best positions before ``next`` (``<= (chunk + 1) * PREFIX_CHUNK``): the next
+      ``L``, built a few positions a step (``_insert_last``; ``ceil(Z / (Z - query_block + 1))`` a step fill a
+      chunk between two chunk advances, which are ``>= Z - query_block + 1`` steps apart, and its keys are
+      written before it is needed). When the block's candidates enter the next chunk, ``L = N`` (complete).
+      Above ``MAX_STEP_INSERTS`` insertions a step (a query block close to ``Z``), ``L`` merges the chunk it
+      leaves in one top-M instead (``N`` unused).
+    * ``R``: the ``top_k`` best candidates ``[sinks, q - window]`` (one insertion a step); ``S``: ``R`` as it was at
+      the block's first step, the block's selection (the top ``top_k`` of its candidates: equal to the prefix
+      scan's, whose list holds the ``M >= top_k`` best before the chunk).
+    """
     u, L, have = state["u"], state["L"], state["chunk"]
+    N, nxt, R, Sel = state["N"], state["next"], state["R"], state["S"]
     B, H = u.shape[:2]
-    Z, M = PREFIX_CHUNK, L.shape[-1]
-    # A row whose new key is its first (a generation restarted on the same cache) has no list yet.
+    Z, M, bq = PREFIX_CHUNK, L.shape[-1], pattern.query_block
+    # A row whose new key is its first (a generation restarted on the same cache) has no lists yet.
     restart = geometry.q_start.expand(B) == geometry.k_start.expand(B)
-    L = torch.where(restart[:, None, None], -1, L)
-    have = torch.where(restart, 0, have)
+    L, N, R, Sel = (torch.where(restart[:, None, None], -1, t) for t in (L, N, R, Sel))
+    have, nxt = torch.where(restart, 0, have), torch.where(restart, 0, nxt)
+    q = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
+    R = _insert_last(R, q - pattern.window, u, geometry, pattern.sinks)
+    inserts = -(-Z // (Z - bq + 1))
+    if inserts <= MAX_STEP_INSERTS:
+        end = torch.minimum(q + 1, (have + 1) * Z)  # written, and inside the chunk N is built for
+        for _ in range(inserts):
+            put = nxt < end
+            N = _insert_last(N, torch.where(put, nxt, -1), u, geometry, pattern.sinks)
+            nxt = nxt + put.long()
+        merged = N
+    else:  # a query block close to the chunk: merge the chunk the block leaves in one top-M (every step)
+        left = (have * Z)[:, None] + torch.arange(Z, device=u.device)
+        cand = torch.cat([L, left[:, None].expand(B, H, Z)], -1)
+        merged = sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], M)
     n_chunks = max(1, -(-span // Z))
-    q_pos = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
-    hi = pattern.candidate_range(torch.div(q_pos, pattern.query_block, rounding_mode="floor") * pattern.query_block)[1]
+    hi = pattern.candidate_range(torch.div(q, bq, rounding_mode="floor") * bq)[1]
     need = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)
-    left = (have * Z)[:, None] + torch.arange(Z, device=u.device)  # (B, Z) positions of the stored chunk
-    cand = torch.cat([L, left[:, None].expand(B, H, Z)], -1)
-    merged = sst.best_of(cand, _u_at(u, cand, geometry, pattern.sinks)[0], M)
     advance = need > have
     L = torch.where(advance[:, None, None], merged, L)
-    state["L"].copy_(L)
-    state["chunk"].copy_(torch.where(advance, have + 1, have))
-    return L, need
+    Sel = torch.where((q % bq == 0)[:, None, None], R, Sel)
+    for name, t in (("L", L), ("chunk", torch.where(advance, have + 1, have)), ("N", N), ("next", nxt), ("R", R),
+                    ("S", Sel)):
+        state[name].copy_(t)
+    return L, need, Sel
 
 
 def _decode_reuse_key(pattern, host, q_shape, n_kv_heads: int, nb: int, K: int, span: int, device):
@@ -421,11 +483,15 @@ def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool)
         uc = u[:, :, c0:c1] if u.shape[2] > 1 else u
         uc = uc.expand(B, H, c1 - c0, span)
         neg_inf = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
-        order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
         cnt = m.sum(-1).clamp_max(K)  # (B, H, c)
-        keep = torch.arange(K, device=u.device) < cnt[..., None]
-        idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
-        idx = torch.sort(idx, dim=-1).values
+        if NB == 1:  # one block (a decode step): the top K as a mask, packed in key order (no top-K list, no sort)
+            sel = top_mask(torch.where(m, uc.detach(), neg_inf), K) & m
+            idx = front_pack(sel, K, torch.arange(span, device=u.device).expand(sel.shape), S)
+        else:
+            order = _top_indices(torch.where(m, uc.detach(), neg_inf), K)
+            keep = torch.arange(K, device=u.device) < cnt[..., None]
+            idx = torch.where(keep, order, torch.full_like(order, S))  # past-count entries sort last
+            idx = torch.sort(idx, dim=-1).values
         keep = idx < S
         if weighted:
             p = sparsek(uc, top_k, m)
@@ -473,27 +539,52 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     return _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K)
 
 
-def _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K) -> TokenLayout:
-    """The top ``K`` and SparseK weights of every block among ``prev (B, H, NB, M)`` (the best positions before
-    the block's chunk ``c_blk (B, NB)``) and the chunk's own positions; ``u_at(cand) -> (scores, ok)`` at
-    positions ``cand (B, H, NB, W)``; ``lo, hi (B, NB)`` candidate ranges."""
+def _prefix_candidates(prev, c_blk, u_at, lo, hi, block_ok):
+    """``_prefix_select``'s entries: ``cand (B, H, NB, M + Z)`` positions (``prev`` then chunk ``c_blk``'s own, ascending
+    among the valid ones), their scores ``uc`` and candidate mask ``m``."""
     B, H, NB, _ = prev.shape
     Z = PREFIX_CHUNK
     tail = (c_blk * Z)[..., None] + torch.arange(Z, device=prev.device)  # (B, NB, Z)
     cand = torch.cat([prev, tail[:, None].expand(B, H, NB, Z)], -1)  # positions, ascending
     uc, okc = u_at(cand)
     m = (cand >= lo[:, None, :, None]) & (cand <= hi[:, None, :, None]) & block_ok[:, None, :, None] & okc
+    return cand, uc, m
+
+
+def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block_ok) -> TokenLayout:
+    """A one-query call's layout from its stepped lists (``_advance_prefix_list``): the block's selection ``chosen
+    (B, H, top_k)`` (positions, packed ascending) and the SparseK weights of ``_prefix_select`` over the same
+    entries (``L (B, H, M)`` and chunk ``chunk (B,)``), read at the chosen positions: equal to ``_prefix_select``
+    without its top-k."""
+    B, H, M = L.shape
+    cand, uc, m = _prefix_candidates(L[:, :, None], chunk[:, None], lambda c: _u_at(u, c, geometry, pattern.sinks),
+                                     lo, hi, block_ok)
+    p = sparsek(uc, pattern.top_k, m)  # (B, H, 1, M + Z)
+    sel = chosen[:, :, None]
+    ok = sel >= 0
+    big = torch.full((), torch.iinfo(torch.int64).max, dtype=L.dtype, device=L.device)
+    listed = torch.searchsorted(torch.where(L >= 0, L, big)[:, :, None].contiguous(), sel.contiguous())
+    c0 = (chunk * PREFIX_CHUNK)[:, None, None, None]
+    at = torch.where(sel >= c0, M + sel - c0, listed).clamp(0, cand.shape[-1] - 1)
+    w = torch.where(ok, p.gather(-1, at), torch.zeros((), dtype=p.dtype, device=p.device))
+    ind = torch.where(ok, sel + geometry.k_start.expand(B)[:, None, None, None], -1)
+    return TokenLayout(indices=ind.to(torch.int32), counts=ok.sum(-1).to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=w)
+
+
+def _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K) -> TokenLayout:
+    """The top ``K`` and SparseK weights of every block among ``prev (B, H, NB, M)`` (the best positions before
+    the block's chunk ``c_blk (B, NB)``) and the chunk's own positions; ``u_at(cand) -> (scores, ok)`` at
+    positions ``cand (B, H, NB, W)``; ``lo, hi (B, NB)`` candidate ranges."""
+    B = prev.shape[0]
+    cand, uc, m = _prefix_candidates(prev, c_blk, u_at, lo, hi, block_ok)
     neg = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
-    top = _top_indices(torch.where(m, uc.detach(), neg), K)
-    keep = m.gather(-1, top)
-    big = cand.shape[-1]
-    top, _ = torch.sort(torch.where(keep, top, torch.full_like(top, big)), dim=-1)
-    keep = top < big
-    sel_pos = cand.gather(-1, top.clamp_max(big - 1))
+    # The top K as a mask, packed in cand's (ascending) order: no top-K list, no sort (candidates have finite scores).
+    sel = top_mask(torch.where(m, uc.detach(), neg), K) & m
     p = sparsek(uc, pattern.top_k, m)
-    w = torch.where(keep, p.gather(-1, top.clamp_max(big - 1)), torch.zeros((), dtype=p.dtype, device=p.device))
+    w = front_pack(sel, K, p, 0.0)
     k_start = geometry.k_start.expand(B)
-    ind = torch.where(keep, sel_pos + k_start[:, None, None, None], torch.full_like(sel_pos, -1))
+    ind = front_pack(sel, K, cand + k_start[:, None, None, None], -1)
     return TokenLayout(indices=ind.to(torch.int32), counts=m.sum(-1).clamp_max(K).to(torch.int32),
                        query_block=pattern.query_block, first_block=first, weights=w)
 

@@ -143,8 +143,9 @@ def test_the_step_reads_the_state(kind, monkeypatch):
         want = _select(kind, selector, cache, q, geo, state, memo)
         for k, v in clean.items():
             state[k].copy_(v)
-        name = {"sparse_k": "u", "sparse_k_prefix_scan": "u", "dsa": "ik", "dsa_per_kv_head": "ik", "pages": "kmax"}[kind]
-        state[name].copy_(-state[name])
+        # The prefix scan's step reads its block's stored selection S (the top-k stays fixed over a block).
+        name = {"sparse_k": "u", "sparse_k_prefix_scan": "S", "dsa": "ik", "dsa_per_kv_head": "ik", "pages": "kmax"}[kind]
+        state[name].copy_(-state[name] if name != "S" else state[name].roll(1, -1))
         got = _select(kind, selector, cache, q, geo, state, memo)
     assert not torch.equal(got.indices, want.indices)
 
@@ -187,3 +188,95 @@ def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, device, mon
             q, geo = cache.call(1)
             _same(_select(kind, selector, cache, q, geo, state, memo), _select(kind, selector, cache, q, geo, None, memo_ref),
                   f"step {t}")
+
+
+#: (PREFIX_CHUNK, pattern): query blocks smaller than, equal to (one top-M merge a step instead of insertions) and
+#: not dividing the chunk (2 and 3 insertions a step), windows smaller and larger than a block and a chunk, no sinks;
+#: every one in the prefix-scan regime (more than 2 top_k + chunk candidates).
+PREFIX_CASES = [
+    (8, sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=4)),
+    (8, sparse_k.SparseK(sinks=1, window=3, top_k=5, query_block=8)),
+    (8, sparse_k.SparseK(sinks=0, window=1, top_k=3, query_block=3)),
+    (16, sparse_k.SparseK(sinks=3, window=21, top_k=4, query_block=5)),
+    (12, sparse_k.SparseK(sinks=2, window=7, top_k=9, query_block=7)),
+    (8, sparse_k.SparseK(sinks=2, window=2, top_k=4, query_block=6)),
+]
+
+
+@pytest.mark.parametrize("prompt", [1, 13, 30, 41])
+@pytest.mark.parametrize("case", range(len(PREFIX_CASES)))
+def test_stepped_prefix_lists_equal_the_prefix_scan_at_every_step(case, prompt, monkeypatch):
+    """SparseK with the prefix scan: every step from a prompt of ``prompt`` keys to the end of the cache (across
+    block and chunk boundaries, both rows: one left-padded) gives the layout of the full recomputation exactly
+    (indices, counts and weights: the step's SparseK runs on the same entries), and the block's selection S, once
+    stored, stays fixed over the block."""
+    chunk, pattern = PREFIX_CASES[case]
+    monkeypatch.setattr(selectors, "PREFIX_CHUNK", chunk)
+    selector, cache, state = _selector("sparse_k"), Cache(10 + case), {}
+
+    def select(q, geo, st):
+        return build_selection(pattern, q, cache.k, cache.v, geo, layer_idx=0, selector=selector, state=st)
+
+    stepped = 0
+    with torch.no_grad():
+        select(*cache.call(prompt), state)
+        first_chunk = state["chunk"].clone()
+        while cache.written < SLOTS:
+            q, geo = cache.call(1)
+            got, want = select(q, geo, state), select(q, geo, None)
+            assert (got is None) == (want is None)
+            if got is None:
+                continue
+            where = f"slot {cache.written - 1}"
+            assert torch.equal(got.counts, want.counts) and torch.equal(got.indices, want.indices), where
+            assert torch.equal(got.weights, want.weights), where
+            pos = (cache.written - 1) - torch.tensor([0, PAD])
+            inside = pos % pattern.query_block != 0
+            if stepped and inside.any():
+                assert torch.equal(state["S"][inside], before[inside]), where
+            before, stepped = state["S"].clone(), stepped + 1
+    assert stepped > 0 and bool((state["chunk"] - first_chunk >= 2).all())  # the steps crossed two chunk advances
+
+
+class _CountSelectionOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``topk``, ``sort`` and ``kthvalue`` calls outside the SparseK operator (whose PyTorch path sorts; on a
+    GPU it is one Triton kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.paused = {}, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.paused and name in ("topk", "sort", "kthvalue"):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["sparse_k_prefix_scan", "dsa"])
+def test_a_decode_step_runs_no_sort_and_no_top_k_for_the_prefix_scan(kind, monkeypatch):
+    """Op counts of one decode step, with the CUDA top-k path (``top_indices(fused=True)``) forced on the CPU:
+    the SparseK prefix-scan step runs no top-k and no sort (it kept two of each before the stepped lists), a DSA step
+    one unsorted top-k over its indexer scores and no sort (a top-k and a sort before)."""
+    selector = _setup(kind, monkeypatch)
+    top_indices = sparse_k.selection.page_selection.top_indices
+    monkeypatch.setattr(selectors, "_top_indices", lambda x, K, fused=None: top_indices(x, K, fused=True))
+    counter, cache, state = _CountSelectionOps(), Cache(20), {}
+    inner = selectors.sparsek
+
+    def sparsek_uncounted(*a, **k):
+        counter.paused = True
+        try:
+            return inner(*a, **k)
+        finally:
+            counter.paused = False
+
+    monkeypatch.setattr(selectors, "sparsek", sparsek_uncounted)
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(SLOTS - 20), state, {})
+        for _ in range(5):
+            _select(kind, selector, cache, *cache.call(1), state, {})
+        with counter:
+            lay = _select(kind, selector, cache, *cache.call(1), state, {})
+    assert lay is not None and lay.counts.max() > 0
+    assert counter.counts == ({} if kind == "sparse_k_prefix_scan" else {"topk": 1}), counter.counts
