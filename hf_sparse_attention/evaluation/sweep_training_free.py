@@ -113,33 +113,35 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runs, skipped = [], []
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/sweep_training_free.py", *argv])
-    for setting in args.settings:
-        for cell in args.cells:
-            if args.max_minutes is not None and time.perf_counter() - t0 > 60 * args.max_minutes:
-                skipped.append({"cell": cell, "setting": setting["name"]})
-                continue
-            ps.DEFAULT_PAGE, ps.HEAD_REDUCE = setting["page"], setting["heads"]
-            run_argv = [*rest, "--context", str(cell["context"]), "--sinks", str(cell["sinks"]),
-                        "--window", str(cell["window"]), "--top-k", str(cell["top_k"]),
-                        "--query-block", str(setting["qb"]), "--training-free", "sparse_k", "--no-streaming"]
-            if setting["dense"]:
-                run_argv += ["--dense-layers", *map(str, setting["dense"])]
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "run.json")
-                start = time.perf_counter()
-                evaluate.main([*run_argv, "--output", out])
-                with open(out) as fh:
-                    res = json.load(fh)
-            runs.append({"cell": cell, "setting": setting, "page": ps.DEFAULT_PAGE, "head_reduce": ps.HEAD_REDUCE,
-                         "evaluate_selectors_args": run_argv, "rows": res["rows"], "table": res["table"],
-                         "seconds": time.perf_counter() - start})
-            lines = summary(runs, args.retrieval_bar, args.ppl_bar)
-            with open(args.output, "w") as fh:
-                json.dump({"command": command, "runs": runs, "skipped": skipped, "summary": "\n".join(lines)},
-                          fh, indent=2, default=str)
-            print(f"[sweep] {setting['name']} at {cell}: {runs[-1]['seconds']:.0f} s", flush=True)
-    ps.DEFAULT_PAGE, ps.HEAD_REDUCE = defaults
-    evaluate.load_model = real_load
+    try:
+        for setting in args.settings:
+            for cell in args.cells:
+                if args.max_minutes is not None and time.perf_counter() - t0 > 60 * args.max_minutes:
+                    skipped.append({"cell": cell, "setting": setting["name"]})
+                    continue
+                ps.DEFAULT_PAGE, ps.HEAD_REDUCE = setting["page"], setting["heads"]
+                run_argv = [*rest, "--context", str(cell["context"]), "--sinks", str(cell["sinks"]),
+                            "--window", str(cell["window"]), "--top-k", str(cell["top_k"]),
+                            "--query-block", str(setting["qb"]), "--training-free", "sparse_k", "--no-streaming"]
+                if setting["dense"]:
+                    run_argv += ["--dense-layers", *map(str, setting["dense"])]
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "run.json")
+                    start = time.perf_counter()
+                    evaluate.main([*run_argv, "--output", out])
+                    with open(out) as fh:
+                        res = json.load(fh)
+                runs.append({"cell": cell, "setting": setting, "page": ps.DEFAULT_PAGE, "head_reduce": ps.HEAD_REDUCE,
+                             "evaluate_selectors_args": run_argv, "rows": res["rows"], "table": res["table"],
+                             "seconds": time.perf_counter() - start})
+                lines = summary(runs, args.retrieval_bar, args.ppl_bar)
+                with open(args.output, "w") as fh:
+                    json.dump({"command": command, "runs": runs, "skipped": skipped, "summary": "\n".join(lines)},
+                              fh, indent=2, default=str)
+                print(f"[sweep] {setting['name']} at {cell}: {runs[-1]['seconds']:.0f} s", flush=True)
+    finally:  # the module settings and load_model go back even when a run fails
+        ps.DEFAULT_PAGE, ps.HEAD_REDUCE = defaults
+        evaluate.load_model = real_load
     lines = summary(runs, args.retrieval_bar, args.ppl_bar)
     with open(args.output, "w") as fh:
         json.dump({"command": command, "runs": runs, "skipped": skipped, "summary": "\n".join(lines)}, fh, indent=2, default=str)

@@ -97,3 +97,22 @@ def test_sweep_settings_and_acceptance_check():
     assert [r["check"]["perplexity"] for r in runs] == [True, True, False]
     assert lines[2].endswith("| yes |") and "no: retrieval" in lines[3] and "no: perplexity" in lines[4]
     assert abs(runs[0]["check"]["ppl_ratio_mean"] - (0.04 + 0.04 + 1.4 / 30) / 3) < 1e-9 and "7/20 (10)" in lines[2]
+
+
+def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):
+    """A failing evaluate_selectors run leaves page_selection's settings and load_model as they were."""
+    import sparse_k.selection.page_selection as ps
+
+    from hf_sparse_attention.evaluation import evaluate_selectors as evaluate
+    from hf_sparse_attention.evaluation import sweep_training_free as sweep
+
+    def fail(argv):
+        assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE) == (8, "rank") and evaluate.load_model is not real_load
+        raise RuntimeError("run failed")
+
+    real_load, before = evaluate.load_model, (ps.DEFAULT_PAGE, ps.HEAD_REDUCE)
+    monkeypatch.setattr(evaluate, "main", fail)
+    with pytest.raises(RuntimeError, match="run failed"):
+        sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank", "--output",
+                    str(tmp_path / "sweep.json")])
+    assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE) == before and evaluate.load_model is real_load
