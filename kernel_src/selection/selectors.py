@@ -388,8 +388,9 @@ def _advance_prefix_list(state, pattern, geometry, span):
     N, nxt, R, Sel = state["N"], state["next"], state["R"], state["S"]
     B, H = u.shape[:2]
     Z, M, bq = PREFIX_CHUNK, L.shape[-1], pattern.query_block
-    # A row whose new key is its first (a generation restarted on the same cache) has no lists yet.
-    restart = geometry.q_start.expand(B) == geometry.k_start.expand(B)
+    # A row whose new key is its first (a generation restarted on the same cache), or that has no key yet (its
+    # new slot is left padding), has no lists yet.
+    restart = geometry.q_start.expand(B) <= geometry.k_start.expand(B)
     L, N, R, Sel = (torch.where(restart[:, None, None], -1, t) for t in (L, N, R, Sel))
     have, nxt = torch.where(restart, 0, have), torch.where(restart, 0, nxt)
     q = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
@@ -563,7 +564,8 @@ def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block
     sel = chosen[:, :, None]
     ok = sel >= 0
     big = torch.full((), torch.iinfo(torch.int64).max, dtype=L.dtype, device=L.device)
-    listed = torch.searchsorted(torch.where(L >= 0, L, big)[:, :, None].contiguous(), sel.contiguous())
+    listed = torch.searchsorted(torch.where(L >= 0, L, big), chosen.contiguous())[:, :, None]  # no view of the
+    # sorted sequence: Inductor (torch 2.11) cannot lower searchsorted over a reshaped computed buffer
     c0 = (chunk * PREFIX_CHUNK)[:, None, None, None]
     at = torch.where(sel >= c0, M + sel - c0, listed).clamp(0, cand.shape[-1] - 1)
     w = torch.where(ok, p.gather(-1, at), torch.zeros((), dtype=p.dtype, device=p.device))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import sparse_k
 import torch
+from sparse_k.layouts.geometry import RowGeometry
 from sparse_k.selection import selectors
 from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
 from sparse_k.selection.selectors import build_selection
@@ -24,7 +25,8 @@ SPARSEK = sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=4)
 DSA = sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
 KINDS = ["sparse_k", "sparse_k_prefix_scan", "dsa", "dsa_per_kv_head", "pages"]
 #: On a GPU the offsets are device tensors: every call takes the bounds a compiled step takes (no host read).
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+#: ``cpu_device_offsets`` takes that path on the CPU (the geometry's host offsets hidden).
+DEVICES = ["cpu", "cpu_device_offsets", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                    reason="needs CUDA")])]
 
 
@@ -83,7 +85,11 @@ def _same(got, want, where):
         torch.testing.assert_close(got.weights, want.weights, rtol=0, atol=1e-6, msg=where)
 
 
-def _setup(kind, monkeypatch):
+def _setup(kind, monkeypatch, device="cpu"):
+    """The kind's selector; for ``cpu_device_offsets`` the geometry's host offsets are hidden (``device`` the
+    caller then uses: ``"cpu"``)."""
+    if device == "cpu_device_offsets":
+        monkeypatch.setattr(RowGeometry, "host_offsets", lambda self: None)
     if kind == "sparse_k_prefix_scan":
         monkeypatch.setattr(selectors, "PREFIX_CHUNK", 8)
     return _selector(kind)
@@ -92,7 +98,8 @@ def _setup(kind, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_stepped_state_equals_full_selection_over_many_steps(kind, device, monkeypatch):
-    selector = _setup(kind, monkeypatch)
+    selector = _setup(kind, monkeypatch, device)
+    device = "cpu" if device == "cpu_device_offsets" else device
     selector = selector.to(device) if selector is not None else None
     cache, state, memo, memo_ref = Cache(1, device), {}, {}, {}
     steps = SLOTS - PROMPT
@@ -176,7 +183,9 @@ def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monke
 def test_a_generation_restarted_at_slot_zero_on_the_same_cache(kind, device, monkeypatch):
     """A one-token prompt on a reused cache (the state matches its owner, so it steps): the prefix list restarts
     empty, pages restart at their first key, and every step equals the full selection."""
-    selector, state, memo, memo_ref, cache = _setup(kind, monkeypatch), {}, {}, {}, Cache(6, device)
+    selector = _setup(kind, monkeypatch, device)
+    device = "cpu" if device == "cpu_device_offsets" else device
+    state, memo, memo_ref, cache = {}, {}, {}, Cache(6, device)
     selector = selector.to(device) if selector is not None else None
     with torch.no_grad():
         _select(kind, selector, cache, *cache.call(SLOTS - 20), state, memo)
