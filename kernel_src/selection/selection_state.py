@@ -17,6 +17,10 @@ them) and updates them for the key it writes:
   swaps ``N`` in as ``L`` when its block's candidates enter the next chunk (``torch.where``) and, at a
   block's first step, stores ``R`` as ``S``. Its layout is ``S`` with the SparseK weights of the prefix
   scan over ``L`` and its chunk (``selectors._stepped_select``): equal to the full recomputation, exactly.
+  Those weights are the same for every step of a block (its candidates, ``L`` and chunk are fixed
+  there), so they are kept in ``W`` (valid where ``W_ok``; a full call clears it): a later step of the
+  block runs the SparseK operator with a budget of 0 for its row (no threshold search, one pass to
+  count and one to write) and reads ``W``.
 
   Why not skip the work on the steps inside a block: a compiled step is one CUDA graph that replays the
   same kernels every step, so it cannot branch on the block's start; ``torch.cond`` would branch, but
@@ -115,7 +119,8 @@ def sparsek_specs(pattern, key: torch.Tensor, value: torch.Tensor, S: int) -> di
     return {"u": ((B, H, S), dtype, 0.0), "L": ((B, H, 2 * pattern.top_k), torch.int64, -1),
             "chunk": ((B,), torch.int64, 0), "N": ((B, H, 2 * pattern.top_k), torch.int64, -1),
             "next": ((B,), torch.int64, 0), "R": ((B, H, pattern.top_k), torch.int64, -1),
-            "S": ((B, H, pattern.top_k), torch.int64, -1)}
+            "S": ((B, H, pattern.top_k), torch.int64, -1), "W": ((B, H, pattern.top_k), dtype, 0.0),
+            "W_ok": ((B,), torch.bool, False)}
 
 
 def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.Tensor, geometry) -> torch.Tensor:

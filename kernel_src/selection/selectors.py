@@ -241,7 +241,7 @@ def build_selection(
         if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
             if step:
                 return _stepped_select(listed, chunk, chosen, u, pattern, geometry, first,
-                                       *pattern.candidate_range(block_start), block_ok)
+                                       *pattern.candidate_range(block_start), block_ok, state)
             return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
         return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
                             weighted=True)
@@ -552,15 +552,20 @@ def _prefix_candidates(prev, c_blk, u_at, lo, hi, block_ok):
     return cand, uc, m
 
 
-def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block_ok) -> TokenLayout:
+def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block_ok, state) -> TokenLayout:
     """A one-query call's layout from its stepped lists (``_advance_prefix_list``): the block's selection ``chosen
     (B, H, top_k)`` (positions, packed ascending) and the SparseK weights of ``_prefix_select`` over the same
     entries (``L (B, H, M)`` and chunk ``chunk (B,)``), read at the chosen positions: equal to ``_prefix_select``
-    without its top-k."""
+    without its top-k. The weights are computed at a block's first step (or when ``state["W_ok"]`` is False: the
+    first step after a full call) and kept in ``state["W"]`` for the block's later steps, whose rows run the
+    SparseK operator with a budget of 0 (no search): one graph for every step, no branch."""
     B, H, M = L.shape
     cand, uc, m = _prefix_candidates(L[:, :, None], chunk[:, None], lambda c: _u_at(u, c, geometry, pattern.sinks),
                                      lo, hi, block_ok)
-    p = sparsek(uc, pattern.top_k, m)  # (B, H, 1, M + Z)
+    q = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
+    fresh = (q % pattern.query_block == 0) | ~state["W_ok"]  # (B,) rows whose weights are computed this step
+    budget = torch.where(fresh, pattern.top_k, 0)[:, None, None].expand(B, H, 1)
+    p = sparsek(uc, budget, m)  # (B, H, 1, M + Z); all zero in the rows that keep their weights
     sel = chosen[:, :, None]
     ok = sel >= 0
     big = torch.full((), torch.iinfo(torch.int64).max, dtype=L.dtype, device=L.device)
@@ -569,6 +574,9 @@ def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block
     c0 = (chunk * PREFIX_CHUNK)[:, None, None, None]
     at = torch.where(sel >= c0, M + sel - c0, listed).clamp(0, cand.shape[-1] - 1)
     w = torch.where(ok, p.gather(-1, at), torch.zeros((), dtype=p.dtype, device=p.device))
+    w = torch.where(fresh[:, None, None, None], w, state["W"][:, :, None].to(w.dtype))
+    state["W"].copy_(w[:, :, 0])
+    state["W_ok"].fill_(True)
     ind = torch.where(ok, sel + geometry.k_start.expand(B)[:, None, None, None], -1)
     return TokenLayout(indices=ind.to(torch.int32), counts=ok.sum(-1).to(torch.int32),
                        query_block=pattern.query_block, first_block=first, weights=w)

@@ -21,6 +21,10 @@ def key_budget(k, lead_shape, device) -> torch.Tensor:
         raise TypeError(f"sparsek: `k` must be an int or an integer tensor, got {type(k).__name__}")
     if k.dtype.is_floating_point or k.dtype == torch.bool:
         raise TypeError(f"sparsek: `k` must hold integers, got dtype {k.dtype}")
-    if bool((k < 0).any()):
-        raise ValueError("sparsek: every `k` must be >= 0")
+    negative = (k < 0).any()
+    if k.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(negative):
+            raise ValueError("sparsek: every `k` must be >= 0")
+    else:  # on the device or inside a traced graph: an assert without a host synchronisation
+        torch._assert_async(~negative, "sparsek: every `k` must be >= 0")
     return k.to(device=device, dtype=torch.int64).expand(lead_shape)

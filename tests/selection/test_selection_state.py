@@ -157,6 +157,40 @@ def test_the_step_reads_the_state(kind, monkeypatch):
     assert not torch.equal(got.indices, want.indices)
 
 
+def test_the_prefix_scan_step_keeps_a_blocks_weights(monkeypatch):
+    """SparseK weights are searched at a block's first step (and the first step after a full call) only: a later
+    step of the block runs the operator with a budget of 0 in every row and reads ``state["W"]`` (corrupting it
+    changes the step's weights); the next block's first step searches again and no longer reads it."""
+    kind, bq = "sparse_k_prefix_scan", SPARSEK.query_block
+    selector, cache, state, memo = _setup(kind, monkeypatch), Cache(4), {}, {}
+    budgets = []
+    sparsek = selectors.sparsek
+    monkeypatch.setattr(selectors, "sparsek", lambda u, k, m=None: budgets.append(k) or sparsek(u, k, m))
+    prompt = 9 * bq + 1  # past 2 * top_k + PREFIX_CHUNK candidates (the prefix scan); the next step is a block's second
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(prompt), state, memo)
+        for step in range(2 * bq):
+            budgets.clear()
+            q, geo = cache.call(1)
+            clean = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            want = _select(kind, selector, cache, q, geo, state, None)
+            (k,) = budgets
+            inside = step > 0 and (prompt + step) % bq != 0  # row 0's positions (no padding)
+            if step == 0:  # the first step after the prefill computes (W_ok was cleared)
+                assert bool((k[0] == SPARSEK.top_k).all()), k
+            elif inside:
+                assert bool((k[0] == 0).all()), (step, k)
+            for name, v in clean.items():
+                state[name].copy_(v)
+            state["W"].mul_(-1.0).sub_(1.0)
+            got = _select(kind, selector, cache, q, geo, state, None)
+            assert torch.equal(got.indices, want.indices)
+            if step > 0 and inside:
+                assert not torch.equal(got.weights[0], want.weights[0]), step
+            elif step > 0:
+                assert torch.equal(got.weights[0], want.weights[0]), step
+
+
 def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monkeypatch):
     """The state dict of one cache, then a decode step over another cache (same shapes) or with another selector:
     the eager step recomputes from every key (equal to the full selection) and takes the state over."""
