@@ -181,8 +181,9 @@ def test_decode_layout_with_selection():
 def test_static_cache_token_decode_tiles_and_prefetch(dtype):
     """A learned layer's StaticCache decode launch (slot mask as a bool key mask, ``q_start`` on the device, the
     static part by arithmetic, a token layout with and without SparseK weights) with the GPU's decode tiles: 32- and
-    64-key tiles, the selected-key index prefetch on and off (off is the split-KV default), 1, 3 and 7 splits,
-    GQA groups of 4 packed, odd lengths; NaN-poisoned outputs, against the exact reference."""
+    64-key tiles, the selected-key index prefetch on and off (off is the split-KV default), 1, 3 and 7 splits merged
+    row by row or by the former per-split loop, GQA groups of 4 packed, odd lengths; NaN-poisoned outputs, against
+    the exact reference."""
     from helpers import random_token_layout
 
     g = torch.Generator().manual_seed(1 + int(dtype == torch.float32))
@@ -201,9 +202,10 @@ def test_static_cache_token_decode_tiles_and_prefetch(dtype):
                                             selection=sel)
             for block_k in (32, 64):
                 lay = decode_layout(p, 1, slots, geo, block_q=4, block_k=block_k, num_kv_heads=Hkv)
-                for splits, prefetch in ((1, None), (3, None), (3, True), (7, False)):
+                for splits, prefetch, merge_rows in ((1, None, True), (3, None, True), (3, True, False), (7, False, True),
+                                                     (7, None, False)):
                     o = torch.full((B, Hq, 1, D), float("nan"), dtype=dtype, device=DEV)
-                    opts = {} if prefetch is None else {"sel_prefetch": prefetch}
+                    opts = {"merge_rows": merge_rows} if prefetch is None else {"sel_prefetch": prefetch, "merge_rows": merge_rows}
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, key_mask=mask, pack=4, num_splits=splits,
                                                selection=sel, out=o, **opts)
                     assert not o.isnan().any(), (written, weights, block_k, splits, prefetch)
