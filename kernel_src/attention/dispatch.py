@@ -20,7 +20,7 @@ __all__ = ["attention_backward", "attention_forward"]
 #: Options of the Triton forward launchers (``triton.fwd.layout_forward``; the first four also tune
 #: ``triton.structured.structured_forward``). Giving one of ``_TUNING`` keeps the launch on Triton.
 TRITON_FORWARD_OPTIONS = ("num_warps", "num_stages", "use_tma", "order", "full_contig", "fuse_combine", "sel_fast",
-                          "sel_prefetch", "sel_lean")
+                          "sel_prefetch", "sel_lean", "merge_rows")
 _TUNING = ("num_warps", "num_stages", "use_tma", "order")
 
 

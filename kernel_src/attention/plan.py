@@ -65,7 +65,7 @@ from .pattern_codes import structured_pattern
 
 __all__ = [
     "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "Tiles", "bigbird_tiles", "capability", "cuda_enabled",
-    "decode_config", "mark_build_failed", "plan_backend", "plan_backward", "plan_decode", "plan_forward", "plan_tiles",
+    "TOKEN_DECODE_BLOCK_N", "decode_config", "mark_build_failed", "plan_backend", "plan_backward", "plan_decode", "plan_forward", "plan_tiles",
     "record", "recording", "selection_prefill_config", "split_count", "structured_launch", "tile_config",
 ]
 
@@ -404,7 +404,7 @@ def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_
         bq, bk = bigbird_tiles(bigbird_block, head_dim, device_type, need_grad, q_len)
         return Tiles(bq, bk, 1, False, "bigbird: tiles that divide its block")
     if q_len <= 16 and not need_grad:
-        rows, pack, bn = decode_config(q_len, group, device_type, head_dim)
+        rows, pack, bn = decode_config(q_len, group, device_type, head_dim, selection=selection)
         return Tiles(rows, bn, pack, True,
                      f"decode step ({q_len} queries, no gradient): {pack} heads packed, keys split")
     if selection and not need_grad:
@@ -423,8 +423,19 @@ def tile_config(head_dim: int, device_type: str, need_grad: bool) -> tuple[int, 
     return (128, 128) if head_dim <= 128 else (64, 64)
 
 
-def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
-    """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``)."""
+#: Key tile of a decode step that gathers a token layout's keys on the GPU (``decode_config``). Compiled for
+#: sm_90 (triton 3.6, 4 warps, D=128, BLOCK_M=16, SparseK weights, key mask, no index prefetch: the split-KV
+#: default of ``triton.fwd.layout_forward``), the split-KV kernel with a token layout spills 104 bytes a thread
+#: with 64-key tiles and nothing with 32-key tiles, in code a third shorter; on the H100 at B=8 (L2-hot,
+#: docs/history.md) both tiles ran the top-2048 decode in the same time. ``scripts/tune_decode.py --part
+#: static`` times both on a model's StaticCache step (set this to 64 to run the former tiles).
+TOKEN_DECODE_BLOCK_N = 32
+
+
+def decode_config(q_len: int, group: int, device_type: str, head_dim: int, selection: bool = False
+                  ) -> tuple[int, int, int]:
+    """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``);
+    ``selection``: a token layout is fused (its gathered keys run ``TOKEN_DECODE_BLOCK_N``-key tiles)."""
     rows = 1
     while rows < q_len:
         rows *= 2
@@ -438,9 +449,9 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int) -> tu
     if rows * pack < min_m:
         rows = min_m // pack
     # 64-key tiles (scripts/tune_decode.py; docs/history.md): with 4 warps and 3 stages a program needs
-    # 70 KB of shared memory, so 2-3 programs share an SM; the gathered rows of a token layout run faster
-    # than with 128-key tiles, a window about as fast.
-    block_n = 16 if device_type != "cuda" else 64
+    # 70 KB of shared memory, so 2-3 programs share an SM; a window runs about as fast as with 128-key tiles.
+    # Gathered (token-layout) keys: TOKEN_DECODE_BLOCK_N.
+    block_n = 16 if device_type != "cuda" else (TOKEN_DECODE_BLOCK_N if selection else 64)
     return rows, pack, block_n
 
 

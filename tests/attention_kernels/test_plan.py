@@ -304,7 +304,9 @@ _CUDA = dict(device_type="cuda")
     (dict(q_len=4096, group=3, head_dim=128, **_CUDA, need_grad=False, selection=True), (128, 64, 1, False)),
     (dict(q_len=4096, group=4, head_dim=64, **_CUDA, need_grad=False, selection=True), (128, 128, 1, False)),
     (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=True, selection=True), (64, 64, 1, False)),
-    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=True), (4, 64, 4, True)),
+    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=True), (4, 32, 4, True)),
+    (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False), (4, 64, 4, True)),
+    (dict(q_len=3, group=2, head_dim=64, **_CUDA, need_grad=False, selection=True), (8, 32, 2, True)),
     (dict(q_len=1, group=3, head_dim=128, **_CUDA, need_grad=False, selection=False), (16, 64, 1, True)),
     (dict(q_len=5, group=8, head_dim=256, **_CUDA, need_grad=False, selection=False), (8, 64, 8, True)),
     (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=True, selection=False), (64, 64, 1, False)),
@@ -319,7 +321,8 @@ _CUDA = dict(device_type="cuda")
 ])
 def test_tile_plan(kw, want):
     """The Triton backend's tiles per call (``plan_tiles``): prefill, gradients, token-layout prefill
-    (heads packed at D = 128 only), decode (heads packed, keys split), CPU tiles, bigbird's blocks."""
+    (heads packed at D = 128 only), decode (heads packed, keys split; gathered keys of a token layout in
+    ``TOKEN_DECODE_BLOCK_N``-key tiles), CPU tiles, bigbird's blocks."""
     t = plan.plan_tiles(**kw)
     assert (t.block_q, t.block_k, t.pack, t.decode) == want, t
     assert t.reason

@@ -39,7 +39,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 19)
+    run_file_interpreted(__file__, 21)
 
 
 @pytest.fixture(autouse=True)
@@ -174,6 +174,42 @@ def test_decode_layout_with_selection():
             out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel)
         ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", selection=sel)
         assert builds[0] == 0 and rel(out, ref) < TOL
+
+
+@_SUBPROCESS_ONLY
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_static_cache_token_decode_tiles_and_prefetch(dtype):
+    """A learned layer's StaticCache decode launch (slot mask as a bool key mask, ``q_start`` on the device, the
+    static part by arithmetic, a token layout with and without SparseK weights) with the GPU's decode tiles: 32- and
+    64-key tiles, the selected-key index prefetch on and off (off is the split-KV default), 1, 3 and 7 splits merged
+    row by row or by the former per-split loop, GQA groups of 4 packed, odd lengths; NaN-poisoned outputs, against
+    the exact reference."""
+    from helpers import random_token_layout
+
+    g = torch.Generator().manual_seed(1 + int(dtype == torch.float32))
+    B, Hq, Hkv, D, QB = 2, 8, 2, 16, 16
+    p = get_pattern("sparse_k", sinks=3, window=37, top_k=45, query_block=QB)
+    for written, slots in ((150, 181), (203, 203)):
+        q = rand(B, Hq, 1, D, gen=g).to(dtype)
+        k, v = rand(B, Hkv, slots, D, gen=g).to(dtype), rand(B, Hkv, slots, D, gen=g).to(dtype)
+        mask = (torch.arange(slots) < torch.tensor([[written], [written - 11]])).to(DEV)
+        mask[1, :5] = False  # left padding in row 1
+        q_start = torch.tensor([written - 1, written - 12]).to(DEV)
+        geo = row_geometry(B, 1, slots, mask, q_start, device=DEV)
+        for weights in (True, False):
+            sel = random_token_layout(B, Hkv, 1, written - 40, QB, 45, geo, g, weights=weights, device=DEV)
+            ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=mask, q_start=q_start,
+                                            selection=sel)
+            for block_k in (32, 64):
+                lay = decode_layout(p, 1, slots, geo, block_q=4, block_k=block_k, num_kv_heads=Hkv)
+                for splits, prefetch, merge_rows in ((1, None, True), (3, None, True), (3, True, False), (7, False, True),
+                                                     (7, None, False)):
+                    o = torch.full((B, Hq, 1, D), float("nan"), dtype=dtype, device=DEV)
+                    opts = {"merge_rows": merge_rows} if prefetch is None else {"sel_prefetch": prefetch, "merge_rows": merge_rows}
+                    dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, key_mask=mask, pack=4, num_splits=splits,
+                                               selection=sel, out=o, **opts)
+                    assert not o.isnan().any(), (written, weights, block_k, splits, prefetch)
+                    assert rel(o, ref) < (1e-2 if dtype == torch.float16 else 1e-5), (written, weights, block_k, splits)
 
 
 def test_decode_layout_declines_other_patterns():

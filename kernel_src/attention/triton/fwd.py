@@ -121,7 +121,8 @@ def _selection_loop(
     so the gathered rows were not fetched while the previous tile computed; with the index one
     iteration ahead the K/V copies run two tiles ahead behind a partial wait, as in the
     contiguous-tile loops (seen in triton 3.9's sm_90 compile; the token prefill is faster with it on
-    the H100, docs/history.md).
+    the H100, docs/history.md). Split-KV decode leaves it off by default (``layout_forward``: register
+    spills; docs/decode.md).
     With ``SEL_LEAN`` the K and V tiles are loaded row-major through one index vector without a
     mask (invalid slots read key row 0 and are masked in the scores), and a far tile's key mask is
     an additive bias: fewer integer and predicate instructions per gathered tile (sm_90 SASS of the
@@ -286,7 +287,7 @@ def _attn_fwd(
     HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr, HEADS_FIRST: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
     SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
-    DIL_SCALES: tl.constexpr = 0, STRUCT: tl.constexpr = False,
+    DIL_SCALES: tl.constexpr = 0, STRUCT: tl.constexpr = False, MERGE_ROWS: tl.constexpr = True,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
@@ -441,57 +442,93 @@ def _attn_fwd(
         else:
             sem_idx = pid_bh * tl.num_programs(0) + pid_m
         _combine_last(
-            O, LSE, OUT_F, LSE_F, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, tl.num_programs(2),
-            stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
+            O, LSE, OUT_F, LSE_F, SINK, SEM, sem_idx, b64, hkv * G + pack * PACK, pid_m * ROWS, Sq, tl.num_programs(2),
+            h64, qi64, q_ok, stride_ob, stride_oh, stride_om, stride_os, stride_lb, stride_lh, stride_lm, stride_ls,
             stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
-            HAS_SINK, BLOCK_M, BLOCK_S, HEAD_DIM,
+            HAS_SINK, BLOCK_M, ROWS, BLOCK_S, HEAD_DIM, MERGE_ROWS,
         )
 
 
 @triton.jit
 def _combine_last(
-    OP, LP, O, LSE, SINK, SEM, sem_idx, b64, h64, qi64, q_ok, offs_d, num_splits,
+    OP, LP, O, LSE, SINK, SEM, sem_idx, b64, head0, qi0, Sq, num_splits, h64, qi64, q_ok,
     stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-    HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MERGE_ROWS: tl.constexpr = True,
 ):
     """Split-KV merge without a second launch: the last split program of a tile merges its rows.
 
     Every split program of the tile has written its partial rows; the barrier orders them before
     this program's arrival on the tile's counter (``atomic_add``, acquire-release at GPU scope); the
     program that arrives last resets the counter to 0 (so the next launch finds it zeroed) and reads
-    the partials past L1 (``.cg``). Rows: ``(BLOCK_M,)`` head / query index vectors; the sink joins once.
+    the partials past L1 (``.cg``). The tile's row ``r`` is query head ``head0 + r // ROWS`` at query
+    index ``qi0 + r % ROWS``; rows past ``Sq`` are skipped. Each row's ``num_splits`` partials are loaded
+    at once (``(BLOCK_S, HEAD_DIM)``, as ``_combine`` does): one round trip per row, not one per split
+    (a decode step at B=1 has 33 splits and one valid row per packed head). The sink joins once.
+    ``MERGE_ROWS=False``: the former merge (all rows at once, ``(BLOCK_M,)`` vectors ``h64``, ``qi64``, ``q_ok``, one
+    split a loop iteration), kept for A/B timing (``scripts/tune_decode.py --part static``).
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(SEM + sem_idx, 1)
     if arrived == num_splits - 1:
         tl.atomic_xchg(SEM + sem_idx, 0)
         offs_s = tl.arange(0, BLOCK_S)
-        row_l = LP + b64 * stride_qb + h64 * stride_qh + qi64 * stride_qm
-        lse_p = tl.load(row_l[:, None] + offs_s[None, :] * stride_qs, mask=q_ok[:, None] & (offs_s < num_splits)[None, :],
-                        other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse_p, 1)
-        if HAS_SINK:
-            sink = tl.load(SINK + h64).to(tl.float32)
-            m = tl.maximum(m, sink)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lse_p - m_safe[:, None])  # (BLOCK_M, BLOCK_S)
-        den = tl.sum(w, 1)
-        if HAS_SINK:
-            den = den + tl.exp(sink - m_safe)
-        row_o = OP + b64 * stride_pb + h64 * stride_ph + qi64 * stride_pm
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for sp in range(0, num_splits):
-            w_s = tl.sum(tl.where(offs_s[None, :] == sp, w, 0.0), 1)
-            o_p = tl.load(row_o[:, None] + sp * stride_ps + offs_d[None, :], mask=q_ok[:, None], other=0.0, cache_modifier=".cg")
-            acc += o_p * w_s[:, None]
-        has = den > 0
-        den_safe = tl.where(has, den, 1.0)
-        out = acc / den_safe[:, None]
-        lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
-        o_ptrs = O + b64 * stride_ob + h64[:, None] * stride_oh + qi64[:, None] * stride_om + offs_d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
-        tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_ok = offs_s < num_splits
+        if not MERGE_ROWS:
+            row_l = LP + b64 * stride_qb + h64 * stride_qh + qi64 * stride_qm
+            lse_p = tl.load(row_l[:, None] + offs_s[None, :] * stride_qs, mask=q_ok[:, None] & s_ok[None, :],
+                            other=float("-inf"), cache_modifier=".cg")
+            m = tl.max(lse_p, 1)
+            if HAS_SINK:
+                sink = tl.load(SINK + h64).to(tl.float32)
+                m = tl.maximum(m, sink)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp(lse_p - m_safe[:, None])  # (BLOCK_M, BLOCK_S)
+            den = tl.sum(w, 1)
+            if HAS_SINK:
+                den = den + tl.exp(sink - m_safe)
+            row_o = OP + b64 * stride_pb + h64 * stride_ph + qi64 * stride_pm
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for sp in range(0, num_splits):
+                w_s = tl.sum(tl.where(offs_s[None, :] == sp, w, 0.0), 1)
+                o_p = tl.load(row_o[:, None] + sp * stride_ps + offs_d[None, :], mask=q_ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                acc += o_p * w_s[:, None]
+            has = den > 0
+            den_safe = tl.where(has, den, 1.0)
+            out = acc / den_safe[:, None]
+            lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+            o_ptrs = O + b64 * stride_ob + h64[:, None] * stride_oh + qi64[:, None] * stride_om + offs_d[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+            tl.store(LSE + b64 * stride_lb + h64 * stride_lh + qi64 * stride_lm, lse, mask=q_ok)
+        else:
+            for r in range(0, BLOCK_M):
+                qi = qi0 + r % ROWS
+                if qi < Sq:
+                    h = (head0 + r // ROWS).to(tl.int64)
+                    q64 = qi.to(tl.int64)
+                    row_l = LP + b64 * stride_qb + h * stride_qh + q64 * stride_qm
+                    row_o = OP + b64 * stride_pb + h * stride_ph + q64 * stride_pm
+                    lse_p = tl.load(row_l + offs_s * stride_qs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    o_p = tl.load(row_o + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m = tl.max(lse_p, 0)
+                    if HAS_SINK:
+                        sink = tl.load(SINK + h).to(tl.float32)
+                        m = tl.maximum(m, sink)
+                    m_safe = tl.where(m == float("-inf"), 0.0, m)
+                    w = tl.exp(lse_p - m_safe)
+                    den = tl.sum(w, 0)
+                    if HAS_SINK:
+                        den = den + tl.exp(sink - m_safe)
+                    has = den > 0
+                    den_safe = tl.where(has, den, 1.0)
+                    out = tl.sum(o_p * w[:, None], 0) / den_safe
+                    lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+                    tl.store(O + b64 * stride_ob + h * stride_oh + q64 * stride_om + offs_d, out.to(O.dtype.element_ty))
+                    tl.store(LSE + b64 * stride_lb + h * stride_lh + q64 * stride_lm, lse)
 
 
 @triton.jit(do_not_specialize=("Sq", "num_splits"))
@@ -554,7 +591,7 @@ def mask_bytes(key_mask: torch.Tensor) -> torch.Tensor:
 def layout_forward(
     q, k, v, layout, *, pattern_id, params, causal, scale, softcap=None, sink_logits=None, key_mask=None, pack=1,
     num_splits=1, out=None, selection=None, num_warps=None, num_stages=None, use_tma=None, full_contig=None,
-    order=None, fuse_combine=None, sel_fast=None, sel_prefetch=True, sel_lean=True,
+    order=None, fuse_combine=None, sel_fast=None, sel_prefetch=None, sel_lean=True, merge_rows=True,
 ):
     """Launch the Triton forward over a block layout (plus an optional token layout, split-KV with
     ``num_splits > 1``). ``dispatch.attention_forward`` decides when this kernel runs (``plan``).
@@ -579,7 +616,13 @@ def layout_forward(
             faster setting of each on the H100: ``scripts/tune_decode.py``; docs/history.md).
         sel_prefetch: load the key indices of the next selected tile one iteration ahead, into
             registers (see ``_selection_loop``); ``False`` keeps the index load inside the iteration
-            that uses it (kept for A/B timing in ``scripts/tune_decode.py``).
+            that uses it. Default: on without splits (the token prefill), off for split-KV decode: there
+            the loop-carried index vector pushes the kernel past 255 registers (sm_90, triton 3.6, D=128,
+            BLOCK_M=16, 64-key tiles, SparseK weights: 1,680 bytes of spill stack and about 700 local loads
+            and stores a thread; without it 104 bytes, and none with 32-key tiles), while a decode program
+            walks only a few tiles (``scripts/tune_decode.py --part static`` times both).
+        merge_rows: the fused split merge (``_combine_last``) merges row by row, each row's splits in one load;
+            ``False`` runs the former merge (one split a loop iteration), kept for A/B timing.
         sel_lean: gathered K and V tiles loaded row-major through one index vector, without a mask
             (slots past the count or outside the row's keys read key row 0, whose scores are masked
             and whose probabilities are 0, as for the out-of-window keys of a partial block tile).
@@ -675,9 +718,10 @@ def layout_forward(
         HAS_SELW=selection is not None and selection.weights is not None, HEADS_FIRST=heads_first,
         FUSE_COMBINE=fuse, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         SEL_FAST=fast, SEL_SCAN=max(16, min(2048, triton.next_power_of_2(sel_k))),
-        SEL_PREFETCH=bool(sel_prefetch) and selection is not None,
+        SEL_PREFETCH=bool(not split if sel_prefetch is None else sel_prefetch) and selection is not None,
         SEL_LEAN=bool(sel_lean) and selection is not None,
         DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0, STRUCT=struct,
+        MERGE_ROWS=bool(merge_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fuse:
