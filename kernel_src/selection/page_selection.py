@@ -6,10 +6,12 @@ decoding see the same pages). Only keys that can ever be candidates enter a page
 key at a position ``>= sinks``).
 
 A page is a *candidate page* of query block ``b`` (first position ``b0``) when it holds a
-candidate key (design §6: positions ``[sinks, b0 - window]``) and it is complete when the block
-starts (its last position ``<= b0``), so its summary is fixed before the block's first query and
-decoding sees the same pages as a recompute. (With ``window >= page`` every page holding a
-candidate is complete; a smaller window leaves out the last partly-candidate page.)
+candidate key (design §6: positions ``[sinks, b0 - window]``) and its last position is a candidate
+(``<= b0 - window``): so it is complete when the block starts (its summary is fixed before the block's
+first query and decoding sees the same pages as a recompute), its bound covers no key of the window,
+and a chosen page brings ``page`` keys (page 0: ``page - sinks``). The last, partly-candidate page
+(the one holding ``b0 - window`` when that is not a page's last position) is never chosen: its summary
+would mix in window keys, which inflates its bound, and it would spend a page of the budget on fewer keys.
 
 Training-free default (``quest_layout``, after Quest, Tang et al. 2024, arXiv 2406.10774): the
 summary of a page is the channel-wise ``min`` and ``max`` of its keys; for a query ``q`` the score
@@ -290,8 +292,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
-        cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, c0:c1, None]) \
-            & ((p_idx + 1) * page - 1 <= bs[:, None, :, None]) & bo[:, None, :, None]
+        cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
         scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
         pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
         pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)

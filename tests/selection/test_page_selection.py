@@ -53,7 +53,7 @@ def _brute_force(pattern, q, k, geometry, page, Sq, Skv, reduce="sum"):
                 per_head = [{} for _ in range(G)]
                 for pg in range(0, (n_keys + page - 1) // page):
                     members = [p for p in range(pg * page, (pg + 1) * page) if pattern.sinks <= p < n_keys]
-                    if not members or pg * page > hi or (pg + 1) * page - 1 > b0:
+                    if not members or (pg + 1) * page - 1 > hi:  # whole pages of candidates only
                         continue
                     kk = k[b, h, [p + ks[b] for p in members]].double()
                     kmin, kmax = kk.min(0).values, kk.max(0).values
@@ -136,6 +136,30 @@ def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, re
     assert got == want
     assert lay.weights is None and lay.indices.dtype == torch.int32
     assert any(len(x) > 0 for x in got.values())
+
+
+def test_partly_candidate_page_is_never_chosen(monkeypatch):
+    """The page holding a block's last candidate ``b0 - window`` and window keys after it is not a candidate
+    page: a large window key in it must not win the page (which would bring one key for a page of the
+    budget); every block with enough whole candidate pages gets exactly ``top_k`` keys."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 8)
+    pattern = sparse_k.SparseK(sinks=0, window=16, top_k=16, query_block=16)
+    S = 97
+    q, k, v = _inputs(1, 2, 1, S, 4, seed=7)
+    q = q.abs()
+    b0 = (S - 1) // 16 * 16  # the last block: its last candidate b0 - 16 starts a page
+    k[0, 0, b0 - 15] = 50.0  # a window key of that page, aligned with every query
+    geo = sparse_k.row_geometry(1, S, S)
+    lay = _quiet_build(pattern, q, k, v, geo)
+    sets = _check_layout(lay, pattern, geo, S, S, 1)
+    for (_, _, blk), idx in sets.items():
+        hi = blk * 16 - pattern.window
+        if (hi + 1) // 8 >= pattern.top_k // 8 and hi + 1 > pattern.top_k:  # enough whole pages, more than top_k keys
+            assert len(idx) == pattern.top_k, (blk, idx)
+            assert all(i // 8 * 8 + 7 <= hi for i in idx), (blk, idx)
+    assert sets[(0, 0, b0 // 16)][-1] < b0 - 16
 
 
 def test_dsa_without_indexer_uses_the_same_selection():
