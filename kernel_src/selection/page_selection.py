@@ -6,10 +6,12 @@ decoding see the same pages). Only keys that can ever be candidates enter a page
 key at a position ``>= sinks``).
 
 A page is a *candidate page* of query block ``b`` (first position ``b0``) when it holds a
-candidate key (design §6: positions ``[sinks, b0 - window]``) and it is complete when the block
-starts (its last position ``<= b0``), so its summary is fixed before the block's first query and
-decoding sees the same pages as a recompute. (With ``window >= page`` every page holding a
-candidate is complete; a smaller window leaves out the last partly-candidate page.)
+candidate key (design §6: positions ``[sinks, b0 - window]``) and its last position is a candidate
+(``<= b0 - window``): so it is complete when the block starts (its summary is fixed before the block's
+first query and decoding sees the same pages as a recompute), its bound covers no key of the window,
+and a chosen page brings ``page`` keys (page 0: ``page - sinks``). The last, partly-candidate page
+(the one holding ``b0 - window`` when that is not a page's last position) is never chosen: its summary
+would mix in window keys, which inflates its bound, and it would spend a page of the budget on fewer keys.
 
 Training-free default (``quest_layout``, after Quest, Tang et al. 2024, arXiv 2406.10774): the
 summary of a page is the channel-wise ``min`` and ``max`` of its keys; for a query ``q`` the score
@@ -51,6 +53,11 @@ HEAD_REDUCE = "sum"
 #: Score entries (rows x query heads x pages) per chunk of query blocks: bounds the selection's temporaries.
 CHUNK_ELEMENTS = 1 << 22
 CHUNK_ELEMENTS_CUDA = 1 << 27
+#: Two-stage selection: 0 (default) takes the ``top_k // page`` best pages; ``F > 0`` preselects the ``F * top_k // page``
+#: best pages, then keeps the ``top_k`` keys of those pages with the largest attention probability of the block's
+#: first query (its ``q . k`` softmax over its sinks, its window and the preselected keys, per query head, summed over
+#: the KV head's query heads).
+REFINE = 0
 
 
 def page_size(pattern, page: int | None = None) -> int:
@@ -213,6 +220,42 @@ def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch
     return out[..., :width], ok.sum(-1)
 
 
+def _gather_logits(qb, key, k_start, pos, ok):
+    """``q . k / sqrt(D)`` ``(B, H, NB, G, W)`` of the block queries ``qb (B, H, NB, G, D)`` with the keys at positions
+    ``pos (B, 1|H, NB, W)``; ``-inf`` where ``ok`` is False."""
+    B, H, NB, G, D = qb.shape
+    W = pos.shape[-1]
+    pos, ok = pos.expand(B, H, NB, W), ok.expand(B, H, NB, W)
+    idx = (pos.clamp_min(0) + k_start.view(B, 1, 1, 1)).clamp_max(key.shape[2] - 1)
+    kg = _compute(key.gather(2, idx.reshape(B, H, NB * W, 1).expand(B, H, NB * W, D))).view(B, H, NB, W, D)
+    logits = torch.einsum("bhngd,bhnwd->bhngw", qb.to(kg.dtype), kg) * D ** -0.5
+    return logits.masked_fill(~ok[:, :, :, None], float("-inf"))
+
+
+def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k, block_start, sinks, window):
+    """The ``top_k`` keys of the preselected ``pages`` by the block query's attention probability (``REFINE``):
+    ``positions (B, Hkv, NB, width)`` ascending (-1 past the count), ``counts (B, Hkv, NB)``.
+
+    The probability of a key is its share of the softmax of the block's first query over its static keys (sinks
+    and window) and the preselected keys, per query head; the KV head sums its query heads' probabilities (a
+    head that attends to its sinks and window gives the candidates little weight)."""
+    B, H, NB, G, D = qb.shape
+    W = pages.shape[-1] * page
+    pos, cnt = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
+    ok = pos >= 0
+    logits = _gather_logits(qb, key, k_start, pos, ok)
+    spos = torch.cat([torch.arange(sinks, device=pos.device).expand(B, NB, sinks),
+                      block_start[..., None] - torch.arange(window, device=pos.device)], -1)  # (B, NB, sinks + window)
+    sok = (spos >= 0) & (spos < n_keys[:, None, None]) & ((spos < sinks) | (spos > hi[..., None]))
+    sok[..., sinks:] &= spos[..., sinks:] >= sinks
+    lse_static = torch.logsumexp(_gather_logits(qb, key, k_start, spos[:, None], sok[:, None]), -1)  # (B, H, NB, G)
+    lse = torch.logaddexp(lse_static, torch.logsumexp(logits, -1))
+    prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0).sum(3)  # (B, H, NB, W)
+    keep = top_mask(torch.where(ok, prob, torch.full((), -1.0, dtype=prob.dtype, device=prob.device)), min(top_k, W)) & ok
+    out = front_pack(keep, width, pos, -1)  # ascending: pos is ascending where valid
+    return out, keep.sum(-1).clamp_max(width)
+
+
 def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
     """First query of every block ``(B, Hkv, NB, G, D)``; reads and updates ``memo`` (module docstring).
 
@@ -286,15 +329,22 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     p_idx = torch.arange(n_pages, device=key.device)
     limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
     step = max(1, limit // max(1, B * Hkv * n_pages * (Hq // Hkv)))  # blocks per chunk: bounded score memory
+    n_pre = REFINE * (pattern.top_k // page) if REFINE > 0 else 0
+    if n_pre:
+        step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * key.shape[-1])))
     pos_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
-        cand_pages = ok[:, :, None, :] & (p_idx * page <= hi[:, None, c0:c1, None]) \
-            & ((p_idx + 1) * page - 1 <= bs[:, None, :, None]) & bo[:, None, :, None]
+        cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
         scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
         pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
-        pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
+        if n_pre:
+            pages, chosen = top_pages(scores, cand_pages, n_pre)
+            pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
+                                   n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window)
+        else:
+            pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
         pos_parts.append(pos_c)
         cnt_parts.append(cnt_c)
     pos, cnt = torch.cat(pos_parts, 2), torch.cat(cnt_parts, 2)

@@ -78,7 +78,8 @@ def test_sweep_settings_and_acceptance_check():
 
     from hf_sparse_attention.evaluation import sweep_training_free as mod
     s = mod._setting("qb=16,page=8,heads=rank,dense=0-1")
-    assert (s["qb"], s["page"], s["heads"], s["dense"]) == (16, 8, "rank", [0, 1])
+    assert (s["qb"], s["page"], s["heads"], s["refine"], s["dense"]) == (16, 8, "rank", 0, [0, 1])
+    assert mod._setting("qb=1,refine=4")["refine"] == 4
     assert mod._cell("8192:4:508:512") == {"context": 8192, "sinks": 4, "window": 508, "top_k": 512}
     for bad in ("qb=16,pages=8", "heads=mean", "qb"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -107,12 +108,12 @@ def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):
     from hf_sparse_attention.evaluation import sweep_training_free as sweep
 
     def fail(argv):
-        assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE) == (8, "rank") and evaluate.load_model is not real_load
+        assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE) == (8, "rank", 4) and evaluate.load_model is not real_load
         raise RuntimeError("run failed")
 
-    real_load, before = evaluate.load_model, (ps.DEFAULT_PAGE, ps.HEAD_REDUCE)
+    real_load, before = evaluate.load_model, (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE)
     monkeypatch.setattr(evaluate, "main", fail)
     with pytest.raises(RuntimeError, match="run failed"):
-        sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank", "--output",
+        sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank,refine=4", "--output",
                     str(tmp_path / "sweep.json")])
-    assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE) == before and evaluate.load_model is real_load
+    assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE) == before and evaluate.load_model is real_load

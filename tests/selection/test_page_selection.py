@@ -53,7 +53,7 @@ def _brute_force(pattern, q, k, geometry, page, Sq, Skv, reduce="sum"):
                 per_head = [{} for _ in range(G)]
                 for pg in range(0, (n_keys + page - 1) // page):
                     members = [p for p in range(pg * page, (pg + 1) * page) if pattern.sinks <= p < n_keys]
-                    if not members or pg * page > hi or (pg + 1) * page - 1 > b0:
+                    if not members or (pg + 1) * page - 1 > hi:  # whole pages of candidates only
                         continue
                     kk = k[b, h, [p + ks[b] for p in members]].double()
                     kmin, kmax = kk.min(0).values, kk.max(0).values
@@ -138,6 +138,30 @@ def test_selection_matches_definition(B, Hq, Hkv, S, pad, page, top_k, chunk, re
     assert any(len(x) > 0 for x in got.values())
 
 
+def test_partly_candidate_page_is_never_chosen(monkeypatch):
+    """The page holding a block's last candidate ``b0 - window`` and window keys after it is not a candidate
+    page: a large window key in it must not win the page (which would bring one key for a page of the
+    budget); every block with enough whole candidate pages gets exactly ``top_k`` keys."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 8)
+    pattern = sparse_k.SparseK(sinks=0, window=16, top_k=16, query_block=16)
+    S = 97
+    q, k, v = _inputs(1, 2, 1, S, 4, seed=7)
+    q = q.abs()
+    b0 = (S - 1) // 16 * 16  # the last block: its last candidate b0 - 16 starts a page
+    k[0, 0, b0 - 15] = 50.0  # a window key of that page, aligned with every query
+    geo = sparse_k.row_geometry(1, S, S)
+    lay = _quiet_build(pattern, q, k, v, geo)
+    sets = _check_layout(lay, pattern, geo, S, S, 1)
+    for (_, _, blk), idx in sets.items():
+        hi = blk * 16 - pattern.window
+        if (hi + 1) // 8 >= pattern.top_k // 8 and hi + 1 > pattern.top_k:  # enough whole pages, more than top_k keys
+            assert len(idx) == pattern.top_k, (blk, idx)
+            assert all(i // 8 * 8 + 7 <= hi for i in idx), (blk, idx)
+    assert sets[(0, 0, b0 // 16)][-1] < b0 - 16
+
+
 def test_dsa_without_indexer_uses_the_same_selection():
     q, k, v = _inputs(1, 4, 2, 130, 8, seed=5)
     geo = sparse_k.row_geometry(1, 130, 130)
@@ -146,14 +170,15 @@ def test_dsa_without_indexer_uses_the_same_selection():
     assert torch.equal(a.indices, b.indices) and torch.equal(a.counts, b.counts)
 
 
-@pytest.mark.parametrize("prefill,reduce", [(37, "sum"), (48, "sum"), (37, "rank")])
-def test_decode_equals_recompute(prefill, reduce, monkeypatch):
+@pytest.mark.parametrize("prefill,reduce,refine", [(37, "sum", 0), (48, "sum", 0), (37, "rank", 0), (37, "sum", 2)])
+def test_decode_equals_recompute(prefill, reduce, refine, monkeypatch):
     """A prefill then one token per call, the memo carrying each block's first query, padded row 1; a decode
     call inside the block of the call before it returns that call's layout (one selection per block)."""
     import sparse_k.selection.page_selection as ps
     import sparse_k.selection.selectors as sel
 
     monkeypatch.setattr(ps, "HEAD_REDUCE", reduce)
+    monkeypatch.setattr(ps, "REFINE", refine)
 
     computed = []
     quest = sel.quest_layout
@@ -394,3 +419,53 @@ def test_decode_reuse_never_crosses_a_new_prompt():
             lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
             for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
                 assert idx == want[key], f"generation {seed}, step {t1}, {key}"
+
+
+@pytest.mark.parametrize("refine", [2, 100])
+def test_refine_matches_definition(refine, monkeypatch):
+    """``REFINE = F``: the ``F * top_k // page`` best pages (the Quest bound), then the ``top_k`` keys among them
+    with the largest attention probability of the block's first query (softmax over its sinks, window and the
+    preselected keys, per query head, summed over the KV head's query heads); left padding included."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
+    monkeypatch.setattr(ps, "CHUNK_ELEMENTS", 3000)  # several chunks of blocks
+    pattern = sparse_k.SparseK(sinks=3, window=12, top_k=8, query_block=8)
+    B, Hq, Hkv, S, D, page = 2, 4, 2, 121, 6, 4
+    q, k, v = _inputs(B, Hq, Hkv, S, D, seed=refine)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :9] = False
+    geo = sparse_k.row_geometry(B, S, S, mask)
+    lay = _quiet_build(pattern, q, k, v, geo)
+    got = _check_layout(lay, pattern, geo, S, S, B)
+    monkeypatch.setattr(ps, "REFINE", 0)
+    pages_only = _layout_sets(_quiet_build(pattern, q, k, v, geo), geo, S, B)
+    n_pre = refine * (pattern.top_k // page)
+    G = Hq // Hkv
+    ks = geo.k_start.tolist()
+    for (b, h, blk), idx in got.items():
+        b0 = blk * pattern.query_block
+        hi = b0 - pattern.window
+        n = S - ks[b]
+        cand = [p for p in range(pattern.sinks, min(hi, n - 1) + 1)]
+        if len(cand) <= pattern.top_k:
+            assert idx == [p + ks[b] for p in cand]
+            continue
+        bound = {}
+        for pg in range((hi + 1) // page):
+            members = [p for p in range(pg * page, (pg + 1) * page) if p >= pattern.sinks]
+            if not members or (pg + 1) * page - 1 > hi:
+                continue
+            kk = k[b, h, [p + ks[b] for p in members]]
+            bound[pg] = sum(float(torch.maximum(q[b, h * G + g, b0 + ks[b]] * kk.min(0).values,
+                                                q[b, h * G + g, b0 + ks[b]] * kk.max(0).values).sum()) for g in range(G))
+        pre = sorted(bound, key=lambda pg: (-bound[pg], pg))[:n_pre]
+        keys = [p for pg in sorted(pre) for p in range(pg * page, (pg + 1) * page) if p >= pattern.sinks]
+        static = list(range(pattern.sinks)) + list(range(hi + 1, b0 + 1))  # the block query's sinks and window
+        kk = k[b, h, [p + ks[b] for p in keys + static]]
+        prob = sum(torch.softmax(kk @ q[b, h * G + g, b0 + ks[b]] / D ** 0.5, 0) for g in range(G))[: len(keys)]
+        order = torch.sort(prob, descending=True, stable=True).indices[: pattern.top_k]
+        assert idx == sorted(keys[i] + ks[b] for i in order.tolist()), (b, h, blk)
+        if refine == 1:
+            assert idx == pages_only[(b, h, blk)]
