@@ -338,12 +338,12 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
         cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
         scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
-        pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
         if n_pre:
             pages, chosen = top_pages(scores, cand_pages, n_pre)
             pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
                                    n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window)
         else:
+            pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
             pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
         pos_parts.append(pos_c)
         cnt_parts.append(cnt_c)
