@@ -450,6 +450,26 @@ def _attn_fwd(
 
 
 @triton.jit
+def _merge_row(lse_p, o_p, SINK, h, HAS_SINK: tl.constexpr):
+    """One row's split merge: ``lse_p (BLOCK_S,)`` partial log-sum-exps (-inf for absent splits) and ``o_p
+    (BLOCK_S, D)`` normalised partial outputs -> ``(out (D,), lse)``; head ``h``'s sink logit joins once."""
+    m = tl.max(lse_p, 0)
+    if HAS_SINK:
+        sink = tl.load(SINK + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_p - m_safe)
+    den = tl.sum(w, 0)
+    if HAS_SINK:
+        den = den + tl.exp(sink - m_safe)
+    has = den > 0
+    den_safe = tl.where(has, den, 1.0)
+    out = tl.sum(o_p * w[:, None], 0) / den_safe
+    lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _combine_last(
     OP, LP, O, LSE, SINK, SEM, sem_idx, b64, head0, qi0, Sq, num_splits, h64, qi64, q_ok,
     stride_pb, stride_ph, stride_pm, stride_ps, stride_qb, stride_qh, stride_qm, stride_qs,
@@ -514,19 +534,7 @@ def _combine_last(
                     lse_p = tl.load(row_l + offs_s * stride_qs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
                     o_p = tl.load(row_o + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None], other=0.0,
                                   cache_modifier=".cg")
-                    m = tl.max(lse_p, 0)
-                    if HAS_SINK:
-                        sink = tl.load(SINK + h).to(tl.float32)
-                        m = tl.maximum(m, sink)
-                    m_safe = tl.where(m == float("-inf"), 0.0, m)
-                    w = tl.exp(lse_p - m_safe)
-                    den = tl.sum(w, 0)
-                    if HAS_SINK:
-                        den = den + tl.exp(sink - m_safe)
-                    has = den > 0
-                    den_safe = tl.where(has, den, 1.0)
-                    out = tl.sum(o_p * w[:, None], 0) / den_safe
-                    lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+                    out, lse = _merge_row(lse_p, o_p, SINK, h, HAS_SINK)
                     tl.store(O + b64 * stride_ob + h * stride_oh + q64 * stride_om + offs_d, out.to(O.dtype.element_ty))
                     tl.store(LSE + b64 * stride_lb + h * stride_lh + q64 * stride_lm, lse)
 
@@ -548,23 +556,11 @@ def _combine(
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     lse_p = tl.load(LP + b * stride_qb + h * stride_qh + i * stride_qm + offs_s * stride_qs, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_p, 0)
-    if HAS_SINK:
-        sink = tl.load(SINK + h).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_p - m_safe)
-    den = tl.sum(w, 0)
-    if HAS_SINK:
-        den = den + tl.exp(sink - m_safe)
     o_p = tl.load(
         OP + b * stride_pb + h * stride_ph + i * stride_pm + offs_s[:, None] * stride_ps + offs_d[None, :],
         mask=s_ok[:, None], other=0.0,
     )
-    has = den > 0
-    den_safe = tl.where(has, den, 1.0)
-    out = tl.sum(o_p * w[:, None], 0) / den_safe
-    lse = tl.where(has, m_safe + tl.log(den_safe), float("-inf"))
+    out, lse = _merge_row(lse_p, o_p, SINK, h, HAS_SINK)
     tl.store(O + b * stride_ob + h * stride_oh + i * stride_om + offs_d, out.to(O.dtype.element_ty))
     tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
 
