@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .sparsek_budget import key_budget
+from .sparsek_budget import key_budget, require
 
 __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
 
@@ -190,12 +190,8 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
             raise TypeError("sparsek: `mask` must be a bool tensor (True = candidate)")
         if mask.shape != u.shape:
             mask = mask.expand(u.shape)
-    finite = torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all()
-    if u.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(finite):
-            raise ValueError("sparsek: candidate scores `u` must be finite")
-    else:  # on the device or inside a traced graph: an assert without a host synchronisation
-        torch._assert_async(finite, "sparsek: candidate scores `u` must be finite")
+    require(torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all(),
+            "sparsek: candidate scores `u` must be finite")
     kernels = _triton_kernels(u, backend)
     if kernels is not None:
         return kernels.sparsek_triton(u.float(), k, mask).to(u.dtype)

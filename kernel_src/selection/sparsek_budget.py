@@ -1,11 +1,12 @@
 """The key budget ``k`` of the SparseK operator, checked and broadcast to one int64 per row (shared
-by the PyTorch path ``sparsek`` and the Triton kernel ``sparsek_triton``)."""
+by the PyTorch path ``sparsek`` and the Triton kernel ``sparsek_triton``), and ``require``, the operator's
+input check that reads no device value."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["key_budget"]
+__all__ = ["key_budget", "require"]
 
 
 def key_budget(k, lead_shape, device) -> torch.Tensor:
@@ -21,10 +22,15 @@ def key_budget(k, lead_shape, device) -> torch.Tensor:
         raise TypeError(f"sparsek: `k` must be an int or an integer tensor, got {type(k).__name__}")
     if k.dtype.is_floating_point or k.dtype == torch.bool:
         raise TypeError(f"sparsek: `k` must hold integers, got dtype {k.dtype}")
-    negative = (k < 0).any()
-    if k.device.type == "cpu" and not torch.compiler.is_compiling():
-        if bool(negative):
-            raise ValueError("sparsek: every `k` must be >= 0")
-    else:  # on the device or inside a traced graph: an assert without a host synchronisation
-        torch._assert_async(~negative, "sparsek: every `k` must be >= 0")
+    require(~(k < 0).any(), "sparsek: every `k` must be >= 0")
     return k.to(device=device, dtype=torch.int64).expand(lead_shape)
+
+
+def require(ok: torch.Tensor, message: str) -> None:
+    """ValueError(``message``) unless the 0-d bool ``ok`` holds: read on the host for an eager CPU tensor; on
+    the device or inside a traced graph an assert without a host synchronisation (``torch._assert_async``)."""
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok, message)
