@@ -133,11 +133,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def structured_pattern(pattern_id: int, window: int, sinks: int) -> sk.Pattern:
-    """The pattern behind a structured kernel's ``pattern_id``: 0 dense, 1 sliding_window, 2 streaming."""
+    """The pattern behind a structured kernel's ``pattern_id``: 0 dense, 1 sliding_window, 2 streaming,
+    3 block_diagonal (``window`` is its block)."""
     if pattern_id == 0:
         return sk.get_pattern("dense")
     if pattern_id == 1:
         return sk.get_pattern("sliding_window", window=window)
+    if pattern_id == 3:
+        return sk.get_pattern("block_diagonal", block=window)
     return sk.get_pattern("streaming", window=window, sinks=sinks)
 
 
@@ -152,6 +155,13 @@ STRUCTURED_CUDA_CASES = [
     (1, 4, 2, 3001, torch.bfloat16, 1, 1024, 0),
     (1, 4, 2, 129, torch.bfloat16, 2, 64, 128),
     (1, 2, 1, 77, torch.float16, 1, 256, 0),
+]
+#: The structured forward's cases: ``STRUCTURED_CUDA_CASES`` (the backward's) and block_diagonal (forward only),
+#: with a block that is a multiple of the 128-row tiles, one that is not, and a block shorter than a tile.
+STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
+    (1, 4, 2, 3001, torch.bfloat16, 3, 512, 0),
+    (2, 8, 2, 1000, torch.float16, 3, 200, 0),
+    (1, 8, 8, 777, torch.bfloat16, 3, 48, 0),
 ]
 
 

@@ -26,8 +26,8 @@ PATTERN_IDS = {
 }
 
 #: Pattern ids whose key tiles follow from the row geometry by arithmetic (no layout index lists):
-#: dense, sliding_window, streaming (``triton_structured``, ``triton_structured_bwd``).
-STRUCTURED_PATTERNS = (0, 1, 2)
+#: dense, sliding_window, streaming, block_diagonal (``triton_structured``, ``triton_structured_bwd``).
+STRUCTURED_PATTERNS = (0, 1, 2, 3)
 
 
 def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
@@ -52,7 +52,7 @@ def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
 
 
 def structured_pattern(pattern_id: int, causal: bool, selection=None) -> bool:
-    """Whether the arithmetic-tile (structured) kernels compute this pattern: dense, sliding_window or
-    streaming (streaming causal only) without a token layout. The one statement of the rule; the
+    """Whether the arithmetic-tile (structured) kernels compute this pattern: dense, sliding_window,
+    streaming (causal only) or block_diagonal without a token layout. The one statement of the rule; the
     forward also needs one query head per program and one split (``plan``)."""
     return pattern_id in STRUCTURED_PATTERNS and selection is None and (bool(causal) or pattern_id != 2)

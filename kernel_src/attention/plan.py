@@ -21,8 +21,8 @@ smaller tiles with gradients).
 
 Forward (``plan_forward``), in this order:
 
-1. *structured* launches: dense / sliding_window / streaming (streaming causal only) without a token
-   layout (``pattern_codes.structured_pattern``), one query head per program and one split (or
+1. *structured* launches: dense / sliding_window / streaming / block_diagonal (streaming causal only)
+   without a token layout (``pattern_codes.structured_pattern``), one query head per program and one split (or
    ``Launch.structured`` forces it on / off). The Hopper CUDA kernel (``cuda_sm90_structured``) when
    CUDA may run (below), the output is the kernel's own (no caller view), the geometry is plain
    self-attention and ``cuda.contract.structured_call_ok`` holds; else ``triton_structured``.
@@ -35,8 +35,8 @@ Forward (``plan_forward``), in this order:
    token layout, else ``triton_layout``.
 
 Backward (``plan_backward``): structured launches (the same pattern rule) run the CUDA backward
-(``cuda_sm90_structured_bwd``: ``structured_bwd_call_ok``) or ``triton_structured_bwd``; the others
-``triton_layout_bwd``.
+(``cuda_sm90_structured_bwd``: ``structured_bwd_call_ok``, not block_diagonal) or ``triton_structured_bwd``;
+the others ``triton_layout_bwd``.
 
 CUDA may run a launch when the caller allows it (``Launch.cuda`` not False, no Triton tuning
 argument; for the token and decode kernels no ``sel_fast`` either) and the ``Capability`` does:
@@ -230,8 +230,8 @@ _NOT_PLAIN = "geometry not plain self-attention"
 _STRUCTURED_RULE = _CudaRule(
     "forward", False, True, plain_geometry, "plain_geometry",
     f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
-    "outside the CUDA kernel's contract (bf16 / fp16, D = 128, Hq % Hkv == 0, q / k / v views with unit last "
-    "stride and 16-byte multiple strides)")
+    "outside the CUDA kernel's contract (dense / sliding_window / streaming / block_diagonal, bf16 / fp16, D = 128, "
+    "Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
 _DECODE_RULE = _CudaRule(
     "decode", True, True, decode_geometry, "decode_geometry",
     "not a plain decode step (query at key Skv - 1, every key valid, offsets known on the host)",
@@ -243,8 +243,8 @@ _TOKEN_RULE = _CudaRule(
     "128, bf16 / fp16, D = 128, TMA views, int32 selection)")
 _BACKWARD_RULE = _CudaRule(
     "backward", False, False, plain_geometry, "plain_geometry", _NOT_PLAIN,
-    "outside the CUDA backward's contract (bf16 / fp16, D = 128, TMA views of q / k / v / dO, lse (B, Hq, S) "
-    "float32)")
+    "outside the CUDA backward's contract (dense / sliding_window / streaming, bf16 / fp16, D = 128, TMA views of "
+    "q / k / v / dO, lse (B, Hq, S) float32)")
 
 
 def _caller_refusal(launch: Launch, token: bool) -> str | None:

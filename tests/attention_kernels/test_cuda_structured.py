@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from helpers import (
-    STRUCTURED_CUDA_CASES,
+    STRUCTURED_CUDA_FWD_CASES,
     VIEW_LAYOUTS,
     bshd_views,
     nan_bshd,
@@ -27,7 +27,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
+@pytest.mark.parametrize("case", STRUCTURED_CUDA_FWD_CASES, ids=structured_case_id)
 def test_matches_reference(case):
     """Poisoned outputs, fresh random inputs."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
@@ -48,7 +48,7 @@ def test_matches_reference(case):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("layout", VIEW_LAYOUTS)
-@pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
+@pytest.mark.parametrize("case", STRUCTURED_CUDA_FWD_CASES, ids=structured_case_id)
 def test_strided_views_match_reference(case, layout):
     """q, k, v as transposed views of (B, S, H, D) storage (own tensors, or slices of one fused QKV
     projection), read in place; the output written into a NaN-poisoned (B, S, H, D)-ordered view; the

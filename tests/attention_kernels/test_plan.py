@@ -103,6 +103,8 @@ def _forward_cases():
     yield "key mask: offsets on the device only", _launch(mask=True), ON, "triton_structured"
     yield "dense bidirectional", _launch(pid=0, causal=False), ON, "triton_structured"
     yield "streaming bidirectional", _launch(pid=2, causal=False), ON, "triton_layout"
+    yield "block_diagonal", _launch(pid=3), ON, "cuda_sm90_structured"
+    yield "block_diagonal bidirectional", _launch(pid=3, causal=False), ON, "triton_structured"
     yield "dilated", _launch(pid=5), ON, "triton_layout"
     yield "bigbird", _launch(pid=4), ON, "triton_layout"
     yield "pack 2", _launch(pack=2), ON, "triton_layout"
@@ -205,7 +207,8 @@ def _backward_cases():
         "cuda_sm90_structured_bwd"
     for name, launch in (("fp32", _launch(dtype=torch.float32)), ("chunk", _launch(Sq=5, Skv=300)),
                          ("softcap", _launch(softcap=2.0)), ("tuned", _launch(triton_tuned=True)),
-                         ("cuda=False", _launch(cuda=False)), ("dense bidirectional", _launch(pid=0, causal=False))):
+                         ("cuda=False", _launch(cuda=False)), ("dense bidirectional", _launch(pid=0, causal=False)),
+                         ("block_diagonal (no CUDA backward)", _launch(pid=3))):
         yield name, launch, grads(launch), ON, "triton_structured_bwd"
     for name, launch in (("dilated", _launch(pid=5)), ("streaming bidirectional", _launch(pid=2, causal=False)),
                          ("token layout", _launch(pid=2, sel=_sel(2, 2, 300))),
@@ -232,7 +235,7 @@ def test_structured_rule_is_the_same_both_ways():
         for causal in (True, False):
             for sel in (None, _sel(1, 1, 16)):
                 fwd = plan.structured_launch(_launch(pid=pid, causal=causal, sel=sel))
-                assert fwd == structured_pattern(pid, causal, sel) == (pid in (0, 1, 2) and sel is None
+                assert fwd == structured_pattern(pid, causal, sel) == (pid in (0, 1, 2, 3) and sel is None
                                                                        and (causal or pid != 2))
                 assert not plan.structured_launch(_launch(pid=pid, causal=causal, sel=sel, num_splits=2))
 

@@ -528,6 +528,10 @@ STRUCTURED_CASES = {
     "streaming_window_reaches_sinks": (get_pattern("streaming", sinks=3, window=40), 29, 64, 0, True),
     "streaming_sink_tile_and_edge": (get_pattern("streaming", sinks=5, window=32), 97, 97, 4, False),
     "q_longer_than_k": (get_pattern("sliding_window", window=12), 40, 30, 0, False),
+    "block_causal_holes": (get_pattern("block_diagonal", block=24), 70, 70, 5, True),
+    "block_bidir": (get_pattern("block_diagonal", block=16, causal=False), 45, 60, 3, False),
+    "block_chunk": (get_pattern("block_diagonal", block=20), 19, 61, 7, False),
+    "block_shorter_than_tile": (get_pattern("block_diagonal", block=5), 40, 40, 2, False),
 }
 
 
@@ -582,7 +586,8 @@ def test_structured_tile_ranges(name):
 
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("name", ["dense_chunk", "dense_bidir_holes", "window_gt_tile", "window_bidir",
-                                  "streaming_sinks_span_tiles", "q_longer_than_k"])
+                                  "streaming_sinks_span_tiles", "q_longer_than_k", "block_causal_holes", "block_bidir",
+                                  "block_chunk"])
 def test_structured_backward(name):
     """dq, dk, dv and dsink of the structured backward (own query/key tile shapes per kernel, ranges by
     arithmetic) against float64 autograd of the reference, for the forward cases above."""

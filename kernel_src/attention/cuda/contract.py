@@ -10,14 +10,18 @@ import torch
 from .build import is_sm90
 
 __all__ = [
-    "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_CUDA_PATTERNS", "TOKEN_STATIC_PATTERNS",
+    "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_BWD_CUDA_PATTERNS", "STRUCTURED_CUDA_PATTERNS",
+    "TOKEN_STATIC_PATTERNS",
     "check_pattern_args",
     "decode_call_ok", "on_sm90", "plain_call_ok", "selection_ok", "structured_bwd_call_ok", "structured_call_ok",
     "tensors_ok", "tma_view_ok", "token_call_ok",
 ]
 
-#: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernels compute: dense, sliding_window, streaming (causal).
-STRUCTURED_CUDA_PATTERNS = (0, 1, 2)
+#: Pattern ids (``pattern_codes.PATTERN_IDS``) the structured forward computes (causal): dense, sliding_window,
+#: streaming, block_diagonal.
+STRUCTURED_CUDA_PATTERNS = (0, 1, 2, 3)
+#: Pattern ids the structured backward computes (causal): dense, sliding_window, streaming.
+STRUCTURED_BWD_CUDA_PATTERNS = (0, 1, 2)
 #: Static-part pattern ids the token-layout kernels fuse: sliding_window, streaming.
 TOKEN_STATIC_PATTERNS = (1, 2)
 DECODE_STATIC_PATTERNS = TOKEN_STATIC_PATTERNS
@@ -32,10 +36,11 @@ def on_sm90(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_cuda and is_sm90(t.device)
 
 
-def plain_call_ok(pattern_id: int, causal: bool, plain_geometry: bool, softcap, sink_logits, key_mask) -> bool:
-    """A causal structured pattern over the plain geometry (no padding, query ``i`` at key index ``i``)
+def plain_call_ok(pattern_id: int, causal: bool, plain_geometry: bool, softcap, sink_logits, key_mask,
+                  patterns: tuple[int, ...] = STRUCTURED_CUDA_PATTERNS) -> bool:
+    """A causal pattern of ``patterns`` over the plain geometry (no padding, query ``i`` at key index ``i``)
     without softcap, sink logits or key mask."""
-    return (pattern_id in STRUCTURED_CUDA_PATTERNS and bool(causal) and bool(plain_geometry)
+    return (pattern_id in patterns and bool(causal) and bool(plain_geometry)
             and softcap is None and sink_logits is None and key_mask is None)
 
 
@@ -100,13 +105,16 @@ def selection_ok(selection, q, num_kv_heads: int, max_slots: int = 2**31) -> boo
     return True
 
 
-def check_pattern_args(pattern_id, window, sinks, scale) -> None:
-    """ValueError naming the value when the pattern arguments are not ones the kernels take."""
-    if pattern_id not in STRUCTURED_CUDA_PATTERNS:
-        raise ValueError(f"pattern_id={pattern_id!r}: the CUDA kernels compute {STRUCTURED_CUDA_PATTERNS} "
-                         "(dense, sliding_window, streaming)")
+def check_pattern_args(pattern_id, window, sinks, scale, patterns: tuple[int, ...] = STRUCTURED_CUDA_PATTERNS) -> None:
+    """ValueError naming the value when the pattern arguments are not ones the kernel (computing
+    ``patterns``) takes."""
+    if pattern_id not in patterns:
+        names = ("dense", "sliding_window", "streaming", "block_diagonal")
+        raise ValueError(f"pattern_id={pattern_id!r}: this CUDA kernel computes {patterns} "
+                         f"({', '.join(names[i] for i in patterns)})")
     if pattern_id != 0 and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r}: a positive int is required for pattern_id {pattern_id}")
+        raise ValueError(f"window={window!r}: a positive int (the window, or block_diagonal's block) is required "
+                         f"for pattern_id {pattern_id}")
     if pattern_id == 2 and (not isinstance(sinks, int) or sinks < 0):
         raise ValueError(f"sinks={sinks!r}: a non-negative int is required for streaming")
     if not (isinstance(scale, (int, float)) and scale > 0):
@@ -116,7 +124,7 @@ def check_pattern_args(pattern_id, window, sinks, scale) -> None:
 def structured_call_ok(q, k, v, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True, softcap=None,
                        sink_logits=None, key_mask=None) -> bool:
     """The structured forward's contract (``cuda.structured``) but the device: a causal dense /
-    sliding_window / streaming call over the plain geometry (no padding, query ``i`` at key index ``i``:
+    sliding_window / streaming / block_diagonal call over the plain geometry (no padding, query ``i`` at key index ``i``:
     ``q_start == k_start == 0``, ``k_end == Skv``) without softcap, sink logits or key mask, on tensors
     ``tensors_ok`` accepts."""
     return plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask) and tensors_ok(q, k, v)
@@ -143,7 +151,8 @@ def structured_bwd_call_ok(do, q, k, v, out, lse, *, pattern_id: int, causal: bo
     """The structured backward's contract (``cuda.structured_bwd``) but the device: as
     ``structured_call_ok`` with dO and O shaped like q (dO a TMA view too), at most 65535 key tiles
     and ``lse (B, Hq, S)`` float32 on q's device."""
-    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask):
+    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask,
+                         STRUCTURED_BWD_CUDA_PATTERNS):
         return False
     if not tensors_ok(q, k, v, like_q=(do, out), tma=(do,), max_len=2**31 - 1 - BWD_ROW_PAD):
         return False

@@ -27,7 +27,8 @@ from .contract import (
 
 __all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
-#: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
+#: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming, block_diagonal
+#: (causal).
 CUDA_PATTERNS = STRUCTURED_CUDA_PATTERNS
 
 _SOURCES = ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu")
@@ -60,8 +61,9 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
         q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
             or strided views (``cuda.contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
             in place.
-        pattern_id: 0 dense, 1 sliding_window, 2 streaming (``CUDA_PATTERNS``).
-        window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``); ignored for dense.
+        pattern_id: 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal (``CUDA_PATTERNS``).
+        window: the window ``W`` (query ``i`` sees keys ``i - W + 1 .. i``), or block_diagonal's block (query
+            ``i`` sees keys ``j <= i`` with ``j // W == i // W``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
     Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``: a view

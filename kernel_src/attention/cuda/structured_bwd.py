@@ -19,7 +19,7 @@ import torch
 from .build import load_sm90_extension
 from .contract import (
     BWD_ROW_PAD,
-    STRUCTURED_CUDA_PATTERNS,
+    STRUCTURED_BWD_CUDA_PATTERNS,
     check_pattern_args,
     on_sm90,
     structured_bwd_call_ok,
@@ -28,7 +28,7 @@ from .contract import (
 __all__ = ["CUDA_BWD_PATTERNS", "cuda_structured_backward", "cuda_structured_bwd_ok", "load_extension"]
 
 #: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming (causal).
-CUDA_BWD_PATTERNS = STRUCTURED_CUDA_PATTERNS
+CUDA_BWD_PATTERNS = STRUCTURED_BWD_CUDA_PATTERNS
 
 _SOURCES = ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu")
 
@@ -71,7 +71,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
     Returns: ``dq, dk, dv`` in the input dtype, shaped like ``q, k, v`` and laid out like them where
     they are dense (``torch.empty_like``), else contiguous.
     """
-    check_pattern_args(pattern_id, window, sinks, scale)
+    check_pattern_args(pattern_id, window, sinks, scale, CUDA_BWD_PATTERNS)
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "

@@ -1,6 +1,8 @@
 """Triton device functions shared by the attention kernels (forward, backward, structured and
 layout paths): the element rule of each pattern (``_pattern_rule``, ids of ``pattern_codes``),
-softcapping and a floor division that agrees between the interpreter and compiled code."""
+softcapping, a floor division that agrees between the interpreter and compiled code, and the tile runs
+of the structured patterns (``_key_runs``, ``_query_runs``: the tables in ``triton.structured`` and
+``triton.structured_bwd``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,77 @@ LOG2E = 1.4426950408889634
 def _floordiv(a, b):
     # Floor division that agrees between the interpreter (numpy) and compiled code (C truncation).
     return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
+
+
+@triton.jit
+def _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key runs of a query tile whose valid queries sit at key indices ``qlo..qhi`` (structured patterns:
+    dense, sliding_window / streaming with window ``P0``, block_diagonal with block ``P0``): ``(a_lo, a_hi)``
+    the keys some row may see, ``(w_lo, w_hi)`` the keys every row may see, half-open, clipped to
+    ``[k_start, k_end)``, ``a_hi >= a_lo``. Streaming's sink keys are not included."""
+    a_lo = k_start
+    w_lo = k_start
+    if CAUSAL:
+        a_hi = tl.minimum(k_end, qhi + 1)
+        w_hi = tl.minimum(k_end, qlo + 1)
+    else:
+        a_hi = k_end
+        w_hi = k_end
+    if PATTERN == 1 or PATTERN == 2:
+        if CAUSAL:
+            a_lo = tl.maximum(k_start, qlo - P0 + 1)
+            w_lo = tl.maximum(k_start, qhi - P0 + 1)
+        else:
+            a_lo = tl.maximum(k_start, qlo - P0)
+            w_lo = tl.maximum(k_start, qhi - P0)
+            a_hi = tl.minimum(k_end, qhi + P0 + 1)
+            w_hi = tl.minimum(k_end, qlo + P0 + 1)
+    elif PATTERN == 3:  # block of position p: [floor(p / P0) * P0, that + P0)
+        b_lo = _floordiv(qlo - k_start, P0) * P0 + k_start
+        b_hi = _floordiv(qhi - k_start, P0) * P0 + k_start
+        a_lo = tl.maximum(k_start, b_lo)
+        w_lo = tl.maximum(k_start, b_hi)
+        a_hi = tl.minimum(a_hi, b_hi + P0)
+        w_hi = tl.minimum(w_hi, b_lo + P0)
+    a_hi = tl.maximum(a_hi, a_lo)
+    return a_lo, a_hi, w_lo, w_hi
+
+
+@triton.jit
+def _query_runs(kl, kh, k_start, q_start, big, P0, P1, PATTERN: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query runs (key-index space) of a key tile whose valid keys are ``kl..kh``: ``(a_lo, a_hi)`` the
+    queries that see some key, ``(f_lo, f_hi)`` those that see every key, half-open; ``big`` is past the
+    last query. A streaming tile that holds sink keys is seen by every later query (all masked)."""
+    if CAUSAL:
+        a_lo = kl
+        f_lo = kh
+    else:
+        a_lo = q_start
+        f_lo = q_start
+    a_hi = big
+    f_hi = big
+    if PATTERN == 1 or PATTERN == 2:
+        if CAUSAL:
+            a_hi = kh + P0  # exclusive: kh + W - 1 inclusive
+            f_hi = kl + P0
+        else:
+            a_lo = kl - P0
+            f_lo = kh - P0
+            a_hi = kh + P0 + 1
+            f_hi = kl + P0 + 1
+        if PATTERN == 2:
+            if kl < k_start + P1:  # holds sink keys: every later query sees them
+                a_hi = big
+                f_hi = f_lo
+    elif PATTERN == 3:
+        b_lo = _floordiv(kl - k_start, P0) * P0 + k_start
+        b_hi = _floordiv(kh - k_start, P0) * P0 + k_start
+        if not CAUSAL:
+            a_lo = b_lo
+            f_lo = b_hi
+        a_hi = b_hi + P0
+        f_hi = b_lo + P0
+    return a_lo, a_hi, f_lo, f_hi
 
 
 @triton.jit

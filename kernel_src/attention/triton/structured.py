@@ -1,4 +1,5 @@
-"""Structured forward for dense, sliding-window and streaming patterns: tile ranges by arithmetic.
+"""Structured forward for dense, sliding-window, streaming and block-diagonal patterns: tile ranges by
+arithmetic.
 
 For these patterns the key tiles a query tile visits form at most two runs (the sink tiles of
 ``streaming``, then one contiguous window), and inside the window run the *full* tiles (no element
@@ -21,10 +22,13 @@ window run covers the keys some row may see and the full run the keys every row 
  dense, bidir.       [k_start, k_end)             [k_start, k_end)
  window W, causal    [qlo - W + 1, qhi]           [qhi - W + 1, qlo]
  window W, bidir.    [qlo - W, qhi + W]           [qhi - W, qlo + W]
+ block B, causal     [start(qlo), qhi]            [start(qhi), qlo]
+ block B, bidir.     [start(qlo), end(qhi))       [start(qhi), end(qlo))
 ==================  ===========================  =====================================
 
-(each clipped to ``[k_start, k_end)``); ``streaming`` adds the sink keys ``[k_start, k_start +
-sinks)`` as tiles before the window run. A tile outside these ranges holds no allowed pair, a tile
+each clipped to ``[k_start, k_end)`` (``start(i)`` / ``end(i)``: the first key index of the block that holds
+query ``i``'s position / of the next block; ``rules._key_runs`` computes the table); ``streaming`` adds the
+sink keys ``[k_start, k_start + sinks)`` as tiles before the window run. A tile outside these ranges holds no allowed pair, a tile
 inside the full run holds only allowed pairs, and every other visited tile applies the exact
 element rule in registers, so the result equals the layout path for any geometry.
 
@@ -54,7 +58,7 @@ import triton.language as tl
 
 from ..memory_order import new_output
 from .fitting import launch
-from .rules import LOG2E, _pattern_rule, _softcap
+from .rules import LOG2E, _key_runs, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
 __all__ = ["structured_forward"]
@@ -183,24 +187,7 @@ def _st_fwd(
     qhi = q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1
 
     # Window run [a_lo, a_hi) and full run [w_lo, w_hi) in key indices (table in the module docstring).
-    a_lo = k_start
-    w_lo = k_start
-    if CAUSAL:
-        a_hi = tl.minimum(k_end, qhi + 1)
-        w_hi = tl.minimum(k_end, qlo + 1)
-    else:
-        a_hi = k_end
-        w_hi = k_end
-    if PATTERN != 0:  # sliding_window / streaming: window W = P0
-        if CAUSAL:
-            a_lo = tl.maximum(k_start, qlo - P0 + 1)
-            w_lo = tl.maximum(k_start, qhi - P0 + 1)
-        else:
-            a_lo = tl.maximum(k_start, qlo - P0)
-            w_lo = tl.maximum(k_start, qhi - P0)
-            a_hi = tl.minimum(k_end, qhi + P0 + 1)
-            w_hi = tl.minimum(k_end, qlo + P0 + 1)
-    a_hi = tl.maximum(a_hi, a_lo)
+    a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN, CAUSAL)
     n_lo = a_lo // BLOCK_N
     n_hi = tl.maximum(_cdiv(a_hi, BLOCK_N), n_lo)
     f_lo = tl.minimum(tl.maximum(_cdiv(w_lo, BLOCK_N), n_lo), n_hi)

@@ -1,4 +1,5 @@
-"""Structured backward for dense, sliding-window and streaming patterns (tile ranges by arithmetic).
+"""Structured backward for dense, sliding-window, streaming and block-diagonal patterns (tile ranges by
+arithmetic).
 
 The companion of ``triton.structured`` for the gradients, in the FlashAttention-2 scheme with
 *separate* tile shapes for the two kernels:
@@ -32,8 +33,12 @@ some key, and those that see every key, are:
  dense, bidir.       all                          all
  window W, causal    [kl, kh + W - 1]             [kh, kl + W - 1]
  window W, bidir.    [kl - W, kh + W]             [kh - W, kl + W]
+ block B, causal     [kl, end(kh))                [kh, end(kl))
+ block B, bidir.     [start(kl), end(kh))         [start(kh), end(kl))
 ==================  ===========================  =====================================
 
+(``start(j)`` / ``end(j)``: the first index of the block holding position ``j`` / of the next block;
+``rules._query_runs`` computes the table.)
 A ``streaming`` key tile holding sink keys is seen by every later query: its whole range is masked.
 Both kernels recompute ``P = exp2(S * scale * log2(e) - lse2)`` from ``bwd_preprocess``'s
 ``lse2 = lse * log2(e)`` (sink included; ``+inf`` for rows that see no key) and
@@ -48,7 +53,7 @@ import triton.language as tl
 
 from .bwd import bwd_preprocess
 from .fitting import launch
-from .rules import LOG2E, _pattern_rule, _softcap
+from .rules import LOG2E, _key_runs, _pattern_rule, _query_runs, _softcap
 from .tma import kv_descriptor, tma_ok
 
 __all__ = ["structured_backward", "bwd_config"]
@@ -166,27 +171,7 @@ def _st_dkdv(
     kh = tl.minimum(t_hi, k_end - 1)
     whole = (t_lo >= k_start) & (t_hi < k_end)  # every key of the tile valid
     big = Sq + q_start + 1  # past the last query
-    if CAUSAL:
-        a_lo = kl
-        f_lo = kh
-    else:
-        a_lo = q_start
-        f_lo = q_start
-    a_hi = big
-    f_hi = big
-    if PATTERN != 0:
-        if CAUSAL:
-            a_hi = kh + P0  # exclusive: kh + W - 1 inclusive
-            f_hi = kl + P0
-        else:
-            a_lo = kl - P0
-            f_lo = kh - P0
-            a_hi = kh + P0 + 1
-            f_hi = kl + P0 + 1
-        if PATTERN == 2:
-            if kl < k_start + P1:  # holds sink keys: every later query sees them
-                a_hi = big
-                f_hi = f_lo
+    a_lo, a_hi, f_lo, f_hi = _query_runs(kl, kh, k_start, q_start, big, P0, P1, PATTERN, CAUSAL)
     if kl > kh:
         a_hi = a_lo
     if not whole:
@@ -330,24 +315,7 @@ def _st_dq(
     qpos = qi + (q_start - k_start).to(tl.int32)
     qlo = q_start + pid_m * BLOCK_M
     qhi = q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1
-    a_lo = k_start
-    w_lo = k_start
-    if CAUSAL:
-        a_hi = tl.minimum(k_end, qhi + 1)
-        w_hi = tl.minimum(k_end, qlo + 1)
-    else:
-        a_hi = k_end
-        w_hi = k_end
-    if PATTERN != 0:
-        if CAUSAL:
-            a_lo = tl.maximum(k_start, qlo - P0 + 1)
-            w_lo = tl.maximum(k_start, qhi - P0 + 1)
-        else:
-            a_lo = tl.maximum(k_start, qlo - P0)
-            w_lo = tl.maximum(k_start, qhi - P0)
-            a_hi = tl.minimum(k_end, qhi + P0 + 1)
-            w_hi = tl.minimum(k_end, qlo + P0 + 1)
-    a_hi = tl.maximum(a_hi, a_lo)
+    a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN, CAUSAL)
     n_lo = a_lo // BLOCK_N
     n_hi = tl.maximum(_cdiv(a_hi, BLOCK_N), n_lo)
     f_lo = tl.minimum(tl.maximum(_cdiv(w_lo, BLOCK_N), n_lo), n_hi)

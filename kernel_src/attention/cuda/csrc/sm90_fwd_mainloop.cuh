@@ -57,8 +57,8 @@ struct FwdParams {
   int Hq;
   int Hkv;
   int num_q_tiles;
-  int pattern;  // 0 dense, 1 sliding_window, 2 streaming (all causal)
-  int window;   // W (dense: ignored)
+  int pattern;  // 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal (all causal)
+  int window;   // W, or block_diagonal's block (dense: ignored)
   int sinks;    // streaming only
   float scale_log2;
   int total_work;  // num_q_tiles * B * Hq
@@ -81,9 +81,12 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m) {
   int a_lo = 0, w_lo = 0;
   int a_hi = min(p.S, qhi + 1);
   const int w_hi = min(p.S, qlo + 1);
-  if (p.pattern != 0) {
+  if (p.pattern == 1 || p.pattern == 2) {
     a_lo = max(0, qlo - p.window + 1);
     w_lo = max(0, qhi - p.window + 1);
+  } else if (p.pattern == 3) {  // the blocks of the tile's first and last rows (causal: no right edge)
+    a_lo = qlo - qlo % p.window;
+    w_lo = qhi - qhi % p.window;
   }
   a_hi = max(a_hi, a_lo);
   TileRange r;
@@ -172,8 +175,9 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
   const int g = lane / 4;
   const int qd = lane % 4;
   const float sl2 = p.scale_log2;
-  const int W = p.pattern == 0 ? 0x7fffffff : p.window;
+  const int W = (p.pattern == 1 || p.pattern == 2) ? p.window : 0x7fffffff;
   const int sinks = p.pattern == 2 ? p.sinks : 0;
+  const int block = p.pattern == 3 ? p.window : 0;  // block_diagonal: a row sees keys from its block's start
   const int bar_mine = 1 + cw, bar_other = 2 - cw;
   const uint32_t q_base = sm.sq + cw * 64 * 128;  // this warpgroup's 64 rows inside each column half
   const int lrow0 = cw * 64 + wq * 16 + g;        // this thread's rows inside the tile: lrow0 and lrow0 + 8
@@ -204,13 +208,15 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
       }
     } else if (tr.masked(it - nsel)) {
       const int key0 = tr.tile(it - nsel) * kBlockN + 2 * qd;
+      const int first0 = block ? row0 - row0 % block : 0;  // the first key rows row0 and row0 + 8 may see
+      const int first1 = block ? (row0 + 8) - (row0 + 8) % block : 0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + 8 * j + (e & 1);
           const int row = row0 + ((e >> 1) << 3);
-          const bool ok = key <= row && (row - key < W || key < sinks);
+          const bool ok = key <= row && key >= ((e >> 1) ? first1 : first0) && (row - key < W || key < sinks);
           if (!ok) s[4 * j + e] = -INFINITY;
         }
       }

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming.
+// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming, block_diagonal.
 //
 // Contract (the same as ``triton.structured.structured_forward`` with a plain self-attention
 // geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16,
@@ -8,6 +8,7 @@
 //   dense           always
 //   sliding_window  i - j < W
 //   streaming       i - j < W  or  j < sinks
+//   block_diagonal  i / W == j / W  (W: the block)
 // Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit last),
 // lse (B, Hq, S) float32 contiguous, natural log.
 //
@@ -88,7 +89,7 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
                                    const long long* strides, int B, int Hq, int Hkv, int S, int is_bf16, int pattern,
                                    int window, int sinks, float scale, void* stream, char* err, int errlen) {
   using namespace sk90;
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || pattern < 0 || pattern > 2 ||
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || pattern < 0 || pattern > 3 ||
       (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
     snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d pattern=%d window=%d sinks=%d scale=%g", B, Hq, Hkv,
              S, pattern, window, sinks, static_cast<double>(scale));
