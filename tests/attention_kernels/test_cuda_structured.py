@@ -92,7 +92,8 @@ def test_public_forward_and_contract():
     assert not cs.cuda_structured_ok(padded, k, v, pattern_id=1)
     assert not cs.cuda_structured_ok(q, k[:, :1].expand(1, 2, 300, 128), v, pattern_id=1)  # head stride 0
     assert not cs.cuda_structured_ok(q, k, v, pattern_id=1, causal=False)
-    assert not cs.cuda_structured_ok(q, k, v, pattern_id=3)
+    assert cs.cuda_structured_ok(q, k, v, pattern_id=3)  # block_diagonal
+    assert not cs.cuda_structured_ok(q, k, v, pattern_id=4)  # bigbird: layout path
 
 
 def test_argument_errors():

@@ -120,6 +120,8 @@ def test_public_backward_and_contract():
         assert rel_err(a, b) < TOL[torch.bfloat16]
     with pytest.raises(ValueError, match="window"):
         cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=0, scale=0.1, stats=None)
+    with pytest.raises(ValueError, match="pattern_id=3"):  # block_diagonal: forward only
+        cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=3, window=64, scale=0.1, stats=None)
     with pytest.raises(ValueError, match="contract"):
         cb.cuda_structured_backward(do[..., :64], q[..., :64], k[..., :64], v[..., :64], out[..., :64], lse,
                                     pattern_id=1, window=8, scale=0.1, stats=None)
