@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts.token_layout import TokenLayout
 from .page_selection import front_pack, top_mask
 from .step_state import buffers_fit, state_buffers
 
-__all__ = ["best_of", "owner_tag", "prepare", "ready", "state_kind"]
+__all__ = ["best_of", "block_start", "keep_selection", "owner_tag", "prepare", "ready", "state_kind"]
 
 
 def state_kind(selector) -> str:
@@ -101,6 +102,37 @@ def best_of(cand: torch.Tensor, val: torch.Tensor, M: int) -> torch.Tensor:
     return front_pack(top_mask(val, M) & (val > neg), M, cand, -1)
 
 
+def block_start(pattern, geometry, batch: int) -> torch.Tensor:
+    """``(B,)`` bool: the row's query (a one-query call's) is the first of its query block (position
+    ``q_start - k_start``, at least 0, a multiple of ``query_block``)."""
+    q = (geometry.q_start - geometry.k_start).expand(batch).clamp_min(0)
+    return q % pattern.query_block == 0
+
+
+def selection_specs(pattern, key: torch.Tensor) -> dict:
+    """Buffers of a block's kept selection (``"dsa"``, ``"pages"``; module docstring) for ``key (B, Hkv, ., D)``:
+    ``sel (B, Hkv, top_k)`` int32 key indices (ascending, -1 past the count), ``sel_n (B, Hkv)`` int32 counts and
+    ``sel_ok (B,)`` bool (a step wrote them since the last full call)."""
+    B, H = key.shape[:2]
+    return {"sel": ((B, H, pattern.top_k), torch.int32, -1), "sel_n": ((B, H), torch.int32, 0),
+            "sel_ok": ((B,), torch.bool, False)}
+
+
+def keep_selection(state: dict, layout: TokenLayout, fresh: torch.Tensor) -> TokenLayout:
+    """A one-query step's layout: ``layout`` (``indices (B, Hkv, 1, K)``, ``counts (B, Hkv, 1)``) in the rows where
+    ``fresh (B,)`` holds, the kept selection of the row's block elsewhere; stores the result as the kept selection."""
+    idx, cnt = layout.indices, layout.counts
+    K, top = idx.shape[-1], state["sel"].shape[-1]
+    f = fresh[:, None, None]
+    idx = torch.where(f[..., None], idx, state["sel"][:, :, None, :K])
+    cnt = torch.where(f, cnt, state["sel_n"][:, :, None])
+    state["sel"].copy_(torch.nn.functional.pad(idx[:, :, 0], (0, top - K), value=-1))
+    state["sel_n"].copy_(cnt[:, :, 0])
+    state["sel_ok"].fill_(True)
+    return TokenLayout(indices=idx, counts=cnt, query_block=layout.query_block, first_block=layout.first_block,
+                       weights=None)
+
+
 def _new_slot(geometry, batch: int) -> torch.Tensor:
     """``(B,)`` tensor index of each row's new key (its query's own slot)."""
     return geometry.q_start.expand(batch)
@@ -133,10 +165,10 @@ def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.T
     return state["u"]
 
 
-def dsa_specs(selector, key: torch.Tensor, S: int) -> dict:
+def dsa_specs(pattern, selector, key: torch.Tensor, S: int) -> dict:
     B = key.shape[0]
     dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-    return {"ik": ((B, S, selector.key_width), dtype, 0.0)}
+    return {"ik": ((B, S, selector.key_width), dtype, 0.0), **selection_specs(pattern, key)}
 
 
 def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch.Tensor:
@@ -148,12 +180,12 @@ def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch
     return ik
 
 
-def page_specs(key: torch.Tensor, page: int, S: int) -> dict:
+def page_specs(pattern, key: torch.Tensor, page: int, S: int) -> dict:
     B, H, _, D = key.shape
     P = max(1, -(-S // page))
     dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
     return {"kmin": ((B, H, P, D), dtype, float("inf")), "kmax": ((B, H, P, D), dtype, float("-inf")),
-            "ok": ((B, 1, P), torch.bool, False)}
+            "ok": ((B, 1, P), torch.bool, False), **selection_specs(pattern, key)}
 
 
 def fill_pages(state: dict, summaries) -> None:
