@@ -27,8 +27,12 @@ are taken with weight 1; otherwise:
   (``sparse_k.selection.page_selection``), the same for both patterns, unweighted; its decode memo is the
   ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
   initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
-* On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
-  float's order-preserving bits, then the reversed index), exact with ties to the earlier key. Where the
+* DSA and the training-free default run their scores and top-k in Triton (``select_triton``) where
+  ``page_selection.row_kernels`` gives the kernels (float32 on CUDA; the CPU under ``TRITON_INTERPRET=1``),
+  for every call, so that a decode step inside a query block skips them (``selection_state``: the block's
+  kept selection). Elsewhere, on CUDA, top-k runs as one ``torch.topk`` over int64 keys
+  (``page_selection.top_indices``: the float's order-preserving bits, then the reversed index), exact with
+  ties to the earlier key. Where the
   result only has to be ascending (the prefix lists, the prefix scan's block selection, a one-block call
   such as a DSA decode step), the top-k set is a mask (``page_selection.top_mask``: ``topk(sorted=False)``)
   packed in key order with a scan (``page_selection.front_pack``): no sort.
