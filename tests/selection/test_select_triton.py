@@ -14,6 +14,11 @@ write fails the comparison, and a row whose flag is off must still hold the sent
   selection of the same call, and the steps inside a query block launch the kernels with every row's flag off.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from triton_interp import ON_GPU, KERNEL_TEST, import_kernels, run_file_interpreted
@@ -167,6 +172,44 @@ def test_index_scores_match_the_indexer_and_skip_flagged_rows(per_kv_head):
         f = flag.cpu()
         assert bool((got[~f] == SENTINEL).all())
         _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparse_k.selection import select_triton as st
+topk = {"X": "*fp32", "M": "*u8", "FLAG": "*u8", "OUT": "*i32", "n": "i32", "k": "i32", "stride_x": "i32",
+        "stride_m": "i32", "stride_o": "i32", "HAS_MASK": "constexpr", "HAS_FLAG": "constexpr", "BLOCK": "constexpr",
+        "BLOCK_K": "constexpr"}
+pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*i64", "FLAG": "*u8", "OUT": "*fp32",
+         **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
+                              "sok_b", "sl_b", "so_r")},
+         "HAS_FLAG": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
+index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
+         **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
+         **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
+         "HAS_FLAG": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
+for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
+                              (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
+                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
+                              (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4)):
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    assert "cubin" in k.asm, list(k.asm)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The compiled frontend accepts the kernels (the early return on a flag, the radix passes, the histogram): compiled
+    to an sm_90 cubin without a GPU, in a fresh process with the interpreter off."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).resolve().parents[2]))
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 # ----- build_selection through the kernels ----------------------------------------------------------------------
