@@ -32,9 +32,17 @@ saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per la
 the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the
 call's first query and warns once (as the DSA indexer does). The memo's tensors are buffers written in
 place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
+
+Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
+under ``TRITON_INTERPRET=1``), the page scores and the page top-k of ``quest_layout`` run there, for every call (so
+a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
+block: ``selection_state``); otherwise (``HEAD_REDUCE`` other than "sum", ``REFINE``, float64, the CPU) PyTorch.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
 
 import torch
 
@@ -43,7 +51,7 @@ from ..warn import warn_once
 from .step_state import state_buffers
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_size", "page_summaries", "quest_layout", "quest_scores", "rank_merge",
-           "front_pack", "top_indices", "top_mask", "top_pages"]
+           "front_pack", "row_kernels", "top_indices", "top_mask", "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
@@ -58,6 +66,44 @@ CHUNK_ELEMENTS_CUDA = 1 << 27
 #: first query (its ``q . k`` softmax over its sinks, its window and the preselected keys, per query head, summed over
 #: the KV head's query heads).
 REFINE = 0
+#: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
+TRITON_SELECTION = True
+
+_KERNELS = None
+
+
+def _kernel_module():
+    """``select_triton``, imported once (ImportError without triton) and kept in a global, so a traced call
+    (``torch.compile``) reads it instead of tracing an import."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = importlib.import_module(".select_triton", __package__)
+    return _KERNELS
+
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available():
+    try:  # on a GPU machine, before any compiled call looks for it (CPU runs import it on first use, interpreted)
+        _kernel_module()
+    except ImportError:
+        pass
+
+
+def row_kernels(t: torch.Tensor):
+    """The ``select_triton`` module when the selection's kernels run for float32 work on ``t``'s device: CUDA, or
+    the CPU under ``TRITON_INTERPRET=1`` with the module imported interpreted; else None (the PyTorch path)."""
+    if not TRITON_SELECTION or t.dtype != torch.float32 or t.device.type not in ("cuda", "cpu"):
+        return None
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    try:
+        mod = _KERNELS if _KERNELS is not None else _kernel_module()
+    except ImportError:
+        return None
+    if t.device.type == "cuda":
+        return mod
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return mod if isinstance(mod._topk_kernel, InterpretedFunction) else None
 
 
 def page_size(pattern, page: int | None = None) -> int:
@@ -299,15 +345,31 @@ def _warn_memo():
               "selection memo per layer, e.g. with hf_sparse_attention.SparseCache); using the call's first query")
 
 
+def _kernel_pages(kern, qb, kmin, kmax, ok, hi, block_ok, page: int, n_sel: int, flag):
+    """``top_pages`` through the kernels: the ``n_sel`` best candidate pages of the blocks' first queries ``qb (B, H, C,
+    G, D)`` (``hi, block_ok (B, C)``: last candidate position, block in the call); rows off ``flag (B,)`` choose none."""
+    B, H, C = qb.shape[:3]
+    P = kmin.shape[2]
+    last = torch.where(block_ok, torch.div(hi + 1, page, rounding_mode="floor") - 1, -1)  # a page is a candidate when complete
+    rows = None if flag is None else flag[:, None, None].expand(B, H, C)
+    scores = kern.page_bound_scores(qb, kmin, kmax, ok, last, rows)  # (B, H, C, P), -inf off the candidates
+    pages = kern.topk_rows(scores, min(n_sel, P), flag=rows).long()  # ascending, -1 after
+    if rows is not None:
+        pages = torch.where(rows[..., None], pages, -1)
+    return pages, pages >= 0
+
+
 def quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, width, span, *, memo=None,
-                 page: int | None = None, summaries=None):
+                 page: int | None = None, summaries=None, flag: torch.Tensor | None = None):
     """The training-free selection of one call as a ``TokenLayout`` (module docstring).
 
     ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``; ``first, block_start, block_ok`` from
     ``selectors.selection_blocks``; ``width`` the layout's ``K``; ``span`` one past the last key
     index any block can select; ``memo`` a per-layer dict for decoding (or None); ``summaries``: the
     ``page_summaries`` ``(kmin, kmax, ok)`` of at least the pages below ``span`` when the caller keeps them
-    (``sparse_k.selection.selection_state``), else computed here.
+    (``sparse_k.selection.selection_state``), else computed here. ``flag (B,)`` bool: the rows whose selection the
+    caller uses (None: all); with the kernels (``row_kernels``) the other rows' page scores and top-k are skipped
+    and they select no page (their layout is meaningless: the caller replaces it).
     """
     from ..layouts.token_layout import TokenLayout
 
@@ -332,10 +394,18 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     n_pre = REFINE * (pattern.top_k // page) if REFINE > 0 else 0
     if n_pre:
         step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * key.shape[-1])))
+    kern = row_kernels(kmin) if HEAD_REDUCE == "sum" and not n_pre else None
     pos_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
+        if kern is not None:
+            pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, hi[:, c0:c1], bo, page,
+                                          pattern.top_k // page, flag)
+            pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
+            pos_parts.append(pos_c)
+            cnt_parts.append(cnt_c)
+            continue
         cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
         scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
         if n_pre:

@@ -19,20 +19,35 @@ them) and updates them for the key it writes:
   scan over ``L`` and its chunk (``selectors._stepped_select``): equal to the full recomputation, exactly.
   Those weights are the same for every step of a block (its candidates, ``L`` and chunk are fixed
   there), so they are kept in ``W`` (valid where ``W_ok``; a full call clears it): a later step of the
-  block runs the SparseK operator with a budget of 0 for its row (no threshold search, one pass to
-  count and one to write) and reads ``W``.
-
-  Why not skip the work on the steps inside a block: a compiled step is one CUDA graph that replays the
-  same kernels every step, so it cannot branch on the block's start; ``torch.cond`` would branch, but
-  Inductor (torch 2.11, ``_inductor/lowering.py``, the ``cond`` lowering) disables CUDA graphs for any
-  graph holding one ("control flow operator: torch.cond") and reads the predicate on the host. So a step
-  does the same small work every step (insertions instead of the merge's and the block's top-k and
-  sorts), and the block's selection is frozen by ``torch.where``. The SparseK operator over the
-  ``M + PREFIX_CHUNK`` entries still runs every step (its weights are read at ``S``).
+  block runs the SparseK operator with a budget of 0 for its row (the Triton kernel then writes zeros
+  without reading the row) and reads ``W``. The list work above runs every step (small: insertions
+  instead of the merge's and the block's top-k and sorts).
 * ``"dsa"`` (a ``LightningIndexer``): ``ik (B, Skv, key_width)``, the indexer key of every slot. A step
-  computes its key's; the indexer query's product with all stored keys stays (cheap and inherent).
+  computes its key's. The block's selection is kept (below): the indexer scores of the block's first query
+  against every stored key and their top-k run at the block's first step only (with ``DSA_PRESELECT``, whose
+  page pre-selection stays in PyTorch, every step computes and the kept selection is returned).
 * ``"pages"`` (no selector, ``page_selection``): ``kmin, kmax (B, Hkv, P, D)`` and ``ok (B, 1, P)`` of
-  every page; a step folds its key into its page (exact: a min and a max).
+  every page; a step folds its key into its page (exact: a min and a max). The block's selection is kept
+  (below): the page-bound scores and the page top-k run at the block's first step only.
+
+The kept selection (``"dsa"``, ``"pages"``): ``sel (B, Hkv, top_k)`` (key indices, ascending, -1 past the
+count), ``sel_n (B, Hkv)`` and ``sel_ok (B,)`` (``selection_specs``). A row is *fresh* at its block's first step
+(``block_start``) or when ``sel_ok`` is False (a full call clears it); a step computes the layout for the fresh
+rows and returns the kept one elsewhere (``keep_selection``: ``torch.where``), then stores what it returns.
+The selection is the same at every step of a block (a function of the block's first query and of keys
+complete when the block starts), so this equals the full recomputation, exactly.
+
+Skipping the work on the steps inside a block: a compiled step is one CUDA graph that replays the same
+kernels every step, so it cannot branch on the block's start; ``torch.cond`` would branch, but Inductor
+(torch 2.11, ``_inductor/lowering.py``, the ``cond`` lowering) disables CUDA graphs for any graph holding
+one ("control flow operator: torch.cond") and reads the predicate on the host. So the expensive parts run
+in Triton kernels that take the fresh flag per row on the device and return at once in the other rows
+(``select_triton``: the page-bound scores, the DSA indexer scores, the top-k; on CUDA, and on the CPU under
+``TRITON_INTERPRET=1``, where ``page_selection.row_kernels`` gives them; every call of a generation uses them,
+so decode equals recompute bit for bit); the step launches them every time and the rows inside a block cost
+a flag read. The SparseK budget-0 rows return as early (``sparsek_triton``: ``p = 0`` written, no read). What
+stays per step is small and elementwise (the candidate masks, the ``torch.where`` of the kept selection). On
+the CPU (PyTorch path) every row is computed and the ``torch.where`` keeps the block's selection.
 
 Which calls step: the adapter passes a state dict only for calls over a static cache (the key mask
 covers every slot, as Transformers' ``StaticCache`` gives). A call with one query per row and no
@@ -50,10 +65,11 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts.token_layout import TokenLayout
 from .page_selection import front_pack, top_mask
 from .step_state import buffers_fit, state_buffers
 
-__all__ = ["best_of", "owner_tag", "prepare", "ready", "state_kind"]
+__all__ = ["best_of", "block_start", "keep_selection", "owner_tag", "prepare", "ready", "state_kind"]
 
 
 def state_kind(selector) -> str:
@@ -101,6 +117,37 @@ def best_of(cand: torch.Tensor, val: torch.Tensor, M: int) -> torch.Tensor:
     return front_pack(top_mask(val, M) & (val > neg), M, cand, -1)
 
 
+def block_start(pattern, geometry, batch: int) -> torch.Tensor:
+    """``(B,)`` bool: the row's query (a one-query call's) is the first of its query block (position
+    ``q_start - k_start``, at least 0, a multiple of ``query_block``)."""
+    q = (geometry.q_start - geometry.k_start).expand(batch).clamp_min(0)
+    return q % pattern.query_block == 0
+
+
+def selection_specs(pattern, key: torch.Tensor) -> dict:
+    """Buffers of a block's kept selection (``"dsa"``, ``"pages"``; module docstring) for ``key (B, Hkv, ., D)``:
+    ``sel (B, Hkv, top_k)`` int32 key indices (ascending, -1 past the count), ``sel_n (B, Hkv)`` int32 counts and
+    ``sel_ok (B,)`` bool (a step wrote them since the last full call)."""
+    B, H = key.shape[:2]
+    return {"sel": ((B, H, pattern.top_k), torch.int32, -1), "sel_n": ((B, H), torch.int32, 0),
+            "sel_ok": ((B,), torch.bool, False)}
+
+
+def keep_selection(state: dict, layout: TokenLayout, fresh: torch.Tensor) -> TokenLayout:
+    """A one-query step's layout: ``layout`` (``indices (B, Hkv, 1, K)``, ``counts (B, Hkv, 1)``) in the rows where
+    ``fresh (B,)`` holds, the kept selection of the row's block elsewhere; stores the result as the kept selection."""
+    idx, cnt = layout.indices, layout.counts
+    K, top = idx.shape[-1], state["sel"].shape[-1]
+    f = fresh[:, None, None]
+    idx = torch.where(f[..., None], idx, state["sel"][:, :, None, :K])
+    cnt = torch.where(f, cnt, state["sel_n"][:, :, None])
+    state["sel"].copy_(torch.nn.functional.pad(idx[:, :, 0], (0, top - K), value=-1))
+    state["sel_n"].copy_(cnt[:, :, 0])
+    state["sel_ok"].fill_(True)
+    return TokenLayout(indices=idx, counts=cnt, query_block=layout.query_block, first_block=layout.first_block,
+                       weights=None)
+
+
 def _new_slot(geometry, batch: int) -> torch.Tensor:
     """``(B,)`` tensor index of each row's new key (its query's own slot)."""
     return geometry.q_start.expand(batch)
@@ -133,10 +180,10 @@ def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.T
     return state["u"]
 
 
-def dsa_specs(selector, key: torch.Tensor, S: int) -> dict:
+def dsa_specs(pattern, selector, key: torch.Tensor, S: int) -> dict:
     B = key.shape[0]
     dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-    return {"ik": ((B, S, selector.key_width), dtype, 0.0)}
+    return {"ik": ((B, S, selector.key_width), dtype, 0.0), **selection_specs(pattern, key)}
 
 
 def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch.Tensor:
@@ -148,12 +195,12 @@ def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch
     return ik
 
 
-def page_specs(key: torch.Tensor, page: int, S: int) -> dict:
+def page_specs(pattern, key: torch.Tensor, page: int, S: int) -> dict:
     B, H, _, D = key.shape
     P = max(1, -(-S // page))
     dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
     return {"kmin": ((B, H, P, D), dtype, float("inf")), "kmax": ((B, H, P, D), dtype, float("-inf")),
-            "ok": ((B, 1, P), torch.bool, False)}
+            "ok": ((B, 1, P), torch.bool, False), **selection_specs(pattern, key)}
 
 
 def fill_pages(state: dict, summaries) -> None:

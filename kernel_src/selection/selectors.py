@@ -27,8 +27,12 @@ are taken with weight 1; otherwise:
   (``sparse_k.selection.page_selection``), the same for both patterns, unweighted; its decode memo is the
   ``memo`` argument. The former default, ``u = -||k_j||_2`` (``training_free_scores``), is kept as the
   initial ranking of an untrained ``SparseKScorer`` (its key-norm term).
-* On CUDA, top-k runs as one ``torch.topk`` over int64 keys (``page_selection.top_indices``: the
-  float's order-preserving bits, then the reversed index), exact with ties to the earlier key. Where the
+* DSA and the training-free default run their scores and top-k in Triton (``select_triton``) where
+  ``page_selection.row_kernels`` gives the kernels (float32 on CUDA; the CPU under ``TRITON_INTERPRET=1``),
+  for every call, so that a decode step inside a query block skips them (``selection_state``: the block's
+  kept selection). Elsewhere, on CUDA, top-k runs as one ``torch.topk`` over int64 keys
+  (``page_selection.top_indices``: the float's order-preserving bits, then the reversed index), exact with
+  ties to the earlier key. Where the
   result only has to be ascending (the prefix lists, the prefix scan's block selection, a one-block call
   such as a DSA decode step), the top-k set is a mask (``page_selection.top_mask``: ``topk(sorted=False)``)
   packed in key order with a scan (``page_selection.front_pack``): no sort.
@@ -46,8 +50,8 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import front_pack, page_size, page_summaries, quest_layout, top_indices as _top_indices, \
-    top_mask, top_pages
+from .page_selection import front_pack, page_size, page_summaries, quest_layout, row_kernels, \
+    top_indices as _top_indices, top_mask, top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
@@ -216,7 +220,12 @@ def build_selection(
         memo.pop("layout_key", None)
         memo.pop("layout", None)
     feats = None if state is None else _state_features(kind, state, step, pattern, selector, key, value, geometry, Sq, span)
+    # A step of a kept selection (dsa, pages): only the rows at their block's first step (or the first step after a
+    # full call) select; the others keep their block's selection (``selection_state.keep_selection``).
+    fresh = sst.block_start(pattern, geometry, B) | ~state["sel_ok"] if step and kind != "sparse_k" else None
     if max_c == 0:
+        if fresh is not None:
+            state["sel_ok"].fill_(False)
         return None
     if reuse_key is not None and memo.get("layout_key") == reuse_key:
         return memo["layout"]
@@ -229,7 +238,9 @@ def build_selection(
             key=f"{pattern.name}: training-free selection",
         )
         layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo,
-                              summaries=feats)
+                              summaries=feats, flag=fresh)
+        if fresh is not None:
+            return sst.keep_selection(state, layout, fresh)
         if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
             memo["layout_key"], memo["layout"] = reuse_key, layout
         return layout
@@ -256,17 +267,43 @@ def build_selection(
     if DSA_PRESELECT and not selector.per_kv_head and pattern.window >= PRESELECT_PAGE and max_c > n_pre * PRESELECT_PAGE:
         lay = _dsa_preselected_layout(selector, qb, wb, index_keys, pattern, geometry, host, first, block_start,
                                       block_ok, K, span, n_pre)
+    elif (kern := row_kernels(index_keys)) is not None:
+        lay = _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first, pattern.query_block, fresh)
     else:
         scores = selector.scores(qb, wb, index_keys)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
         scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
         lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
-    if selector.per_kv_head:
-        return lay
-    shape = (B, Hkv, *lay.indices.shape[2:])
-    return TokenLayout(
-        indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
-        query_block=pattern.query_block, first_block=first, weights=None,
-    )
+    if not selector.per_kv_head:
+        shape = (B, Hkv, *lay.indices.shape[2:])
+        lay = TokenLayout(
+            indices=lay.indices.expand(shape).contiguous(), counts=lay.counts.expand(shape[:3]).contiguous(),
+            query_block=pattern.query_block, first_block=first, weights=None,
+        )
+    return lay if fresh is None else sst.keep_selection(state, lay, fresh)
+
+
+def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first, query_block, flag) -> TokenLayout:
+    """The DSA selection through ``select_triton``: indexer scores of the blocks' first queries ``qb (B, NB, H, d_I)``
+    (weights ``wb (B, NB, H)``) against ``index_keys (B, Skv, key_width)`` on the candidates ``cand (B, NB, Skv)``, then
+    the top ``K`` of every block (and KV head, ``per_kv_head``), ascending; rows off ``flag (B,)`` (None: all) select
+    nothing. Blocks go in chunks of bounded score memory, as ``_topk_layout``."""
+    B, NB = cand.shape[:2]
+    G = selector.num_kv_heads if selector.per_kv_head else 1
+    limit = _CHUNK_ELEMENTS_CUDA if index_keys.is_cuda else _CHUNK_ELEMENTS
+    chunk = max(1, limit // max(1, B * G * span))
+    idx_out = []
+    for c0 in range(0, NB, chunk):
+        c1 = min(NB, c0 + chunk)
+        rows = None if flag is None else flag[:, None, None].expand(B, c1 - c0, G)
+        scores = kern.index_scores(qb[:, c0:c1].detach(), wb[:, c0:c1].detach(), index_keys[:, :span].detach(),
+                                   cand[:, c0:c1, :span], G, rows)  # (B, c, G, span), -inf off the candidates
+        idx = kern.topk_rows(scores, K, flag=rows)  # (B, c, G, K) ascending, -1 after
+        if rows is not None:
+            idx = torch.where(rows[..., None], idx, -1)
+        idx_out.append(idx.transpose(1, 2))
+    idx = torch.cat(idx_out, 2)  # (B, G, NB, K)
+    return TokenLayout(indices=idx, counts=(idx >= 0).sum(-1).to(torch.int32), query_block=query_block,
+                       first_block=first, weights=None)
 
 
 def _state_spec(kind: str, pattern, selector, key, value, slots: int) -> dict:
@@ -274,8 +311,8 @@ def _state_spec(kind: str, pattern, selector, key, value, slots: int) -> dict:
     if kind == "sparse_k":
         return sst.sparsek_specs(pattern, key, value, slots)
     if kind == "dsa":
-        return sst.dsa_specs(selector, key, slots)
-    return sst.page_specs(key, page_size(pattern), slots)
+        return sst.dsa_specs(pattern, selector, key, slots)
+    return sst.page_specs(pattern, key, page_size(pattern), slots)
 
 
 def _state_features(kind: str, state: dict, step: bool, pattern, selector, key, value, geometry, q_len: int, span: int):
@@ -562,8 +599,7 @@ def _stepped_select(L, chunk, chosen, u, pattern, geometry, first, lo, hi, block
     B, H, M = L.shape
     cand, uc, m = _prefix_candidates(L[:, :, None], chunk[:, None], lambda c: _u_at(u, c, geometry, pattern.sinks),
                                      lo, hi, block_ok)
-    q = (geometry.q_start - geometry.k_start).expand(B).clamp_min(0)
-    fresh = (q % pattern.query_block == 0) | ~state["W_ok"]  # (B,) rows whose weights are computed this step
+    fresh = sst.block_start(pattern, geometry, B) | ~state["W_ok"]  # (B,) rows whose weights are computed this step
     budget = torch.where(fresh, pattern.top_k, 0)[:, None, None].expand(B, H, 1)
     p = sparsek(uc, budget, m)  # (B, H, 1, M + Z); all zero in the rows that keep their weights
     sel = chosen[:, :, None]

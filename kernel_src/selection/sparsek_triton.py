@@ -9,6 +9,8 @@ minus 1), as in the sort-based path.
 
 Forward, per row (the row is read in chunks of ``BLOCK``, so any length works):
 
+0. a row with budget ``k = 0`` writes ``p = 0`` (and ``tau = +inf``, no search) without reading its scores: a
+   decode step inside a query block runs the operator with budget 0 for its rows (``selectors._stepped_select``);
 1. one pass for the candidate count, ``min u``, ``max u`` and ``sum u`` (the first trial point);
 2. a safeguarded Newton search on ``f``, one pass per trial point ``t``. The breakpoints of ``f``
    are ``{u_j} U {u_j - 1}``; a pass returns the active set of the segment ``[lo_t, hi_t]`` of ``t``
@@ -93,7 +95,18 @@ def _sparsek_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     u_row = U + row * stride_u
     m_row = M + row * stride_m
+    p_row = P + row * stride_p
+    f_row = FRAC + row * stride_f
     offs = tl.arange(0, BLOCK)
+    if tl.load(K + row) == 0:  # p = 0, tau = +inf without reading the row (a decode step inside a SparseK block)
+        for start in range(0, n, BLOCK):
+            idx = start + offs
+            tl.store(p_row + idx, tl.zeros([BLOCK], tl.float32), mask=idx < n)
+            if WRITE_FRAC:
+                tl.store(f_row + idx, tl.zeros([BLOCK], tl.int8), mask=idx < n)
+        tl.store(TAU + row, tl.full([], float("inf"), tl.float64))
+        tl.store(ITERS + row, tl.program_id(0) * 0)
+        return
 
     cnt = tl.zeros([BLOCK], tl.int32)
     mn = tl.full([BLOCK], float("inf"), tl.float32)
@@ -147,8 +160,6 @@ def _sparsek_fwd_kernel(
     tl.store(TAU + row, tau)
     tl.store(ITERS + row, it)
 
-    p_row = P + row * stride_p
-    f_row = FRAC + row * stride_f
     for start in range(0, n, BLOCK):
         idx = start + offs
         x, ok = _load_row(u_row, m_row, idx, n, HAS_MASK)

@@ -191,6 +191,33 @@ def test_the_prefix_scan_step_keeps_a_blocks_weights(monkeypatch):
                 assert torch.equal(got.weights[0], want.weights[0]), step
 
 
+@pytest.mark.parametrize("kind", ["dsa", "dsa_per_kv_head", "pages"])
+def test_a_step_inside_a_block_returns_the_kept_selection(kind, monkeypatch):
+    """DSA and training-free steps keep their block's selection (``state["sel"]``): corrupting it changes a step
+    inside the block, not a block's first step (which selects afresh and overwrites it)."""
+    selector, cache, state, memo = _setup(kind, monkeypatch), Cache(8), {}, {}
+    bq = _pattern(kind).query_block
+    checked = {True: 0, False: 0}
+    with torch.no_grad():
+        _select(kind, selector, cache, *cache.call(SLOTS - 4 * bq - 1), state, memo)
+        _select(kind, selector, cache, *cache.call(1), state, memo)  # the first step after a full call selects
+        for _ in range(2 * bq):
+            q, geo = cache.call(1)
+            clean = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            memo_clean = {k: v.clone() for k, v in memo.items() if isinstance(v, torch.Tensor)}
+            want = _select(kind, selector, cache, q, geo, state, memo)
+            for k, v in clean.items():
+                state[k].copy_(v)
+            for k, v in memo_clean.items():
+                memo[k].copy_(v)
+            state["sel"].copy_(torch.where(state["sel"] >= 0, SLOTS - 1 - state["sel"], -1))
+            got = _select(kind, selector, cache, q, geo, state, memo)
+            start = bool(sparse_k.selection.selection_state.block_start(_pattern(kind), geo, B)[0])
+            assert torch.equal(got.indices[0], want.indices[0]) == start, (start, got.indices[0], want.indices[0])
+            checked[start] += 1
+    assert checked[True] and checked[False], checked
+
+
 def test_an_eager_call_does_not_trust_a_state_of_another_cache_or_selector(monkeypatch):
     """The state dict of one cache, then a decode step over another cache (same shapes) or with another selector:
     the eager step recomputes from every key (equal to the full selection) and takes the state over."""
@@ -300,7 +327,8 @@ class _CountSelectionOps(torch.utils._python_dispatch.TorchDispatchMode):
 def test_a_decode_step_runs_no_sort_and_no_top_k_for_the_prefix_scan(kind, monkeypatch):
     """Op counts of one decode step, with the CUDA top-k path (``top_indices(fused=True)``) forced on the CPU:
     the SparseK prefix-scan step runs no top-k and no sort (it kept two of each before the stepped lists), a DSA step
-    one unsorted top-k over its indexer scores and no sort (a top-k and a sort before)."""
+    one unsorted top-k over its indexer scores and no sort (a top-k and a sort before), or none where the selection's
+    Triton kernels run (``page_selection.row_kernels``: under ``TRITON_INTERPRET=1``)."""
     selector = _setup(kind, monkeypatch)
     top_indices = sparse_k.selection.page_selection.top_indices
     monkeypatch.setattr(selectors, "_top_indices", lambda x, K, fused=None: top_indices(x, K, fused=True))
@@ -322,4 +350,5 @@ def test_a_decode_step_runs_no_sort_and_no_top_k_for_the_prefix_scan(kind, monke
         with counter:
             lay = _select(kind, selector, cache, *cache.call(1), state, {})
     assert lay is not None and lay.counts.max() > 0
-    assert counter.counts == ({} if kind == "sparse_k_prefix_scan" else {"topk": 1}), counter.counts
+    kernels = sparse_k.selection.page_selection.row_kernels(cache.k) is not None
+    assert counter.counts == ({} if kind == "sparse_k_prefix_scan" or kernels else {"topk": 1}), counter.counts

@@ -1,0 +1,356 @@
+"""The selection's per-row work in Triton, skipped for rows whose flag is off: top-k and page-bound scores.
+
+A compiled decode step (CUDA graphs) replays the same kernels every step, but a learned selection only
+changes at a query block's first step (``selection_state``). These kernels take a per-row device flag
+``flag (R,)`` (bool; None: every row) and return at once in a row whose flag is off, leaving its output
+unwritten (the caller keeps that row's previous selection with ``torch.where``): the step launches the
+same kernels every time and they cost nothing inside a block. No host read.
+
+* ``topk_rows(x (..., n), k, mask=None, flag=None) -> (..., k)`` int32: for every row, the indices of
+  the top-``k`` set that ``page_selection.top_mask`` returns (ties to the earlier index) among the
+  *valid* entries (``mask``, or without one the entries above ``-inf``), ascending, ``-1`` after them:
+  ``front_pack(top_mask(where(valid, x, -inf), k) & valid, k, arange(n), -1)`` exactly. One program per
+  row: a radix select over the order-preserving integer image of the float32 scores (four passes of
+  8-bit digits, ``tl.histogram``) finds the ``k``-th largest key ``T`` and how many entries equal to
+  ``T`` are taken (the earliest ones); a last pass writes the chosen indices in index order (a scan).
+* ``page_bound_scores(q (B, H, C, G, D), kmin, kmax (B, H, P, D), ok (B, 1, P), last (B, C), flag)
+  -> (B, H, C, P)`` float32: the training-free default's page score (``page_selection.quest_scores``,
+  ``HEAD_REDUCE = "sum"``) ``sum_g relu(q_g) . kmax + min(q_g, 0) . kmin`` of the candidate pages
+  (``ok`` and ``p <= last``), ``-inf`` elsewhere. Float32 FMAs (no ``tl.dot``, so no TF32): the sum
+  rounds differently from the PyTorch GEMM, which is why a GPU computes every call of a generation
+  (prefill included) with these kernels, so decode equals recompute bit for bit. One program per
+  (row, tile of ``BLOCK_P`` pages).
+* ``index_scores(q (B, T, H, d), w (B, T, H), ik (B, S, G * d), cand (B, T, S), flag) -> (B, T, G, S)``
+  float32: the DSA indexer scores (``LightningIndexer.scores``) ``sum_h w_h relu(q_h . k / sqrt(d))``
+  over the ``H / G`` indexer heads of each of ``G`` key groups (``G = 1``: a shared indexer; ``G = Hkv``
+  per KV head), ``-inf`` off the candidates. One program per (row, tile of keys).
+
+Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
+``sparse_k::index_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
+buffers come from ``_empty`` (uninitialised; the tests poison it). Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (float32 arithmetic only, which the interpreter computes exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._ops import add_op_namespace_prefix
+
+__all__ = ["index_scores", "page_bound_scores", "topk_rows"]
+
+
+@triton.jit
+def _ordered(x):
+    """Order-preserving image of float32 ``x`` as int64 in ``[0, 2**32)`` (``-0.0`` and ``+0.0`` equal; the key
+    of ``page_selection.top_indices`` plus ``2**31``)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)  # -0.0 -> +0.0
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _row_keys(x_row, m_row, idx, n, HAS_MASK: tl.constexpr):
+    """Chunk ``idx`` of a row: the ordered keys (invalid entries at the key of ``-inf``), validity, in-bounds."""
+    inb = idx < n
+    x = tl.load(x_row + idx, mask=inb, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        valid = inb & (tl.load(m_row + idx, mask=inb, other=0) != 0)
+    else:
+        valid = inb & (x > float("-inf"))
+    return _ordered(tl.where(valid, x, float("-inf"))), valid, inb
+
+
+@triton.jit
+def _topk_kernel(X, M, FLAG, OUT, n, k, stride_x, stride_m, stride_o,
+                 HAS_MASK: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_FLAG:
+        if tl.load(FLAG + row) == 0:
+            return
+    x_row = X + row * stride_x
+    m_row = M + row * stride_m
+    o_row = OUT + row * stride_o
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    zero = tl.program_id(0) * 0
+    k_eff = tl.minimum(zero + k, zero + n)  # the top-k set over every entry (invalid ones at -inf), as top_mask
+    need = k_eff  # entries still to take among those matching the prefix
+    prefix = zero.to(tl.int64)  # the high digits of T found so far
+    for p in tl.static_range(4):  # 8-bit digits, most significant first
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, n, BLOCK):
+            key, valid, inb = _row_keys(x_row, m_row, start + offs, n, HAS_MASK)
+            match = inb & ((key >> (shift + 8)) == prefix)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # (256,) matching entries with digit >= bin
+        digit = tl.max(tl.where(ge >= need, bins, 0), 0)
+        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+        prefix = (prefix << 8) | digit.to(tl.int64)
+    # Every key > T is taken, and the first `need` keys == T (ties to the earlier index); only valid ones are written.
+    taken = zero
+    written = zero
+    eq_seen = zero
+    start = zero
+    while (start < n) & (taken < k_eff):
+        idx = start + offs
+        key, valid, inb = _row_keys(x_row, m_row, idx, n, HAS_MASK)
+        eq = inb & (key == prefix)
+        sel = (inb & (key > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        put = sel & valid
+        pos = written + tl.cumsum(put.to(tl.int32), 0) - 1
+        tl.store(o_row + pos, idx, mask=put)
+        written += tl.sum(put.to(tl.int32), 0)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+        start += BLOCK
+    ko = tl.arange(0, BLOCK_K)
+    for s in range(0, k, BLOCK_K):
+        j = s + ko
+        tl.store(o_row + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= written) & (j < k))
+
+
+@triton.jit
+def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
+                       sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
+                       HAS_FLAG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * C + c
+    if HAS_FLAG:
+        if tl.load(FLAG + row) == 0:
+            return
+    c = row % C
+    b = row // C // H
+    h = row // C % H
+    p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    pin = p < P
+    din = d < D
+    last = tl.load(LAST + b * sl_b + c)
+    cand = pin & (p <= last) & (tl.load(OK + b * sok_b + p, mask=pin, other=0) != 0)  # (BLOCK_P,)
+    koff = b * sk_b + h * sk_h + p[:, None] * sk_p + d[None, :]
+    kmask = cand[:, None] & din[None, :]
+    kmax = tl.load(KMAX + koff, mask=kmask, other=0.0)  # (BLOCK_P, BLOCK_D)
+    kmin = tl.load(KMIN + koff, mask=kmask, other=0.0)
+    q_row = Q + b * sq_b + h * sq_h + c * sq_c
+    acc = tl.zeros([BLOCK_P], tl.float32)
+    for g in range(0, G):
+        q = tl.load(q_row + g * sq_g + d, mask=din, other=0.0)  # (BLOCK_D,)
+        acc += tl.sum(tl.maximum(q, 0.0)[None, :] * kmax + tl.minimum(q, 0.0)[None, :] * kmin, 1)
+    tl.store(OUT + row * so_r + p, tl.where(cand, acc, float("-inf")), mask=pin)
+
+
+@triton.jit
+def _index_score_kernel(Q, W, IK, CAND, FLAG, OUT, T, G, HG, S, DI, scale,
+                        sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sc_b, sc_t, so_r,
+                        HAS_FLAG: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * T + t) * G + g
+    if HAS_FLAG:
+        if tl.load(FLAG + row) == 0:
+            return
+    g = row % G
+    t = row // G % T
+    b = row // G // T
+    s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sin = s < S
+    din = d < DI
+    cand = sin & (tl.load(CAND + b * sc_b + t * sc_t + s, mask=sin, other=0) != 0)
+    k = tl.load(IK + b * sk_b + s[:, None] * sk_s + g * DI + d[None, :], mask=cand[:, None] & din[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_S], tl.float32)
+    for i in range(0, HG):
+        h = g * HG + i
+        q = tl.load(Q + b * sq_b + t * sq_t + h * sq_h + d, mask=din, other=0.0)  # (BLOCK_D,)
+        wh = tl.load(W + b * sw_b + t * sw_t + h)
+        acc += wh * tl.maximum(tl.sum(k * q[None, :], 1) * scale, 0.0)
+    tl.store(OUT + row * so_r + s, tl.where(cand, acc, float("-inf")), mask=sin)
+
+
+def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every output buffer of the launchers (uninitialised; the tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _flag_arg(flag: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The flag as a contiguous uint8 row vector for the kernel (a conversion: Inductor cannot lower a bool bitcast)."""
+    return fallback if flag is None else flag.reshape(-1).to(torch.uint8).contiguous()
+
+
+@torch.library.custom_op(add_op_namespace_prefix("select_topk"), mutates_args=())
+def _select_topk(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor | None, k: int,
+                 block: int) -> torch.Tensor:
+    R, n = x.shape
+    out = _empty((R, k), torch.int32, x.device)
+    if R > 0 and k > 0:
+        m = x if mask is None else mask
+        _topk_kernel[(R,)](x, m, _flag_arg(flag, x), out, n, k, x.stride(0), m.stride(0), out.stride(0),
+                           HAS_MASK=mask is not None, HAS_FLAG=flag is not None, BLOCK=block,
+                           BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=8)
+    return out
+
+
+@_select_topk.register_fake
+def _(x, mask, flag, k, block):
+    return x.new_empty((x.shape[0], k), dtype=torch.int32)
+
+
+def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: torch.Tensor | None = None, *,
+              block: int | None = None) -> torch.Tensor:
+    """The top-``k`` valid entries of every row, packed ascending (module docstring).
+
+    Args:
+        x: ``(..., n)`` float16/bfloat16/float32 scores (compared as float32).
+        k: entries per row, ``>= 0`` (more than a row's valid entries: all of them, ``-1`` after).
+        mask: optional ``(..., n)`` bool (broadcastable), True = valid; default: the entries above ``-inf``.
+        flag: optional ``(...)`` bool (broadcastable); rows where it is False are not computed (their output
+            is left as allocated).
+        block: entries per chunk (power of two, 16 to 4096; default ``min(1024, next_pow2(n))``).
+    Returns:
+        ``(..., k)`` int32 indices in ``[0, n)``, ascending, ``-1`` past each row's count.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"topk_rows: `x` must be a float16/bfloat16/float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"topk_rows: `x` must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"topk_rows: `k` must be an int >= 0, got {k!r}")
+    n = x.shape[-1]
+    if block is None:
+        block = min(1024, max(16, triton.next_power_of_2(n)))
+    elif isinstance(block, bool) or not isinstance(block, int) or not 16 <= block <= 4096 or block & (block - 1):
+        raise ValueError(f"topk_rows: `block` must be a power of two in [16, 4096], got {block!r}")
+    lead = x.shape[:-1]
+    x2 = x.to(torch.float32).reshape(-1, n).contiguous()
+    m2 = _row_mask(mask, x.shape, "topk_rows").reshape(-1, n) if mask is not None else None
+    f2 = _row_flag(flag, lead, "topk_rows")
+    return _select_topk(x2, m2, f2, k, block).view(*lead, k)
+
+
+def _row_mask(mask: torch.Tensor, shape, who: str) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"{who}: `mask` must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    try:
+        return mask.expand(shape).to(torch.uint8).contiguous()
+    except RuntimeError:
+        raise ValueError(f"{who}: `mask` shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+
+
+def _row_flag(flag: torch.Tensor | None, lead, who: str) -> torch.Tensor | None:
+    if flag is None:
+        return None
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool:
+        raise ValueError(f"{who}: `flag` must be a bool tensor, got {getattr(flag, 'dtype', type(flag).__name__)}")
+    try:
+        return flag.expand(lead).reshape(-1).to(torch.uint8).contiguous()
+    except RuntimeError:
+        raise ValueError(f"{who}: `flag` shape {tuple(flag.shape)} does not broadcast to the rows {tuple(lead)}") from None
+
+
+@torch.library.custom_op(add_op_namespace_prefix("page_bound_scores"), mutates_args=())
+def _page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor, last: torch.Tensor,
+                       flag: torch.Tensor | None, block_p: int) -> torch.Tensor:
+    B, H, C, G, D = q.shape
+    P = kmin.shape[2]
+    out = _empty((B, H, C, P), torch.float32, q.device)
+    if B * H * C > 0:
+        _page_bound_kernel[(B * H * C, triton.cdiv(P, block_p))](
+            q, kmin, kmax, ok, last, _flag_arg(flag, ok), out, H, C, G, D, P,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+            ok.stride(0), last.stride(0), P, HAS_FLAG=flag is not None, BLOCK_P=block_p,
+            BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    return out
+
+
+@_page_bound_scores.register_fake
+def _(q, kmin, kmax, ok, last, flag, block_p):
+    B, H, C = q.shape[:3]
+    return q.new_empty((B, H, C, kmin.shape[2]), dtype=torch.float32)
+
+
+def page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor, last: torch.Tensor,
+                      flag: torch.Tensor | None = None, *, block_p: int = 64) -> torch.Tensor:
+    """Page scores of the training-free default, ``-inf`` off the candidate pages (module docstring).
+
+    Args:
+        q: ``(B, H, C, G, D)`` the first query of ``C`` blocks, the ``G`` query heads of each of ``H`` KV heads.
+        kmin, kmax: ``(B, H, P, D)`` float32 page summaries (``page_selection.page_summaries``).
+        ok: ``(B, 1, P)`` bool, the page holds a key. last: ``(B, C)`` int64, each block's last candidate page
+            (``-1``: none).
+        flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
+    Returns:
+        ``(B, H, C, P)`` float32.
+    """
+    if q.dim() != 5 or kmin.dim() != 4 or kmin.shape != kmax.shape or kmin.shape[:2] != q.shape[:2] \
+            or kmin.shape[3] != q.shape[4]:
+        raise ValueError(f"page_bound_scores: q (B, H, C, G, D) and kmin/kmax (B, H, P, D) do not match: "
+                         f"{tuple(q.shape)}, {tuple(kmin.shape)}, {tuple(kmax.shape)}")
+    if kmin.dtype != torch.float32 or kmax.dtype != torch.float32:
+        raise ValueError(f"page_bound_scores: kmin/kmax must be float32, got {kmin.dtype}/{kmax.dtype}")
+    B, H, C = q.shape[:3]
+    P = kmin.shape[2]
+    if tuple(ok.shape) != (B, 1, P) or ok.dtype != torch.bool:
+        raise ValueError(f"page_bound_scores: `ok` must be bool ({B}, 1, {P}), got {ok.dtype} {tuple(ok.shape)}")
+    if tuple(last.shape) != (B, C) or last.dtype != torch.int64:
+        raise ValueError(f"page_bound_scores: `last` must be int64 ({B}, {C}), got {last.dtype} {tuple(last.shape)}")
+    if isinstance(block_p, bool) or not isinstance(block_p, int) or not 16 <= block_p <= 1024 or block_p & (block_p - 1):
+        raise ValueError(f"page_bound_scores: `block_p` must be a power of two in [16, 1024], got {block_p!r}")
+    if kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:  # the state's buffers (or slices of them) pass as they are
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    okc = ok[:, 0].to(torch.uint8).contiguous()
+    return _page_bound_scores(q.to(torch.float32).contiguous(), kmin, kmax, okc, last.contiguous(),
+                              _row_flag(flag, (B, H, C), "page_bound_scores"), block_p)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("index_scores"), mutates_args=())
+def _index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch.Tensor, flag: torch.Tensor | None,
+                  groups: int, block_s: int) -> torch.Tensor:
+    B, T, Hi, dI = q.shape
+    S = ik.shape[1]
+    out = _empty((B, T, groups, S), torch.float32, q.device)
+    if B * T * groups > 0:
+        _index_score_kernel[(B * T * groups, triton.cdiv(S, block_s))](
+            q, w, ik, cand, _flag_arg(flag, cand), out, T, groups, Hi // groups, S, dI, dI ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), ik.stride(0), ik.stride(1),
+            cand.stride(0), cand.stride(1), S, HAS_FLAG=flag is not None, BLOCK_S=block_s,
+            BLOCK_D=triton.next_power_of_2(dI), num_warps=4)
+    return out
+
+
+@_index_scores.register_fake
+def _(q, w, ik, cand, flag, groups, block_s):
+    B, T = q.shape[:2]
+    return q.new_empty((B, T, groups, ik.shape[1]), dtype=torch.float32)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch.Tensor, groups: int,
+                 flag: torch.Tensor | None = None, *, block_s: int = 128) -> torch.Tensor:
+    """DSA indexer scores, ``-inf`` off the candidates (module docstring).
+
+    Args:
+        q: ``(B, T, Hi, d)`` indexer queries; w: ``(B, T, Hi)`` head weights; ik: ``(B, S, groups * d)`` float32
+            indexer keys; cand: ``(B, T, S)`` bool candidates; groups: key groups (1, or ``Hkv`` per KV head),
+            each scored with ``Hi // groups`` consecutive heads.
+        flag: optional ``(B, T, groups)`` bool (broadcastable); rows where it is False are left unwritten.
+    Returns:
+        ``(B, T, groups, S)`` float32.
+    """
+    if q.dim() != 4 or w.shape != q.shape[:3] or ik.dim() != 3 or ik.shape[0] != q.shape[0]:
+        raise ValueError(f"index_scores: q (B, T, Hi, d), w (B, T, Hi), ik (B, S, groups * d) do not match: "
+                         f"{tuple(q.shape)}, {tuple(w.shape)}, {tuple(ik.shape)}")
+    B, T, Hi, dI = q.shape
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or Hi % groups or ik.shape[2] != groups * dI:
+        raise ValueError(f"index_scores: `groups` ({groups!r}) must divide the {Hi} heads and give key width "
+                         f"{ik.shape[2]} = groups * {dI}")
+    if ik.dtype != torch.float32:
+        raise ValueError(f"index_scores: `ik` must be float32, got {ik.dtype}")
+    if cand.dtype != torch.bool or tuple(cand.shape) != (B, T, ik.shape[1]):
+        raise ValueError(f"index_scores: `cand` must be bool ({B}, {T}, {ik.shape[1]}), got {cand.dtype} {tuple(cand.shape)}")
+    if isinstance(block_s, bool) or not isinstance(block_s, int) or not 16 <= block_s <= 1024 or block_s & (block_s - 1):
+        raise ValueError(f"index_scores: `block_s` must be a power of two in [16, 1024], got {block_s!r}")
+    ik = ik if ik.stride(-1) == 1 else ik.contiguous()
+    return _index_scores(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), ik,
+                         cand.to(torch.uint8).contiguous(), _row_flag(flag, (B, T, groups), "index_scores"), groups,
+                         block_s)

@@ -1,0 +1,342 @@
+"""The selection's Triton kernels (``sparse_k.selection.select_triton``) and the decode steps that skip them.
+
+Without CUDA the kernels run under Triton's interpreter (``tests/triton_interp.py``; where triton was imported
+before this module could set ``TRITON_INTERPRET=1``, ``test_interpreter_suite_in_subprocess`` runs this file in a
+fresh interpreter). Every kernel output is poisoned before the launch (a sentinel), so an entry a kernel does not
+write fails the comparison, and a row whose flag is off must still hold the sentinel.
+
+* ``topk_rows`` equals the PyTorch selection (``front_pack(top_mask(...) & valid)``) exactly: ties (small integer
+  scores), ``-inf``, ``-0.0``, ``k`` above the valid count, odd lengths, with and without a mask.
+* ``page_bound_scores`` / ``index_scores`` against ``quest_scores`` / ``LightningIndexer.scores``: the error
+  against a float64 reference is at most twice PyTorch's own float32 error plus a rounding floor.
+* ``build_selection`` through the kernels selects what the PyTorch path selects (training-free pages, DSA shared
+  and per KV head); over many static-cache decode steps (device-known and host-known offsets) a step equals the full
+  selection of the same call, and the steps inside a query block launch the kernels with every row's flag off.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton_interp import ON_GPU, KERNEL_TEST, import_kernels, run_file_interpreted
+
+HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("selection.select_triton")
+if HAVE_TRITON:
+    (st,) = _kernels
+
+import sparse_k  # noqa: E402
+from sparse_k.layouts.geometry import RowGeometry  # noqa: E402
+from sparse_k.selection import page_selection  # noqa: E402
+from sparse_k.selection.page_selection import front_pack, page_summaries, quest_scores, top_mask  # noqa: E402
+from sparse_k.selection.scorers import LightningIndexer  # noqa: E402
+from sparse_k.selection.selectors import build_selection  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+
+_N_KERNEL_TESTS = 20  # tests below marked KERNEL_TEST, parametrisations included
+DEV = "cuda" if ON_GPU else "cpu"
+SENTINEL = -7
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
+def test_interpreter_suite_in_subprocess():
+    run_file_interpreted(__file__, _N_KERNEL_TESTS, "-k", "not gpu", timeout=900)
+
+
+@pytest.fixture(autouse=True)
+def _interpret_and_poison(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if HAVE_TRITON:
+        monkeypatch.setattr(st, "_empty", lambda shape, dtype, device: torch.full(shape, SENTINEL, dtype=dtype, device=device))
+
+
+def _reference_topk(x, k, mask=None):
+    """The PyTorch selection the kernel must equal: ``(..., k)`` int64, ascending, -1 after."""
+    valid = mask.expand(x.shape) if mask is not None else x > float("-inf")
+    xm = torch.where(valid, x.float(), torch.full((), float("-inf"), device=x.device))
+    return front_pack(top_mask(xm, k) & valid, k, torch.arange(x.shape[-1], device=x.device).expand(x.shape), -1)
+
+
+def _rows(n, seed):
+    """Five rows of length ``n``: small-integer ties, ties with -inf holes, distinct values, signed zeros, all -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (5, n), generator=g).float()
+    x[1, ::3] = float("-inf")
+    x[2] = torch.randn(n, generator=g)
+    x[3] = torch.where(torch.rand(n, generator=g) > 0.5, -0.0, 0.0)
+    x[4] = float("-inf")
+    return x.to(DEV), (torch.rand(5, n, generator=g) > 0.4).to(DEV)
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("n", [1, 7, 33, 1000, 4097])
+def test_topk_rows_equals_the_torch_selection(n):
+    x, mask = _rows(n, n)
+    for k in sorted({0, 1, 5, n // 2, n - 1, n, n + 3} - {-1}):
+        assert torch.equal(st.topk_rows(x, k).long(), _reference_topk(x, k)), (n, k)
+        assert torch.equal(st.topk_rows(x, k, mask).long(), _reference_topk(x, k, mask)), (n, k)
+
+
+@KERNEL_TEST
+def test_topk_rows_small_chunks_and_half_precision():
+    """Chunks smaller than the row (the radix passes and the compaction carry counts across chunks) and float16 input."""
+    x, mask = _rows(301, 1)
+    for k in (1, 17, 100, 301):
+        assert torch.equal(st.topk_rows(x, k, mask, block=16).long(), _reference_topk(x, k, mask)), k
+    h = x.half()
+    assert torch.equal(st.topk_rows(h, 40).long(), _reference_topk(h.float(), 40))
+
+
+@KERNEL_TEST
+def test_topk_rows_skips_rows_whose_flag_is_off():
+    x, mask = _rows(257, 2)
+    flag = torch.tensor([True, False, True, False, False], device=DEV)
+    got = st.topk_rows(x, 9, mask, flag)
+    assert bool((got[~flag] == SENTINEL).all())
+    assert torch.equal(got[flag].long(), _reference_topk(x, 9, mask)[flag])
+
+
+@KERNEL_TEST
+def test_topk_rows_rejects_bad_arguments():
+    x = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match="`k`"):
+        st.topk_rows(x, -1)
+    with pytest.raises(ValueError, match="`mask`"):
+        st.topk_rows(x, 2, torch.ones(3, 8, dtype=torch.bool, device=DEV))
+    with pytest.raises(ValueError, match="`flag`"):
+        st.topk_rows(x, 2, flag=torch.ones(2, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="`x`"):
+        st.topk_rows(x.double(), 2)
+
+
+def _pages(B, H, C, G, D, P, page, seed):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(B, H, P * page - 3, D, generator=g)
+    kmin, kmax, ok = page_summaries(key, torch.zeros(B, dtype=torch.long), torch.tensor([P * page - 3, 50])[:B], page,
+                                    1, P)
+    q = torch.randn(B, H, C, G, D, generator=g)
+    last = torch.tensor([[5, 20, P - 1], [-1, 3, P - 1]])[:B, :C]
+    return (t.to(DEV) for t in (q, kmin, kmax, ok, last))
+
+
+def _within_float32_error(got, want32, want64, where):
+    """``|got - want64| <= 2 |want32 - want64|max + floor`` (float32 rounding of sums of a few dozen products)."""
+    fin = torch.isfinite(want64)
+    assert torch.equal(torch.isfinite(got), fin), where
+    err = (got.double() - want64)[fin].abs().max()
+    ref_err = (want32.double() - want64)[fin].abs().max()
+    floor = 1e-6 * want64[fin].abs().max().clamp_min(1.0)
+    assert err <= 2 * ref_err + floor, (where, float(err), float(ref_err))
+
+
+@KERNEL_TEST
+def test_page_bound_scores_match_quest_scores_and_skip_flagged_rows():
+    q, kmin, kmax, ok, last = _pages(2, 2, 3, 4, 16, 37, 4, 0)
+    P = kmin.shape[2]
+    cand = ok[:, :, None, :] & (torch.arange(P, device=DEV) <= last[:, None, :, None])
+    neg = float("-inf")
+    want32 = torch.where(cand, quest_scores(q, kmin, kmax, ok), neg)
+    want64 = torch.where(cand, quest_scores(q.double(), kmin.double(), kmax.double(), ok), neg)
+    _within_float32_error(st.page_bound_scores(q, kmin, kmax, ok, last, block_p=16), want32, want64, "all rows")
+    flag = torch.tensor([[True, False, True], [False, True, False]], device=DEV)[:, None].expand(2, 2, 3)
+    got = st.page_bound_scores(q, kmin, kmax, ok, last, flag)
+    assert bool((got[~flag] == SENTINEL).all())
+    _within_float32_error(got[flag], want32[flag], want64[flag], "flagged rows")
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_index_scores_match_the_indexer_and_skip_flagged_rows(per_kv_head):
+    torch.manual_seed(3)
+    ix = LightningIndexer(4, 2, 16, indexer_heads=2, indexer_dim=8, per_kv_head=per_kv_head)
+    with torch.no_grad():
+        qi, w = ix.index_queries(torch.randn(2, 4, 3, 16))
+        ik = ix.index_keys(torch.randn(2, 2, 29, 16))
+        cand = torch.rand(2, 3, 29) > 0.3
+        G = 2 if per_kv_head else 1
+
+        def ref(dtype):
+            sc = ix.double().scores(qi.double(), w.double(), ik.double()) if dtype == torch.float64 else ix.float().scores(qi, w, ik)
+            sc = sc if sc.dim() == 4 else sc[:, :, None]
+            return torch.where(cand[:, :, None], sc, float("-inf"))
+
+        want32, want64 = ref(torch.float32), ref(torch.float64)
+        args = [t.to(DEV) for t in (qi, w, ik, cand)]
+        _within_float32_error(st.index_scores(*args, G, block_s=16).cpu(), want32, want64, "all rows")
+        flag = torch.tensor([[True, False, True], [False, False, True]], device=DEV)[:, :, None].expand(2, 3, G)
+        got = st.index_scores(*args, G, flag).cpu()
+        f = flag.cpu()
+        assert bool((got[~f] == SENTINEL).all())
+        _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparse_k.selection import select_triton as st
+topk = {"X": "*fp32", "M": "*u8", "FLAG": "*u8", "OUT": "*i32", "n": "i32", "k": "i32", "stride_x": "i32",
+        "stride_m": "i32", "stride_o": "i32", "HAS_MASK": "constexpr", "HAS_FLAG": "constexpr", "BLOCK": "constexpr",
+        "BLOCK_K": "constexpr"}
+pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*i64", "FLAG": "*u8", "OUT": "*fp32",
+         **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
+                              "sok_b", "sl_b", "so_r")},
+         "HAS_FLAG": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
+index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
+         **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
+         **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
+         "HAS_FLAG": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
+for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
+                              (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
+                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
+                              (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4)):
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    assert "cubin" in k.asm, list(k.asm)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The compiled frontend accepts the kernels (the early return on a flag, the radix passes, the histogram): compiled
+    to an sm_90 cubin without a GPU, in a fresh process with the interpreter off."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).resolve().parents[2]))
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+# ----- build_selection through the kernels ----------------------------------------------------------------------
+
+B, HQ, HKV, D = 2, 4, 2, 16
+SLOTS, PROMPT, PAD = 83, 13, 3  # row 1 is left-padded by PAD slots
+KINDS = ["dsa", "dsa_per_kv_head", "pages"]
+
+
+def _pattern(kind):
+    if kind == "pages":
+        return sparse_k.SparseK(sinks=2, window=5, top_k=8, query_block=4)
+    return sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
+
+
+def _selector(kind):
+    torch.manual_seed(5)
+    if kind == "pages":
+        return None
+    return LightningIndexer(HQ, HKV, D, indexer_heads=2, indexer_dim=8, per_kv_head=kind == "dsa_per_kv_head").to(DEV)
+
+
+class Cache:
+    """A static cache ``k, v (B, HKV, SLOTS, D)`` (garbage in unwritten slots); ``call`` writes the next ``q_len`` slots."""
+
+    def __init__(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.k, self.v, self.q = (torch.randn(B, h, SLOTS, D, generator=g).to(DEV) for h in (HKV, HKV, HQ))
+        self.written = 0
+
+    def call(self, q_len):
+        self.written += q_len
+        mask = torch.arange(SLOTS) < self.written
+        mask = torch.stack([mask, mask & (torch.arange(SLOTS) >= PAD)]).to(DEV)
+        geo = sparse_k.row_geometry(B, q_len, SLOTS, mask, torch.full((B,), self.written - q_len, device=DEV))
+        return self.q[:, :, self.written - q_len: self.written], geo
+
+
+def _select(kind, selector, cache, q, geo, state=None, memo=None):
+    return build_selection(_pattern(kind), q, cache.k, cache.v, geo, layer_idx=0, selector=selector, memo=memo,
+                           state=state)
+
+
+def _same(got, want, where):
+    assert (got is None) == (want is None), where
+    if got is not None:
+        assert torch.equal(got.counts, want.counts), where
+        assert torch.equal(got.indices, want.indices), where
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("kind", KINDS)
+def test_selection_through_the_kernels_equals_the_torch_path(kind, monkeypatch):
+    selector, cache = _selector(kind), Cache(1)
+    q, geo = cache.call(SLOTS - 2)
+    with torch.no_grad():
+        got = _select(kind, selector, cache, q, geo, memo={})
+        assert page_selection.row_kernels(cache.k) is not None
+        monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)
+        want = _select(kind, selector, cache, q, geo, memo={})
+    assert got.counts.max() > 0
+    _same(got, want, kind)
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("offsets", ["host", "device"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_steps_equal_the_full_selection_and_skip_inside_a_block(kind, offsets, monkeypatch):
+    """Every step equals the full selection of the same call (which runs the kernels with every flag on); a step
+    whose rows are all inside their query block (not the first after the prefill) passes flags that are all off,
+    and the layout it returns is then the kept one."""
+    if offsets == "device":
+        monkeypatch.setattr(RowGeometry, "host_offsets", lambda self: None)
+    flags = []
+    topk_rows = st.topk_rows
+    monkeypatch.setattr(st, "topk_rows", lambda x, k, mask=None, flag=None, **kw: flags.append(flag) or topk_rows(x, k, mask, flag, **kw))
+    selector, cache, state, memo, memo_ref = _selector(kind), Cache(2), {}, {}, {}
+    bq = _pattern(kind).query_block
+    skipped = 0
+    with torch.no_grad():
+        q, geo = cache.call(PROMPT)
+        _same(_select(kind, selector, cache, q, geo, state, memo), _select(kind, selector, cache, q, geo, None, memo_ref),
+              "prefill")
+        for t in range(SLOTS - PROMPT):
+            q, geo = cache.call(1)
+            flags.clear()
+            got = _select(kind, selector, cache, q, geo, state, memo)
+            step_flags = list(flags)
+            _same(got, _select(kind, selector, cache, q, geo, None, memo_ref), f"step {t}")
+            pos = torch.tensor([cache.written - 1, cache.written - 1 - PAD])
+            inside = t > 0 and bool((pos % bq != 0).all())
+            if got is not None and inside:
+                assert step_flags and all(f is not None and not bool(f.any()) for f in step_flags), (t, step_flags)
+                skipped += 1
+            elif got is not None and t > 0 and bool((pos % bq == 0).all()):
+                assert all(f is not None and bool(f.all()) for f in step_flags), (t, step_flags)
+    assert skipped >= (SLOTS - PROMPT) // 3, skipped  # pages: rows at block starts 1 and 0 mod 4 (half the steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("n, k", [(32768, 2048), (131072, 2048), (8192, 128), (131071, 4097)])
+def test_topk_rows_at_real_sizes_bf16_scores(n, k):
+    """Real decode sizes (DSA over 32K / 128K keys, training-free pages at 128K / 16), bf16 scores (many ties)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, n, device="cuda", generator=g).to(torch.bfloat16)
+    x[1, : n // 2] = float("-inf")
+    mask = torch.rand(8, n, device="cuda", generator=g) > 0.1
+    assert torch.equal(st.topk_rows(x, k).long(), _reference_topk(x.float(), k))
+    assert torch.equal(st.topk_rows(x, k, mask).long(), _reference_topk(x.float(), k, mask))
+    flag = torch.arange(8, device="cuda") % 2 == 0
+    got = st.topk_rows(x, k, mask, flag)
+    assert bool((got[~flag] == SENTINEL).all()) and torch.equal(got[flag].long(), _reference_topk(x.float(), k, mask)[flag])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_page_bound_scores_at_real_sizes():
+    """128K keys in pages of 16 (8192 pages), 8 KV heads of 4 query heads, head dim 128."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, H, G, Dh, P = 1, 8, 4, 128, 8192
+    kmin = torch.randn(B, H, P, Dh, device="cuda", generator=g)
+    kmax = kmin + torch.rand(B, H, P, Dh, device="cuda", generator=g)
+    ok = torch.ones(B, 1, P, dtype=torch.bool, device="cuda")
+    q = torch.randn(B, H, 1, G, Dh, device="cuda", generator=g)
+    last = torch.full((B, 1), P - 70, device="cuda")
+    cand = torch.arange(P, device="cuda") <= last[:, None, :, None]
+    want32 = torch.where(cand, quest_scores(q, kmin, kmax, ok), float("-inf"))  # TF32 off: torch's default for matmul
+    want64 = torch.where(cand, quest_scores(q.double(), kmin.double(), kmax.double(), ok), float("-inf"))
+    _within_float32_error(st.page_bound_scores(q, kmin, kmax, ok, last), want32, want64, "128K")
