@@ -157,10 +157,10 @@ def test_fp16_forward_backward():
 
 
 @_SUBPROCESS_ONLY
-@pytest.mark.parametrize("name", ["streaming", "block_diagonal"])
+@pytest.mark.parametrize("name", ["streaming", "block_diagonal", "dilated"])
 def test_transposed_views_without_copies(name, monkeypatch):
-    """What a Transformers layer passes: q, k, v transposed views of (B, S, H, D) leaves (streaming: the
-    structured kernels; block_diagonal: the layout path). The output comes back in (B, S, H, D) order
+    """What a Transformers layer passes: q, k, v transposed views of (B, S, H, D) leaves (streaming,
+    block_diagonal: the structured kernels; dilated: the layout path). The output comes back in (B, S, H, D) order
     (so the adapter's ``transpose(1, 2).contiguous()`` copies nothing), the backward receives the
     strided dO itself, and the leaves' gradients are contiguous and match the float64 reference's."""
     from sparse_k.attention import ops
