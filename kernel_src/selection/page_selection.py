@@ -41,13 +41,11 @@ block: ``selection_state``); otherwise (``HEAD_REDUCE`` other than "sum", ``REFI
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
 from ..layouts.geometry import host_rows
 from ..warn import warn_once
+from .kernel_module import KernelModule, interpreter_on
 from .step_state import state_buffers
 
 __all__ = ["DEFAULT_PAGE", "expand_pages", "page_size", "page_summaries", "quest_layout", "quest_scores", "rank_merge",
@@ -69,23 +67,7 @@ REFINE = 0
 #: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
 TRITON_SELECTION = True
 
-_KERNELS = None
-
-
-def _kernel_module():
-    """``select_triton``, imported once (ImportError without triton) and kept in a global, so a traced call
-    (``torch.compile``) reads it instead of tracing an import."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = importlib.import_module(".select_triton", __package__)
-    return _KERNELS
-
-
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available():
-    try:  # on a GPU machine, before any compiled call looks for it (CPU runs import it on first use, interpreted)
-        _kernel_module()
-    except ImportError:
-        pass
+_KERNELS = KernelModule(".select_triton", "_topk_kernel")
 
 
 def row_kernels(t: torch.Tensor):
@@ -93,17 +75,15 @@ def row_kernels(t: torch.Tensor):
     the CPU under ``TRITON_INTERPRET=1`` with the module imported interpreted; else None (the PyTorch path)."""
     if not TRITON_SELECTION or t.dtype != torch.float32 or t.device.type not in ("cuda", "cpu"):
         return None
-    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if t.device.type == "cpu" and not interpreter_on():
         return None
     try:
-        mod = _KERNELS if _KERNELS is not None else _kernel_module()
+        mod = _KERNELS.module if _KERNELS.module is not None else _KERNELS.load()
     except ImportError:
         return None
     if t.device.type == "cuda":
         return mod
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return mod if isinstance(mod._topk_kernel, InterpretedFunction) else None
+    return mod if _KERNELS.interpreted() else None
 
 
 def page_size(pattern, page: int | None = None) -> int:

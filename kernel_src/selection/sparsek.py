@@ -24,11 +24,9 @@ the segment, float64 search arithmetic) runs with ``sparsek(..., backend="triton
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
+from .kernel_module import KernelModule, interpreter_on
 from .sparsek_budget import key_budget, require
 
 __all__ = ["SparseKFunction", "sparsek", "sparsek_threshold"]
@@ -122,23 +120,7 @@ class SparseKFunction(torch.autograd.Function):
         return grad_u, None, None
 
 
-_TRITON_MODULE = None
-
-
-def _triton_module():
-    """``sparsek_triton``, imported once (ImportError without triton). The module is kept in a global so a traced
-    call (``torch.compile``) reads it instead of tracing an import, which Dynamo cannot."""
-    global _TRITON_MODULE
-    if _TRITON_MODULE is None:
-        _TRITON_MODULE = importlib.import_module(".sparsek_triton", __package__)
-    return _TRITON_MODULE
-
-
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available():
-    try:  # on a GPU machine, before any compiled call looks for it (CPU runs import it on first use, interpreted)
-        _triton_module()
-    except ImportError:
-        pass
+_TRITON = KernelModule(".sparsek_triton", "_sparsek_fwd_kernel")
 
 
 def _triton_kernels(u: torch.Tensor, backend: str):
@@ -146,16 +128,14 @@ def _triton_kernels(u: torch.Tensor, backend: str):
     if backend == "torch" or (backend == "auto" and not (AUTO_TRITON_ON_CUDA and u.is_cuda and u.dtype != torch.float64)):
         return None
     try:
-        mod = _TRITON_MODULE if _TRITON_MODULE is not None else _triton_module()
+        mod = _TRITON.module if _TRITON.module is not None else _TRITON.load()
     except ImportError as e:
         if backend == "auto":
             return None
         raise RuntimeError(f"sparsek: backend='triton' needs triton ({e})") from None
     if u.is_cuda:
         return mod
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not isinstance(mod._sparsek_fwd_kernel, InterpretedFunction):
+    if not interpreter_on() or not _TRITON.interpreted():
         raise RuntimeError(
             f"sparsek: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before sparsek_triton is "
             f"imported for tensors on the CPU; got a tensor on {u.device}"
