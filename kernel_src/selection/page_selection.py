@@ -27,6 +27,11 @@ Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELE
 GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
 shapes (no device read).
 
+Options (module constants, default off; docs/selection.md sessions 10-11): ``REFINE`` (two-stage: exact attention
+probabilities over more pages than the budget) and ``OBS`` (an observation window of the queries just before the block,
+SnapKV-style; screened and found not to retrieve: session 11). With ``OBS`` the decode memo also keeps a ring of the
+last ``OBS`` queries and the current block's observation queries.
+
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
 saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
 the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the

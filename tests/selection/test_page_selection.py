@@ -533,3 +533,29 @@ def test_observation_window_matches_definition(obs, refine, qb, monkeypatch):
         assert idx == [p + ks[b] for p in keys], (b, h, blk)
         checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("qb,refine,obs", [(1, 8, 0), (2, 6, 0), (1, 0, 3)])
+def test_per_query_selection_decode_equals_recompute(qb, refine, obs, monkeypatch):
+    """Query blocks of 1-2 (every query, or every pair, selects its own keys) with ``REFINE``: a prefill then one
+    token per call through the memo gives the recompute's selection; padded row 1."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "OBS", obs)
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
+    pattern = sparse_k.SparseK(sinks=2, window=9, top_k=8, query_block=qb)
+    B, S, prefill = 2, 90, 41
+    q, k, v = _inputs(B, 4, 2, S, 6, seed=qb * 10 + refine)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :5] = False
+    full_geo = sparse_k.row_geometry(B, S, S, mask)
+    want = _layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
+    memo = {}
+    for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]:
+        geo = sparse_k.row_geometry(B, t1 - t0, t1, mask[:, :t1])
+        lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
+        if lay is None:
+            continue
+        for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+            assert idx == want[key], f"step {t1}, {key}"
