@@ -7,8 +7,9 @@ after each run and prints a summary with the acceptance check of the training-fr
 unseen-format retrieval >= ``--retrieval-bar`` of dense's count, and perplexity <= ``--ppl-bar``
 above dense in every perplexity window (the spread considered: the worst window counts).
 
-A cell is ``CONTEXT:SINKS:WINDOW:TOP_K``; a setting is ``qb=N,page=N,heads=sum|max|rank[,refine=F][,dense=A-B]``
-(``refine``: ``page_selection.REFINE``, the two-stage selection; default 0).
+A cell is ``CONTEXT:SINKS:WINDOW:TOP_K``; a setting is ``qb=N,page=N,heads=sum|max|rank[,refine=F][,obs=N][,dense=A-B]``
+(``refine``: ``page_selection.REFINE``, the two-stage selection; ``obs``: ``page_selection.OBS``, the observation
+window; both default 0).
 Arguments after ``--`` go to every ``evaluate_selectors`` run (its flags). Command line:
 ``scripts/sweep_training_free.py``. Example::
 
@@ -38,11 +39,11 @@ def _cell(text: str) -> dict:
 
 
 def _setting(text: str) -> dict:
-    out = {"qb": 64, "page": 16, "heads": "sum", "refine": 0, "dense": []}
+    out = {"qb": 64, "page": 16, "heads": "sum", "refine": 0, "obs": 0, "dense": []}
     for part in text.split(","):
         name, sep, value = part.partition("=")
         if not sep or name not in out:
-            raise argparse.ArgumentTypeError(f"setting fields are qb=, page=, heads=, refine=, dense=A-B; got {part!r} in {text!r}")
+            raise argparse.ArgumentTypeError(f"setting fields are qb=, page=, heads=, refine=, obs=, dense=A-B; got {part!r} in {text!r}")
         if name == "dense":
             lo, _, hi = value.partition("-")
             out["dense"] = list(range(int(lo), int(hi or lo) + 1))
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
 
     evaluate.load_model = lambda model=None, *, attn_implementation="sdpa", dtype="auto", device="auto": \
         cached(model, attn_implementation, dtype, device)
-    defaults = ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE
+    defaults = ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS
     t0 = time.perf_counter()
     runs, skipped = [], []
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/sweep_training_free.py", *argv])
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
                 if args.max_minutes is not None and time.perf_counter() - t0 > 60 * args.max_minutes:
                     skipped.append({"cell": cell, "setting": setting["name"]})
                     continue
-                ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE = setting["page"], setting["heads"], setting["refine"]
+                ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS = \
+                    setting["page"], setting["heads"], setting["refine"], setting["obs"]
                 run_argv = [*rest, "--context", str(cell["context"]), "--sinks", str(cell["sinks"]),
                             "--window", str(cell["window"]), "--top-k", str(cell["top_k"]),
                             "--query-block", str(setting["qb"]), "--training-free", "sparse_k", "--no-streaming"]
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
                     with open(out) as fh:
                         res = json.load(fh)
                 runs.append({"cell": cell, "setting": setting, "page": ps.DEFAULT_PAGE, "head_reduce": ps.HEAD_REDUCE,
-                             "refine": ps.REFINE,
+                             "refine": ps.REFINE, "obs": ps.OBS,
                              "evaluate_selectors_args": run_argv, "rows": res["rows"], "table": res["table"],
                              "seconds": time.perf_counter() - start})
                 lines = summary(runs, args.retrieval_bar, args.ppl_bar)
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
                               fh, indent=2, default=str)
                 print(f"[sweep] {setting['name']} at {cell}: {runs[-1]['seconds']:.0f} s", flush=True)
     finally:  # the module settings and load_model go back even when a run fails
-        ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE = defaults
+        ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS = defaults
         evaluate.load_model = real_load
     lines = summary(runs, args.retrieval_bar, args.ppl_bar)
     with open(args.output, "w") as fh:

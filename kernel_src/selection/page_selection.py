@@ -27,6 +27,11 @@ Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELE
 GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
 shapes (no device read).
 
+Options (module constants, default off; their screening is in docs/selection.md): ``REFINE`` (two-stage: exact
+attention probabilities over more pages than the budget) and ``OBS`` (an observation window of the queries just before
+the block, SnapKV-style; it did not retrieve in the screening). With ``OBS`` the decode memo also keeps a ring of the
+last ``OBS`` queries and the current block's observation queries.
+
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
 saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
 the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the
@@ -48,8 +53,8 @@ from ..warn import warn_once
 from .kernel_module import KernelModule, interpreter_on
 from .step_state import state_buffers
 
-__all__ = ["DEFAULT_PAGE", "expand_pages", "page_size", "page_summaries", "quest_layout", "quest_scores", "rank_merge",
-           "front_pack", "row_kernels", "top_indices", "top_mask", "top_pages"]
+__all__ = ["DEFAULT_PAGE", "expand_pages", "obs_page_scores", "observe", "page_size", "page_summaries", "quest_layout",
+           "quest_scores", "rank_merge", "front_pack", "row_kernels", "top_indices", "top_mask", "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
@@ -64,6 +69,14 @@ CHUNK_ELEMENTS_CUDA = 1 << 27
 #: first query (its ``q . k`` softmax over its sinks, its window and the preselected keys, per query head, summed over
 #: the KV head's query heads).
 REFINE = 0
+#: Observation window (SnapKV-style, after Li et al. 2024, arXiv 2404.14469): 0 (default) scores with the block's
+#: first query alone; ``n > 0`` scores with the ``n`` queries at positions ``[b0 - n + 1, b0]`` (the block's first query
+#: and the ``n - 1`` before it: all known when the block starts). Each observation query and query head contributes its
+#: softmax over the candidate pages of the Quest bound (times ``D ** -0.5``), summed over the observation queries and
+#: the KV head's query heads (``HEAD_REDUCE`` is not used); with ``REFINE`` the second stage sums the observation
+#: queries' attention probabilities (each over its causal sinks, its causal part of the block's window and the
+#: preselected keys). Decode state: the last ``n`` queries (a ring) and the current block's ``n`` observation queries.
+OBS = 0
 #: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
 TRITON_SELECTION = True
 
@@ -282,6 +295,127 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     return out, keep.sum(-1).clamp_max(width)
 
 
+def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
+                    cand_pages: torch.Tensor) -> torch.Tensor:
+    """Page scores ``(B, Hkv, NB, P)`` of the observation window (``OBS``): for every observation query ``qo (B, Hkv, NB,
+    G, O, D)`` (valid where ``qo_ok (B, NB, O)``) and query head, the softmax over the candidate pages (``cand_pages
+    (B, 1|Hkv, NB, P)``) of the Quest bound times ``D ** -0.5``, summed over the valid queries and the ``G`` heads."""
+    B, H, NB, G, O, D = qo.shape
+    q = qo.to(kmin.dtype)
+    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G * O, 2 * D)
+    okf = ok[..., None]
+    kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
+    bound = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, O, -1) * D ** -0.5
+    bound = bound.masked_fill(~cand_pages[:, :, :, None, None, :], float("-inf"))
+    prob = torch.softmax(bound, -1).nan_to_num(0.0) * qo_ok[:, None, :, None, :, None]
+    return prob.sum((3, 4))
+
+
+def _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k, block_start, sinks, window):
+    """``_refine`` with the observation window: a preselected key's score is the sum over the valid observation
+    queries (position ``b0 - O + 1 + i``) and the KV head's query heads of its attention probability, each query's
+    softmax taken over the preselected keys and its causal static keys (sinks, and the block's window keys up to the
+    query's own position)."""
+    B, H, NB, G, O, D = qo.shape
+    W = pages.shape[-1] * page
+    pos, cnt = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
+    ok = pos >= 0
+    flat = qo.reshape(B, H, NB, G * O, D)
+    logits = _gather_logits(flat, key, k_start, pos, ok).view(B, H, NB, G, O, W)
+    spos = torch.cat([torch.arange(sinks, device=pos.device).expand(B, NB, sinks),
+                      block_start[..., None] - torch.arange(window, device=pos.device)], -1)  # (B, NB, sinks + window)
+    sok = (spos >= 0) & (spos < n_keys[:, None, None]) & ((spos < sinks) | (spos > hi[..., None]))
+    sok[..., sinks:] &= spos[..., sinks:] >= sinks
+    s_logits = _gather_logits(flat, key, k_start, spos[:, None], sok[:, None]).view(B, H, NB, G, O, -1)
+    opos = block_start[..., None] - O + 1 + torch.arange(O, device=pos.device)  # (B, NB, O)
+    causal = spos[:, :, None, :] <= opos[..., None]  # (B, NB, O, S)
+    s_logits = s_logits.masked_fill(~causal[:, None, :, None], float("-inf"))
+    lse = torch.logaddexp(torch.logsumexp(s_logits, -1), torch.logsumexp(logits, -1))  # (B, H, NB, G, O)
+    prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0) * qo_ok[:, None, :, None, :, None]
+    prob = prob.sum((3, 4))  # (B, H, NB, W)
+    keep = top_mask(torch.where(ok, prob, torch.full((), -1.0, dtype=prob.dtype, device=prob.device)), min(top_k, W)) & ok
+    out = front_pack(keep, width, pos, -1)
+    return out, keep.sum(-1).clamp_max(width)
+
+
+def _obs_spec(B, Hq, O, D, dtype):
+    return {"oblock": ((B,), torch.int64, -1), "obs": ((B, Hq, O, D), dtype, 0.0), "ovalid": ((B, O), torch.bool, False),
+            "ring": ((B, Hq, O, D), dtype, 0.0), "rvalid": ((B, O), torch.bool, False), "ring_end": ((B,), torch.int64, -1)}
+
+
+def _obs_extended(query, q_pos0, memo, O):
+    """The call's queries after the memo's ring of the ``O`` queries before them: ``ext (B, Hq, O + Sq, D)`` (ext
+    index ``e`` is position ``q_pos0 - O + e``) and ``ext_ok (B, O + Sq)`` (a query at a position ``>= 0``; ring
+    entries only when the ring ends at ``q_pos0``)."""
+    B, Hq, Sq, D = query.shape
+    q = _compute(query)
+    epos = q_pos0[:, None] - O + torch.arange(O + Sq, device=query.device)
+    if memo is not None:
+        state_buffers(memo, _obs_spec(B, Hq, O, D, q.dtype), query.device)
+        match = memo["ring_end"] == q_pos0  # (B,)
+        ring = torch.where(match[:, None, None, None], memo["ring"], 0.0)
+        rok = memo["rvalid"] & match[:, None]
+    else:
+        ring = q.new_zeros(B, Hq, O, D)
+        rok = torch.zeros(B, O, dtype=torch.bool, device=query.device)
+    ext = torch.cat([ring, q], 2)
+    ext_ok = torch.cat([rok, torch.ones(B, Sq, dtype=torch.bool, device=query.device)], 1) & (epos >= 0)
+    return ext, ext_ok
+
+
+def _obs_commit_ring(memo, ext, ext_ok, q_pos0, Sq, O):
+    """The memo's ring: the last ``O`` entries of ``ext`` (written in place)."""
+    memo["ring"].copy_(ext[:, :, Sq:Sq + O].detach())
+    memo["rvalid"].copy_(ext_ok[:, Sq:Sq + O])
+    memo["ring_end"].copy_(q_pos0 + Sq)
+
+
+def observe(memo: dict, query: torch.Tensor, geometry) -> None:
+    """A decode call that reuses its block's layout (``selectors.build_selection``) still moves the ``OBS`` ring."""
+    if OBS <= 0 or memo is None:
+        return
+    B, _, Sq, _ = query.shape
+    q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
+    ext, ext_ok = _obs_extended(query, q_pos0, memo, OBS)
+    _obs_commit_ring(memo, ext, ext_ok, q_pos0, Sq, OBS)
+
+
+def _obs_windows(ext, ext_ok, q_pos0, block_start, O):
+    """Observation queries ``(B, Hq, NB, O, D)`` and mask ``(B, NB, O)`` of the blocks ``block_start (B, NB)`` from
+    ``_obs_extended``'s tensors (entries before the ring: invalid)."""
+    B, Hq, E, D = ext.shape
+    e = block_start[..., None] - q_pos0[:, None, None] + 1 + torch.arange(O, device=ext.device)  # (B, NB, O)
+    inside = (e >= 0) & (e < E)
+    ec = e.clamp(0, E - 1)
+    NB = block_start.shape[1]
+    qo = ext.gather(2, ec.view(B, 1, NB * O, 1).expand(B, Hq, NB * O, D)).view(B, Hq, NB, O, D)
+    return qo, inside & ext_ok.gather(1, ec.view(B, NB * O)).view(B, NB, O)
+
+
+def _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O):
+    """``_obs_extended``'s tensors and the first block's observation queries ``(B, Hq, 1, O, D)`` and mask ``(B, 1, O)``:
+    a block that started in an earlier call (only a call's first block can) takes the memo's when the memo holds that
+    block. Then the memo keeps each row's last block when it starts in this call, and the ring moves on."""
+    ext, ext_ok = _obs_extended(query, q_pos0, memo, O)
+    qo0, ok0 = _obs_windows(ext, ext_ok, q_pos0, block_start[:, :1], O)
+    if memo is None:
+        if host is not None and any(qs - ks > 0 for qs, ks, _ in host_rows(host)):
+            _warn_memo()
+        return ext, ext_ok, qo0, ok0
+    need = (block_start[:, 0] < q_pos0) & block_ok[:, 0]
+    use = need & (memo["oblock"] == first)
+    qo0 = torch.where(use[:, None, None, None, None], memo["obs"][:, :, None], qo0)
+    ok0 = torch.where(use[:, None, None], memo["ovalid"][:, None], ok0)
+    last = block_ok.sum(-1) - 1
+    b_last = block_start.gather(1, last[:, None])
+    seen = b_last[:, 0] >= q_pos0
+    ql, okl = _obs_windows(ext, ext_ok, q_pos0, b_last, O)
+    memo["obs"].copy_(torch.where(seen[:, None, None, None], ql[:, :, 0].detach(), memo["obs"]))
+    memo["ovalid"].copy_(torch.where(seen[:, None], okl[:, 0], memo["ovalid"]))
+    memo["oblock"].copy_(torch.where(seen, first + last, memo["oblock"]))
+    _obs_commit_ring(memo, ext, ext_ok, q_pos0, query.shape[2], O)
+    return ext, ext_ok, qo0, ok0
+
 def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
     """First query of every block ``(B, Hkv, NB, G, D)``; reads and updates ``memo`` (module docstring).
 
@@ -366,15 +500,22 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     else:
         kmin, kmax, ok = (t[:, :, :n_pages] for t in summaries)
     q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
-    qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, Hq // Hkv)
+    G, D, O = Hq // Hkv, key.shape[-1], max(0, OBS)
+    if O:
+        ext, ext_ok, qo0, ok0 = _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O)
+    else:
+        qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, G)
     lo, hi = pattern.candidate_range(block_start)
     p_idx = torch.arange(n_pages, device=key.device)
     limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
-    step = max(1, limit // max(1, B * Hkv * n_pages * (Hq // Hkv)))  # blocks per chunk: bounded score memory
+    per_q = G * max(1, O)  # query vectors scored per block and KV head
+    step = max(1, limit // max(1, B * Hkv * n_pages * per_q))  # blocks per chunk: bounded score memory
     n_pre = REFINE * (pattern.top_k // page) if REFINE > 0 else 0
     if n_pre:
-        step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * key.shape[-1])))
-    kern = row_kernels(kmin) if HEAD_REDUCE == "sum" and not n_pre else None
+        step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * D)))
+        if O:
+            step = max(1, min(step, limit // max(1, B * Hkv * per_q * (n_pre * page + pattern.sinks + pattern.window))))
+    kern = row_kernels(kmin) if HEAD_REDUCE == "sum" and not n_pre and not O else None
     pos_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
@@ -387,8 +528,21 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
             cnt_parts.append(cnt_c)
             continue
         cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
-        scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
-        if n_pre:
+        if O:
+            qo, qo_ok = _obs_windows(ext, ext_ok, q_pos0, bs, O)  # (B, Hq, c, O, D), (B, c, O)
+            if c0 == 0:
+                qo = torch.cat([qo0, qo[:, :, 1:]], 2)
+                qo_ok = torch.cat([ok0, qo_ok[:, 1:]], 1)
+            qo = qo.view(B, Hkv, G, c1 - c0, O, D).transpose(2, 3)
+            qo_ok = qo_ok & bo[..., None]
+            scores = obs_page_scores(qo, qo_ok, kmin, kmax, ok, cand_pages)
+        else:
+            scores = quest_scores(qb[:, :, c0:c1], kmin, kmax, ok, cand_pages)  # (B, Hkv, c1 - c0, P)
+        if n_pre and O:
+            pages, chosen = top_pages(scores, cand_pages, n_pre)
+            pos_c, cnt_c = _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
+                                       n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window)
+        elif n_pre:
             pages, chosen = top_pages(scores, cand_pages, n_pre)
             pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
                                    n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window)

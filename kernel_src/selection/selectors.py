@@ -50,7 +50,7 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import front_pack, page_size, page_summaries, quest_layout, row_kernels, \
+from .page_selection import observe as _observe, front_pack, page_size, page_summaries, quest_layout, row_kernels, \
     top_indices as _top_indices, top_mask, top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
@@ -228,6 +228,7 @@ def build_selection(
             state["sel_ok"].fill_(False)
         return None
     if reuse_key is not None and memo.get("layout_key") == reuse_key:
+        _observe(memo, query, geometry)  # page_selection.OBS: the observation ring still moves
         return memo["layout"]
     first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
     if selector is None:

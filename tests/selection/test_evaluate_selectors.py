@@ -80,6 +80,7 @@ def test_sweep_settings_and_acceptance_check():
     s = mod._setting("qb=16,page=8,heads=rank,dense=0-1")
     assert (s["qb"], s["page"], s["heads"], s["refine"], s["dense"]) == (16, 8, "rank", 0, [0, 1])
     assert mod._setting("qb=1,refine=4")["refine"] == 4
+    assert mod._setting("qb=16,obs=64,refine=4")["obs"] == 64 and s["obs"] == 0
     assert mod._cell("8192:4:508:512") == {"context": 8192, "sinks": 4, "window": 508, "top_k": 512}
     for bad in ("qb=16,pages=8", "heads=mean", "qb"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -108,12 +109,12 @@ def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):
     from hf_sparse_attention.evaluation import sweep_training_free as sweep
 
     def fail(argv):
-        assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE) == (8, "rank", 4) and evaluate.load_model is not real_load
+        assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS) == (8, "rank", 4, 16) and evaluate.load_model is not real_load
         raise RuntimeError("run failed")
 
-    real_load, before = evaluate.load_model, (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE)
+    real_load, before = evaluate.load_model, (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS)
     monkeypatch.setattr(evaluate, "main", fail)
     with pytest.raises(RuntimeError, match="run failed"):
-        sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank,refine=4", "--output",
+        sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank,refine=4,obs=16", "--output",
                     str(tmp_path / "sweep.json")])
-    assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE) == before and evaluate.load_model is real_load
+    assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS) == before and evaluate.load_model is real_load

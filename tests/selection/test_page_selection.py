@@ -170,15 +170,19 @@ def test_dsa_without_indexer_uses_the_same_selection():
     assert torch.equal(a.indices, b.indices) and torch.equal(a.counts, b.counts)
 
 
-@pytest.mark.parametrize("prefill,reduce,refine", [(37, "sum", 0), (48, "sum", 0), (37, "rank", 0), (37, "sum", 2)])
-def test_decode_equals_recompute(prefill, reduce, refine, monkeypatch):
-    """A prefill then one token per call, the memo carrying each block's first query, padded row 1; a decode
-    call inside the block of the call before it returns that call's layout (one selection per block)."""
+@pytest.mark.parametrize("prefill,reduce,refine,obs", [(37, "sum", 0, 0), (48, "sum", 0, 0), (37, "rank", 0, 0),
+                                                       (37, "sum", 2, 0), (37, "sum", 0, 5), (48, "sum", 0, 12),
+                                                       (37, "sum", 2, 12), (43, "sum", 100, 3)])
+def test_decode_equals_recompute(prefill, reduce, refine, obs, monkeypatch):
+    """A prefill then one token per call, the memo carrying each block's first query (``OBS``: the ring of the last
+    queries and the block's observation window), padded row 1; a decode call inside the block of the call before it
+    returns that call's layout (one selection per block)."""
     import sparse_k.selection.page_selection as ps
     import sparse_k.selection.selectors as sel
 
     monkeypatch.setattr(ps, "HEAD_REDUCE", reduce)
     monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "OBS", obs)
 
     computed = []
     quest = sel.quest_layout
@@ -469,3 +473,89 @@ def test_refine_matches_definition(refine, monkeypatch):
         assert idx == sorted(keys[i] + ks[b] for i in order.tolist()), (b, h, blk)
         if refine == 1:
             assert idx == pages_only[(b, h, blk)]
+
+
+@pytest.mark.parametrize("obs,refine,qb", [(5, 0, 8), (12, 0, 4), (1, 0, 8), (6, 2, 8), (20, 100, 8)])
+def test_observation_window_matches_definition(obs, refine, qb, monkeypatch):
+    """``OBS = n``: the queries at positions ``[b0 - n + 1, b0]`` (valid positions only) score the pages: per query and
+    query head the softmax over the candidate pages of the Quest bound / sqrt(D), summed; ``REFINE = F``: the
+    ``F * top_k // page`` best pages, then the keys with the largest summed attention probability of those queries,
+    each over its causal sinks and window keys (up to its own position) and the preselected keys. Left padding."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "OBS", obs)
+    monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
+    monkeypatch.setattr(ps, "CHUNK_ELEMENTS", 5000)  # several chunks of blocks
+    pattern = sparse_k.SparseK(sinks=3, window=12, top_k=8, query_block=qb)
+    B, Hq, Hkv, S, D, page = 2, 4, 2, 117, 6, 4
+    q, k, v = _inputs(B, Hq, Hkv, S, D, seed=obs + refine)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :9] = False
+    geo = sparse_k.row_geometry(B, S, S, mask)
+    got = _check_layout(_quiet_build(pattern, q, k, v, geo), pattern, geo, S, S, B)
+    G = Hq // Hkv
+    ks = geo.k_start.tolist()
+    checked = 0
+    for (b, h, blk), idx in got.items():
+        b0 = blk * qb
+        hi = b0 - pattern.window
+        n = S - ks[b]
+        cand = list(range(pattern.sinks, min(hi, n - 1) + 1))
+        if len(cand) <= pattern.top_k:
+            assert idx == [p + ks[b] for p in cand]
+            continue
+        obs_pos = [j for j in range(b0 - obs + 1, b0 + 1) if j >= 0]
+        pages = [pg for pg in range((hi + 1) // page) if (pg + 1) * page - 1 <= hi
+                 and any(p >= pattern.sinks for p in range(pg * page, (pg + 1) * page))]
+        score = {pg: 0.0 for pg in pages}
+        for j in obs_pos:
+            for g in range(G):
+                qv = q[b, h * G + g, j + ks[b]]
+                bound = []
+                for pg in pages:
+                    kk = k[b, h, [p + ks[b] for p in range(pg * page, (pg + 1) * page) if p >= pattern.sinks]]
+                    bound.append(float(torch.maximum(qv * kk.min(0).values, qv * kk.max(0).values).sum()))
+                for pg, pr in zip(pages, torch.softmax(torch.tensor(bound, dtype=torch.float64) / D ** 0.5, 0).tolist()):
+                    score[pg] += pr
+        n_sel = (refine or 1) * (pattern.top_k // page)
+        best = sorted(pages, key=lambda pg: (-score[pg], pg))[:n_sel]
+        keys = [p for pg in sorted(best) for p in range(pg * page, (pg + 1) * page) if p >= pattern.sinks]
+        if refine:
+            prob = torch.zeros(len(keys), dtype=torch.float64)
+            for j in obs_pos:
+                static = list(range(pattern.sinks)) + [p for p in range(max(hi + 1, pattern.sinks), j + 1)]
+                kk = k[b, h, [p + ks[b] for p in keys + static]]
+                for g in range(G):
+                    prob += torch.softmax(kk @ q[b, h * G + g, j + ks[b]] / D ** 0.5, 0)[: len(keys)]
+            order = torch.sort(prob, descending=True, stable=True).indices[: pattern.top_k]
+            keys = sorted(keys[i] for i in order.tolist())
+        assert idx == [p + ks[b] for p in keys], (b, h, blk)
+        checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("qb,refine,obs", [(1, 8, 0), (2, 6, 0), (1, 0, 3)])
+def test_per_query_selection_decode_equals_recompute(qb, refine, obs, monkeypatch):
+    """Query blocks of 1-2 (every query, or every pair, selects its own keys) with ``REFINE``: a prefill then one
+    token per call through the memo gives the recompute's selection; padded row 1."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "OBS", obs)
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
+    pattern = sparse_k.SparseK(sinks=2, window=9, top_k=8, query_block=qb)
+    B, S, prefill = 2, 90, 41
+    q, k, v = _inputs(B, 4, 2, S, 6, seed=qb * 10 + refine)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :5] = False
+    full_geo = sparse_k.row_geometry(B, S, S, mask)
+    want = _layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
+    memo = {}
+    for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]:
+        geo = sparse_k.row_geometry(B, t1 - t0, t1, mask[:, :t1])
+        lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
+        if lay is None:
+            continue
+        for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+            assert idx == want[key], f"step {t1}, {key}"
