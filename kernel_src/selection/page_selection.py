@@ -137,6 +137,17 @@ def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     return kmin, kmax, ok.view(B, n_pages, page).any(-1)[:, None]
 
 
+def _page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """The Quest bound ``relu(q) . kmax + min(q, 0) . kmin`` of queries ``q (B, Hkv, N, D)`` over every page:
+    ``(B, Hkv, N, P)`` in the summaries' dtype, one matmul; pages without a key (``ok (B, 1, P)`` False) give 0."""
+    B, H, N, D = q.shape
+    q = q.to(kmin.dtype)
+    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1)  # (B, H, N, 2D)
+    okf = ok[..., None]
+    kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
+    return torch.matmul(qq, kk.transpose(-1, -2))
+
+
 def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
                  cand_pages: torch.Tensor | None = None) -> torch.Tensor:
     """Page scores ``(B, Hkv, NB, P)``, higher is better: for every block's query heads ``q_blocks (B, Hkv, NB, G, D)``
@@ -144,11 +155,7 @@ def quest_scores(q_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     "max": maxed; "rank": the round-robin priority of ``rank_merge`` over ``cand_pages (B, 1|Hkv, NB, P)``,
     float64). Pages without a key (``ok (B, 1, P)`` False) score 0 here (the caller masks them)."""
     B, H, NB, G, D = q_blocks.shape
-    q = q_blocks.to(kmin.dtype)
-    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G, 2 * D)
-    okf = ok[..., None]
-    kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
-    per_head = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, -1)
+    per_head = _page_bounds(q_blocks.reshape(B, H, NB * G, D), kmin, kmax, ok).view(B, H, NB, G, -1)
     if HEAD_REDUCE == "rank":
         if cand_pages is None:
             raise ValueError("quest_scores: HEAD_REDUCE 'rank' needs cand_pages")
@@ -271,6 +278,25 @@ def _gather_logits(qb, key, k_start, pos, ok):
     return logits.masked_fill(~ok[:, :, :, None], float("-inf"))
 
 
+def _static_positions(block_start, hi, n_keys, sinks: int, window: int):
+    """The static keys of each block's first query: positions ``(B, NB, sinks + window)`` (the sinks, then the
+    window back from ``block_start``) and whether each is a key of the row that is not a candidate (``<= hi``)."""
+    B, NB = block_start.shape
+    spos = torch.cat([torch.arange(sinks, device=block_start.device).expand(B, NB, sinks),
+                      block_start[..., None] - torch.arange(window, device=block_start.device)], -1)
+    sok = (spos >= 0) & (spos < n_keys[:, None, None]) & ((spos < sinks) | (spos > hi[..., None]))
+    sok[..., sinks:] &= spos[..., sinks:] >= sinks
+    return spos, sok
+
+
+def _most_probable(prob, pos, ok, top_k: int, width: int):
+    """The ``top_k`` positions ``pos (B, Hkv, NB, W)`` (valid where ``ok``, ascending there) of highest ``prob``:
+    ``(positions (B, Hkv, NB, width)`` ascending, -1 past the count, ``counts (B, Hkv, NB))``."""
+    neg = torch.full((), -1.0, dtype=prob.dtype, device=prob.device)
+    keep = top_mask(torch.where(ok, prob, neg), min(top_k, pos.shape[-1])) & ok
+    return front_pack(keep, width, pos, -1), keep.sum(-1).clamp_max(width)
+
+
 def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k, block_start, sinks, window):
     """The ``top_k`` keys of the preselected ``pages`` by the block query's attention probability (``REFINE``):
     ``positions (B, Hkv, NB, width)`` ascending (-1 past the count), ``counts (B, Hkv, NB)``.
@@ -278,21 +304,15 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     The probability of a key is its share of the softmax of the block's first query over its static keys (sinks
     and window) and the preselected keys, per query head; the KV head sums its query heads' probabilities (a
     head that attends to its sinks and window gives the candidates little weight)."""
-    B, H, NB, G, D = qb.shape
     W = pages.shape[-1] * page
-    pos, cnt = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
+    pos, _ = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
     ok = pos >= 0
     logits = _gather_logits(qb, key, k_start, pos, ok)
-    spos = torch.cat([torch.arange(sinks, device=pos.device).expand(B, NB, sinks),
-                      block_start[..., None] - torch.arange(window, device=pos.device)], -1)  # (B, NB, sinks + window)
-    sok = (spos >= 0) & (spos < n_keys[:, None, None]) & ((spos < sinks) | (spos > hi[..., None]))
-    sok[..., sinks:] &= spos[..., sinks:] >= sinks
+    spos, sok = _static_positions(block_start, hi, n_keys, sinks, window)
     lse_static = torch.logsumexp(_gather_logits(qb, key, k_start, spos[:, None], sok[:, None]), -1)  # (B, H, NB, G)
     lse = torch.logaddexp(lse_static, torch.logsumexp(logits, -1))
     prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0).sum(3)  # (B, H, NB, W)
-    keep = top_mask(torch.where(ok, prob, torch.full((), -1.0, dtype=prob.dtype, device=prob.device)), min(top_k, W)) & ok
-    out = front_pack(keep, width, pos, -1)  # ascending: pos is ascending where valid
-    return out, keep.sum(-1).clamp_max(width)
+    return _most_probable(prob, pos, ok, top_k, width)
 
 
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
@@ -301,11 +321,7 @@ def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, k
     G, O, D)`` (valid where ``qo_ok (B, NB, O)``) and query head, the softmax over the candidate pages (``cand_pages
     (B, 1|Hkv, NB, P)``) of the Quest bound times ``D ** -0.5``, summed over the valid queries and the ``G`` heads."""
     B, H, NB, G, O, D = qo.shape
-    q = qo.to(kmin.dtype)
-    qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).reshape(B, H, NB * G * O, 2 * D)
-    okf = ok[..., None]
-    kk = torch.cat([torch.where(okf, kmax, 0.0), torch.where(okf, kmin, 0.0)], -1)  # (B, H, P, 2D)
-    bound = torch.matmul(qq, kk.transpose(-1, -2)).view(B, H, NB, G, O, -1) * D ** -0.5
+    bound = _page_bounds(qo.reshape(B, H, NB * G * O, D), kmin, kmax, ok).view(B, H, NB, G, O, -1) * D ** -0.5
     bound = bound.masked_fill(~cand_pages[:, :, :, None, None, :], float("-inf"))
     prob = torch.softmax(bound, -1).nan_to_num(0.0) * qo_ok[:, None, :, None, :, None]
     return prob.sum((3, 4))
@@ -318,14 +334,11 @@ def _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo, hi, n_keys, wi
     query's own position)."""
     B, H, NB, G, O, D = qo.shape
     W = pages.shape[-1] * page
-    pos, cnt = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
+    pos, _ = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
     ok = pos >= 0
     flat = qo.reshape(B, H, NB, G * O, D)
     logits = _gather_logits(flat, key, k_start, pos, ok).view(B, H, NB, G, O, W)
-    spos = torch.cat([torch.arange(sinks, device=pos.device).expand(B, NB, sinks),
-                      block_start[..., None] - torch.arange(window, device=pos.device)], -1)  # (B, NB, sinks + window)
-    sok = (spos >= 0) & (spos < n_keys[:, None, None]) & ((spos < sinks) | (spos > hi[..., None]))
-    sok[..., sinks:] &= spos[..., sinks:] >= sinks
+    spos, sok = _static_positions(block_start, hi, n_keys, sinks, window)
     s_logits = _gather_logits(flat, key, k_start, spos[:, None], sok[:, None]).view(B, H, NB, G, O, -1)
     opos = block_start[..., None] - O + 1 + torch.arange(O, device=pos.device)  # (B, NB, O)
     causal = spos[:, :, None, :] <= opos[..., None]  # (B, NB, O, S)
@@ -333,9 +346,7 @@ def _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo, hi, n_keys, wi
     lse = torch.logaddexp(torch.logsumexp(s_logits, -1), torch.logsumexp(logits, -1))  # (B, H, NB, G, O)
     prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0) * qo_ok[:, None, :, None, :, None]
     prob = prob.sum((3, 4))  # (B, H, NB, W)
-    keep = top_mask(torch.where(ok, prob, torch.full((), -1.0, dtype=prob.dtype, device=prob.device)), min(top_k, W)) & ok
-    out = front_pack(keep, width, pos, -1)
-    return out, keep.sum(-1).clamp_max(width)
+    return _most_probable(prob, pos, ok, top_k, width)
 
 
 def _obs_spec(B, Hq, O, D, dtype):
