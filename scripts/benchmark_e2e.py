@@ -299,6 +299,10 @@ class CompileCounter:
             return 0
 
 
+#: Characters kept of a kernel's name in the rows (C++ template names run to thousands).
+KERNEL_NAME_CHARS = 200
+
+
 def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, str | None, dict | None]:
     """(GPU ms per call, top kernels [(name, ms per call, launches per call)], attention kernel, every
     GPU operation {name: (launches per call, ms per call)}) of ``fn`` (profiler)."""
@@ -326,8 +330,9 @@ def _profile_kernels(fn, device, steps: int = 1) -> tuple[float | None, list, st
         if hits:
             attention = f"{label} ({hits[0][:60]})"
             break
-    every = {k[:80]: (counts[k] / steps, round(v, 4)) for k, v in sorted(kernels.items(), key=lambda kv: -counts[kv[0]])}
-    return total, [(k[:80], round(v, 4), counts[k] / steps) for k, v in top], attention, every
+    # Inductor's kernel names share long prefixes: keep them whole (a cut name would merge different kernels).
+    every = {k[:KERNEL_NAME_CHARS]: (counts[k] / steps, round(v, 4)) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])}
+    return total, [(k[:KERNEL_NAME_CHARS], round(v, 4), counts[k] / steps) for k, v in top], attention, every
 
 
 def planned_kernels(fn) -> str | None:

@@ -426,10 +426,10 @@ def tile_config(head_dim: int, device_type: str, need_grad: bool) -> tuple[int, 
 #: Key tile of a decode step that gathers a token layout's keys on the GPU (``decode_config``). Compiled for
 #: sm_90 (triton 3.6, 4 warps, D=128, BLOCK_M=16, SparseK weights, key mask, no index prefetch: the split-KV
 #: default of ``triton.fwd.layout_forward``), the split-KV kernel with a token layout spills 104 bytes a thread
-#: with 64-key tiles and nothing with 32-key tiles, in code a third shorter; on the H100 at B=8 (L2-hot,
-#: docs/history.md) both tiles ran the top-2048 decode in the same time. ``scripts/tune_decode.py --part
-#: static`` times both on a model's StaticCache step (set this to 64 to run the former tiles).
-TOKEN_DECODE_BLOCK_N = 32
+#: with 64-key tiles and nothing with 32-key tiles; still, on a model's StaticCache step the 64-key tiles are
+#: faster (``scripts/tune_decode.py --part static``: B=1 23-25 against 34 us a launch, B=8 127 against 308 us;
+#: docs/decode.md), since half the tiles mean half the dependent index loads. Set this to 32 to run the others.
+TOKEN_DECODE_BLOCK_N = 64
 
 
 def decode_config(q_len: int, group: int, device_type: str, head_dim: int, selection: bool = False

@@ -176,7 +176,8 @@ def step_sparsek_scores(state: dict, selector, key: torch.Tensor, value: torch.T
     slot = _new_slot(geometry, B)
     kpos = (slot - geometry.k_start.expand(B))[:, None]
     u_new = selector(_key_at(value, slot), kpos, _key_at(key, slot))  # (B, H, 1)
-    state["u"].scatter_(2, slot[:, None, None].expand(B, H, 1), u_new.to(state["u"].dtype))
+    rows = torch.arange(B, device=slot.device)
+    state["u"][rows, :, slot] = u_new[:, :, 0].to(state["u"].dtype)  # index_put_: Inductor writes it in place
     return state["u"]
 
 
@@ -191,7 +192,8 @@ def step_index_keys(state: dict, selector, key: torch.Tensor, geometry) -> torch
     B = key.shape[0]
     slot = _new_slot(geometry, B)
     ik = state["ik"]
-    ik.scatter_(1, slot[:, None, None].expand(B, 1, ik.shape[-1]), selector.index_keys(_key_at(key, slot)).to(ik.dtype))
+    rows = torch.arange(B, device=slot.device)
+    ik[rows, slot] = selector.index_keys(_key_at(key, slot))[:, 0].to(ik.dtype)
     return ik
 
 
@@ -221,13 +223,12 @@ def step_pages(state: dict, key: torch.Tensor, geometry, page: int, sinks: int) 
     fresh = (pos % page == 0)[:, None, None, None]
     take = ((pos >= sinks) & (slot < geometry.k_end.expand(B)) & (slot < S))[:, None, None, None]
     k = _key_at(key, slot).to(kmin.dtype)
-    gi = pg[:, None, None, None].expand(B, H, 1, D)
+    rows = torch.arange(B, device=key.device)
     inf = torch.full((), float("inf"), dtype=kmin.dtype, device=key.device)
-    lo = torch.where(fresh, inf, kmin.gather(2, gi))
-    hi = torch.where(fresh, -inf, kmax.gather(2, gi))
-    kmin.scatter_(2, gi, torch.where(take, torch.minimum(lo, k), lo))
-    kmax.scatter_(2, gi, torch.where(take, torch.maximum(hi, k), hi))
-    go = pg[:, None, None]
-    was = ok.gather(2, go) & ~fresh[:, :, :, 0]
-    ok.scatter_(2, go, was | take[:, :, :, 0])
+    lo = torch.where(fresh, inf, kmin[rows, :, pg][:, :, None])  # (B, H, 1, D): each row's page, every head
+    hi = torch.where(fresh, -inf, kmax[rows, :, pg][:, :, None])
+    kmin[rows, :, pg] = torch.where(take, torch.minimum(lo, k), lo)[:, :, 0]
+    kmax[rows, :, pg] = torch.where(take, torch.maximum(hi, k), hi)[:, :, 0]
+    was = ok[rows, 0, pg] & ~fresh[:, 0, 0, 0]
+    ok[rows, 0, pg] = was | take[:, 0, 0, 0]
     return kmin, kmax, ok
