@@ -527,19 +527,26 @@ def resolve_l2_segment(pattern: L2Aligned, kv_bytes_per_token: int, l2_bytes: in
 
 @dataclass(frozen=True)
 class _Learned(Pattern):
-    """Sinks + window (static, a ``streaming`` rule) plus ``top_k`` learned keys per query block."""
+    """Sinks + window (static, a ``streaming`` rule) plus ``top_k`` learned keys per query block.
+
+    ``refine`` (the training-free selection only, i.e. no trained selector): 0 chooses whole pages by their Quest
+    bound; ``F >= 1`` preselects ``F * top_k / page`` pages by the bound, then keeps the ``top_k`` keys among them with
+    the highest exact attention probability of the block's query (``sparse_k.selection.page_selection``). With
+    ``query_block=1`` and ``refine=8`` it retrieves like dense attention (docs/selection.md), at a high prefill cost."""
 
     learned: ClassVar[bool] = True
     sinks: int = 4
     window: int = 256
     top_k: int = 256
     query_block: int = 64
+    refine: int = 0
 
     def _validate(self):
         _check_int(self.name, "sinks", self.sinks, 0)
         _check_int(self.name, "window", self.window, 1)
         _check_int(self.name, "top_k", self.top_k, 0)
         _check_int(self.name, "query_block", self.query_block, 1)
+        _check_int(self.name, "refine", self.refine, 0)
 
     def static_part(self) -> Streaming:
         """The sinks + window rule that stays a block layout beside the selection."""

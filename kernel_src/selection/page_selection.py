@@ -27,9 +27,10 @@ Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELE
 GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
 shapes (no device read).
 
-Options (module constants, default off; their screening is in docs/selection.md): ``REFINE`` (two-stage: exact
-attention probabilities over more pages than the budget) and ``OBS`` (an observation window of the queries just before
-the block, SnapKV-style; it did not retrieve in the screening). With ``OBS`` the decode memo also keeps a ring of the
+Options (default off; their screening is in docs/selection.md): the pattern's ``refine`` (or the module constant
+``REFINE`` for patterns that leave it 0; two-stage: exact attention probabilities over more pages than the
+budget) and ``OBS`` (an observation window of the queries just before the block, SnapKV-style; it did not
+retrieve in the screening). With ``OBS`` the decode memo also keeps a ring of the
 last ``OBS`` queries and the current block's observation queries.
 
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
@@ -41,7 +42,7 @@ place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graph
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
 under ``TRITON_INTERPRET=1``), the page scores and the page top-k of ``quest_layout`` run there, for every call (so
 a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
-block: ``selection_state``); otherwise (``HEAD_REDUCE`` other than "sum", ``REFINE``, float64, the CPU) PyTorch.
+block: ``selection_state``); otherwise (``HEAD_REDUCE`` other than "sum", ``refine`` / ``REFINE``, float64, the CPU) PyTorch.
 """
 
 from __future__ import annotations
@@ -521,7 +522,8 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
     per_q = G * max(1, O)  # query vectors scored per block and KV head
     step = max(1, limit // max(1, B * Hkv * n_pages * per_q))  # blocks per chunk: bounded score memory
-    n_pre = REFINE * (pattern.top_k // page) if REFINE > 0 else 0
+    refine = getattr(pattern, "refine", 0) or REFINE
+    n_pre = refine * (pattern.top_k // page) if refine > 0 else 0
     if n_pre:
         step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * D)))
         if O:

@@ -245,6 +245,9 @@ def build_selection(
         if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
             memo["layout_key"], memo["layout"] = reuse_key, layout
         return layout
+    if getattr(pattern, "refine", 0):
+        warn_once(f"{pattern.name}: refine={pattern.refine} applies to the training-free selection only; layer {layer_idx} "
+                  "has a trained selector, which selects without it", key=f"{pattern.name}: refine with a selector")
     if isinstance(selector, SparseKScorer):
         if step:
             u, listed, chunk, chosen = feats

@@ -559,3 +559,45 @@ def test_per_query_selection_decode_equals_recompute(qb, refine, obs, monkeypatc
             continue
         for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
             assert idx == want[key], f"step {t1}, {key}"
+
+
+@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+def test_pattern_refine_is_the_two_stage_selection(name, monkeypatch):
+    """``refine=F`` on the pattern selects what the module's ``REFINE = F`` does (and differs from pages only here);
+    negative or non-integer values are refused by name; the field survives ``to_dict``."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
+    base = sparse_k.get_pattern(name, sinks=3, window=12, top_k=8, query_block=1)
+    B, Hq, Hkv, S, D = 2, 4, 2, 97, 6
+    q, k, v = _inputs(B, Hq, Hkv, S, D, seed=len(name))
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, :7] = False
+    geo = sparse_k.row_geometry(B, S, S, mask)
+    by_field = _layout_sets(_quiet_build(base.replace(refine=3), q, k, v, geo), geo, S, B)
+    monkeypatch.setattr(ps, "REFINE", 3)
+    by_module = _layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
+    monkeypatch.setattr(ps, "REFINE", 0)
+    pages_only = _layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
+    assert by_field == by_module
+    assert by_field != pages_only
+    assert sparse_k.pattern_from_dict(base.replace(refine=3).to_dict()).refine == 3
+    for bad in (-1, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="refine"):
+            sparse_k.get_pattern(name, refine=bad)
+
+
+def test_pattern_refine_with_a_trained_selector_warns():
+    """A trained selector does not use ``refine``: the call says so (once) and selects as without it."""
+    from sparse_k.selection.selectors import SparseKScorer
+    from sparse_k.warn import _WARNED
+
+    _WARNED.discard("sparse_k: refine with a selector")
+    pattern = sparse_k.SparseK(sinks=2, window=8, top_k=8, query_block=4)
+    q, k, v = _inputs(1, 4, 2, 60, 8, seed=5)
+    geo = sparse_k.row_geometry(1, 60, 60, None)
+    scorer = SparseKScorer(2, 8)
+    with pytest.warns(UserWarning, match="refine=2 applies to the training-free selection only"):
+        got = build_selection(pattern.replace(refine=2), q, k, v, geo, layer_idx=0, selector=scorer)
+    want = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.counts, want.counts)
