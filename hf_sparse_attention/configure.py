@@ -77,6 +77,7 @@ def configure(
     backend: str | None = None,
     cache_positions: str | None = None,
     selector_path: str | None = None,
+    shipped_selectors: bool | None = None,
     **params,
 ) -> dict:
     """Set the sparse attention of a model (or of a config before loading) and return the dict written.
@@ -95,6 +96,8 @@ def configure(
             are loaded and attached at once (a missing or mismatched file warns and keeps the
             training-free selection). After ``from_pretrained`` of a config that already names one,
             call ``hf_sparse_attention.load_selectors_for_model(model)``.
+        shipped_selectors: False keeps the package's shipped trained selectors (``hf_sparse_attention.shipped``,
+            attached by themselves to the model they were trained on) off; default on.
     Returns:
         The plain, JSON-friendly dict stored as ``config.sparse_attention`` (it round-trips through
         ``save_pretrained``/``from_pretrained``). A model that ran a dense implementation (``sdpa``,
@@ -114,6 +117,7 @@ def configure(
         ("backend", backend),
         ("cache_positions", cache_positions),
         ("selector_path", selector_path),
+        ("shipped_selectors", shipped_selectors),
     ):
         if value is not None:
             cfg[name] = list(value) if name == "dense_layers" else value

@@ -232,10 +232,17 @@ def _bool_key_mask(attention_mask: torch.Tensor, length: int, device) -> torch.T
 
 
 def register() -> None:
-    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces and the load check (idempotent)."""
+    """Register ``"sparse_k"`` with Transformers' attention and mask interfaces and the load check, and the shipped
+    selectors as a selector provider (``hf_sparse_attention.shipped``; idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, key_mask)
     _install_load_check()
+    from sparse_k.integrations.transformers_adapter import SELECTOR_PROVIDERS
+
+    from .shipped import shipped_selector
+
+    if shipped_selector not in SELECTOR_PROVIDERS:
+        SELECTOR_PROVIDERS.append(shipped_selector)

@@ -310,8 +310,9 @@ def run(tool: str, argv=None) -> dict:
     with torch.inference_mode():
         out = run_items(items, runner, state=state, desc=tool, progress=progress, key=variant_order)
     timing["evaluation_seconds"] = time.perf_counter() - t0
-    trained = any(getattr(m, "_sparse_k_selector", None) is not None for m in lm.model.modules())
-    results["settings"]["learned_selection"] = "trained selectors" if trained else "training-free (no trained selector loaded)"
+    from .variants import make_variants
+
+    results["settings"]["learned_selection"] = learned_selection(lm.model, [v.pattern for v in make_variants(args.patterns)])
     for item, res in zip(items, out):
         kind = item["kind"]
         if kind == "speed":
@@ -342,3 +343,18 @@ def main_for(tool: str):
 
     main.__doc__ = f"Entry point of {tool}."
     return main
+
+
+TRAINING_FREE = "training-free (no trained selector loaded)"
+
+
+def learned_selection(model, patterns) -> str:
+    """How the learned ``patterns`` (``sparse_k``, ``dsa``) selected, from the selectors attached to ``model``'s layers
+    after the run (a user's, or the shipped ones ``hf_sparse_attention.shipped`` attached): ``"trained selectors"``,
+    ``TRAINING_FREE``, or per pattern when they differ (``"dsa: trained selectors; sparse_k: training-free ..."``)."""
+    kinds = {getattr(m.__dict__.get("_sparse_k_selector"), "kind", None) for m in model.modules()}
+    learned = sorted({p for p in patterns if p in ("sparse_k", "dsa")})
+    how = {p: "trained selectors" if p in kinds else TRAINING_FREE for p in learned}
+    if len(set(how.values())) <= 1:
+        return next(iter(how.values()), TRAINING_FREE)
+    return "; ".join(f"{p}: {h}" for p, h in how.items())

@@ -155,14 +155,15 @@ def trained_params(name: str, path: str, learned: dict) -> dict:
 
 def apply_selector_variant(model, variant: dict, dense_layers=()) -> None:
     """Switch ``model`` in place to ``variant`` (a ``selector_variants`` row): ``sdpa`` for dense, else
-    ``attn_implementation="sparse_k"`` with its pattern, selector file and ``dense_layers``."""
+    ``attn_implementation="sparse_k"`` with its pattern, selector file and ``dense_layers``; never the shipped
+    selectors (a training-free row stays training-free on the model they were trained for)."""
     detach_selectors(model)
     if variant["pattern"] == "dense":
         model.set_attn_implementation("sdpa")
         return
     model.set_attn_implementation("sparse_k")
     configure(model, variant["pattern"], selector_path=variant.get("selector_path"),
-              dense_layers=list(dense_layers) or None, **variant["params"])
+              dense_layers=list(dense_layers) or None, shipped_selectors=False, **variant["params"])
     if variant.get("selector_path") and not get_selectors(model):
         raise FileNotFoundError(f"no selectors could be loaded from {variant['selector_path']!r}")
 

@@ -117,9 +117,13 @@ def _budget_lines(results: dict) -> list[str]:
     learned = sorted({r["pattern"] for r in rows if r["pattern"] in ("sparse_k", "dsa")})
     if learned:
         how = results["settings"].get("learned_selection", "training-free (no trained selector loaded)")
-        note = ("without a trained selector each block selects the keys with the training-free score -‖key‖ "
-                "(the same keys for sparse_k and dsa); trained selectors: README, \"Learned selection\""
-                if how.startswith("training-free") else "trained selectors were loaded")
+        notes = []
+        if "training-free" in how:
+            notes.append("without a trained selector each block selects keys with the training-free query-aware page "
+                         "selection (the same keys for sparse_k and dsa); trained selectors: README, \"Learned selection\"")
+        if "trained selectors" in how:
+            notes.append("trained selectors were loaded (the package ships dsa selectors for SmolLM2-135M)")
+        note = "; ".join(notes)
         lines += [f"Learned selection ({', '.join(learned)}): **{how}**: {note}.", ""]
     lines += ["| pattern | context | parameters | keys per query | mean keys per query | fraction of causal pairs |",
               "|---|---|---|---|---|---|"]

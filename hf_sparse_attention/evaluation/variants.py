@@ -31,7 +31,7 @@ from sparse_k import available_patterns, get_pattern
 __all__ = ["DEFAULT_PATTERNS", "Variant", "make_variants", "preset_params"]
 
 #: Variants of the main job and of ``--patterns`` without arguments (dense is always added).
-DEFAULT_PATTERNS = ("streaming", "sliding_window", "sparse_k", "bigbird")
+DEFAULT_PATTERNS = ("streaming", "sliding_window", "sparse_k", "dsa", "bigbird")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ def preset_params(name: str, budget: int) -> dict:
     if name == "sliding_window":
         return {"window": budget}
     if name in ("sparse_k", "dsa"):
-        return {"sinks": 4, "window": budget // 2 - 4, "top_k": budget // 2, "query_block": 64}
+        # dsa: one selection per query, as its shipped selectors were trained (hf_sparse_attention.shipped)
+        return {"sinks": 4, "window": budget // 2 - 4, "top_k": budget // 2, "query_block": 64 if name == "sparse_k" else 1}
     if name == "bigbird":
         blocks = budget // 64
         window = max(1, blocks // 4)

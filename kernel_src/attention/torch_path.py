@@ -118,7 +118,8 @@ def torch_sparse_attention(
 
 
 def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, lay, row_ix, head_ix, km, scale, softcap, t0, t1, cdt, Skv):
-    """Scores ``(B, Hkv, G, C, bq, Sn*K)`` of the selected keys, and their values ``(B, Hkv, C, Sn*K, Dv)``."""
+    """Scores ``(B, Hkv, G, C, bq, Sn*K)`` of the selected keys, and their values ``(B, Hkv, C, Sn*K, Dv)`` (a tile
+    inside one selection block; ``_own_block_scores`` otherwise)."""
     B, Hkv, G, C, bq, D = qc.shape
     NB, K = sel.indices.shape[2], sel.indices.shape[3]
     dev = qc.device
@@ -127,6 +128,8 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     blk = sel_blocks[:, qi]  # (B, C, bq)
     lo = blk.amin(-1)  # (B, C)
     span = int((blk.amax(-1) - lo).max().item()) + 1
+    if span > 1:  # query blocks shorter than the tile: each query gathers its own block's keys only
+        return _own_block_scores(qc, k_flat, v_flat, sel, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv)
     nb = lo.unsqueeze(-1) + torch.arange(span, device=dev)  # (B, C, Sn)
     nb_ok = (nb >= 0) & (nb < NB)
     nbc = nb.clamp(0, NB - 1)
@@ -164,12 +167,54 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     return s, vg
 
 
+def _own_block_scores(qc, k_flat, v_flat, sel: TokenLayout, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv):
+    """``_selection_scores`` for a tile that spans several selection blocks (``query_block`` < the tile): scores
+    ``(B, Hkv, G, C, bq, K)`` of each query against its own block's ``K`` selected keys and their values
+    ``(B, Hkv, C, bq, K, Dv)`` (per query: the shared form would score every query against every block of the tile)."""
+    B, Hkv, G, C, bq, D = qc.shape
+    NB, K = sel.indices.shape[2], sel.indices.shape[3]
+    dev = qc.device
+    blk_ok = (blk >= 0) & (blk < NB)  # (B, C, bq)
+    bc = blk.clamp(0, NB - 1).view(B, 1, C * bq)
+    gi = bc.unsqueeze(-1).expand(B, Hkv, C * bq, K)
+    idx = sel.indices.long().gather(2, gi).view(B, Hkv, C, bq, K)
+    cnt = sel.counts.long().gather(2, bc.expand(B, Hkv, C * bq)).view(B, Hkv, C, bq, 1)
+    ok = (torch.arange(K, device=dev) < cnt) & blk_ok.view(B, 1, C, bq, 1) & (idx >= 0) & (idx < Skv)
+    logw = None
+    if sel.weights is not None:
+        w = sel.weights.gather(2, gi).view(B, Hkv, C, bq, K)
+        ok = ok & (w > 0)
+        logw = torch.log(torch.where(ok, w, torch.ones_like(w)).to(cdt))
+    idx_c = torch.where(ok, idx, torch.zeros_like(idx))
+    b_ix = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
+    h_ix = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
+    kg = k_flat[b_ix, h_ix, idx_c]  # (B, Hkv, C, bq, K, D)
+    vg = v_flat[b_ix, h_ix, idx_c]
+    s = torch.einsum("bhgcqd,bhcqkd->bhgcqk", qc.to(cdt), kg.to(cdt)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if logw is not None:
+        s = s + logw.unsqueeze(2)
+    # The key is valid for the query and not already in the static part.
+    static = lay.element_rule(q_idx.view(1, 1, C, bq, 1), idx_c, row_ix.view(-1, 1, 1, 1, 1), head_ix.view(1, -1, 1, 1, 1))
+    geo = lay.geometry
+    rows = row_ix.view(-1, 1, 1, 1, 1)
+    qpos_idx = geo.q_start[rows] + q_idx.view(1, 1, C, bq, 1)
+    valid = (idx_c >= geo.k_start[rows]) & (idx_c < geo.k_end[rows]) & (idx_c <= qpos_idx)
+    if km is not None:
+        valid = valid & km[b_ix, idx_c]
+    allow = ok & valid & ~static
+    return s.masked_fill(~allow.unsqueeze(2), float("-inf")), vg
+
+
 def _softmax_combine(s, vals, v_sel, sink_logits, Hkv, G, cdt):
     """Softmax over the last dim of ``s`` (B, Hkv, G, C, bq, N) with an optional per-head sink."""
     sink = None if sink_logits is None else sink_logits.to(cdt).view(1, Hkv, G, 1, 1, 1)
     p, lse = softmax_with_sink(s, sink)
     n_static = vals.shape[3]
     out = torch.einsum("bhgcqn,bhcnd->bhgcqd", p[..., :n_static], vals.to(cdt))
-    if v_sel is not None:
+    if v_sel is not None and v_sel.dim() == 6:  # per-query selected values (B, Hkv, C, bq, K, Dv)
+        out = out + torch.einsum("bhgcqn,bhcqnd->bhgcqd", p[..., n_static:], v_sel.to(cdt))
+    elif v_sel is not None:
         out = out + torch.einsum("bhgcqn,bhcnd->bhgcqd", p[..., n_static:], v_sel.to(cdt))
     return out, lse

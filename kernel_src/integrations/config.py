@@ -12,7 +12,8 @@ Schema (every key optional; JSON-friendly, so it round-trips through ``save_pret
                                         # window / chunk keep only their own rule (not made sparser)
         "backend": "auto",              # "auto" | "torch" | "reference" | a kernel backend
         "cache_positions": "original",  # bounded-cache position mode: "original" | "rolling"
-        "selector_path": null           # safetensors file with trained selectors (sparse_k / dsa)
+        "selector_path": null,          # safetensors file with trained selectors (sparse_k / dsa)
+        "shipped_selectors": true       # false: no selector from SELECTOR_PROVIDERS (the package's shipped ones)
     }
 
 ``pattern_for_layer`` turns it into the ``Pattern`` of one layer.
@@ -29,7 +30,8 @@ __all__ = ["DEFAULT_SPARSE_CONFIG", "RESERVED_KEYS", "pattern_for_layer", "patte
 DEFAULT_SPARSE_CONFIG: dict = {"pattern": "sparse_k", "sinks": 4, "window": 256, "top_k": 256, "query_block": 64}
 
 RESERVED_KEYS = frozenset(
-    {"pattern", "layers", "dense_layers", "full_attention_layers_only", "backend", "cache_positions", "selector_path"}
+    {"pattern", "layers", "dense_layers", "full_attention_layers_only", "backend", "cache_positions", "selector_path",
+     "shipped_selectors"}
 )
 
 
@@ -69,6 +71,9 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     if any(i < 0 for i in dense):
         raise ValueError(f"config.sparse_attention['dense_layers'] must hold layer indices >= 0, got {list(dense)}")
     cfg["dense_layers"] = list(dense)
+    shipped = cfg.get("shipped_selectors", True)
+    if not isinstance(shipped, bool):
+        raise TypeError(f"config.sparse_attention['shipped_selectors'] must be True or False, got {shipped!r}")
     backend = cfg.get("backend", "auto")
     if not isinstance(backend, str) or backend not in available_backends():
         hint = " (the 'triton' backend needs the triton package)" if backend == "triton" else ""

@@ -52,12 +52,20 @@ from ..warn import warn_once
 from .cache_protocol import announced_layer
 from .config import pattern_for_layer, validate_sparse_config
 
-__all__ = ["WithinChunk", "WithinWindow", "attention_forward", "layer_pattern", "restrict_pattern", "translation_invariant"]
+__all__ = ["SELECTOR_PROVIDERS", "WithinChunk", "WithinWindow", "attention_forward", "layer_pattern", "restrict_pattern",
+           "translation_invariant"]
 
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
 #: Attribute of an attention module holding its selection state over a static cache (``sparse_k.selection.selection_state``).
 SELECTION_STATE_ATTR = "_sparse_k_selection_state"
+
+#: ``provider(module, layer_idx, pattern) -> selector | None``, asked in an eager call of a layer that has no
+#: attached selector (``hf_sparse_attention.shipped`` registers the selectors the package ships for known models).
+#: What a provider gives is attached like a user's selector, so compiled steps read it the same way.
+SELECTOR_PROVIDERS: list = []
+_SELECTOR_ATTR = "_sparse_k_selector"
+_PROVIDED_ATTR = "_sparse_k_selector_provided"  # (pattern asked for, selector given) of the last provider call
 
 
 @dataclass(frozen=True)
@@ -349,6 +357,35 @@ def _packed_from_position_ids(position_ids: torch.Tensor):
     return _packed_starts(position_ids)
 
 
+def _layer_selector(module, layer_idx, pattern):
+    """The layer's selector: the attached one; else, in an eager call, what ``SELECTOR_PROVIDERS`` give for this
+    layer and pattern (asked once per pattern; ``sparse_attention["shipped_selectors"] = False`` asks none and
+    drops a provided one), attached. A selector the user attached is never replaced."""
+    selector = getattr(module, _SELECTOR_ATTR, None)
+    state = getattr(module, "__dict__", None)
+    if state is None or not SELECTOR_PROVIDERS or torch.compiler.is_compiling():
+        return selector
+    asked, given = state.get(_PROVIDED_ATTR, (None, None))
+    if selector is not None and selector is not given:
+        return selector  # attached by the user
+    cfg = getattr(getattr(module, "config", None), "sparse_attention", None) or {}
+    want = pattern if cfg.get("shipped_selectors", True) else None
+    if _PROVIDED_ATTR in state and asked == want:
+        return selector
+    given = None
+    if want is not None:
+        for provider in SELECTOR_PROVIDERS:
+            given = provider(module, layer_idx, pattern)
+            if given is not None:
+                break
+    if given is None:
+        state.pop(_SELECTOR_ATTR, None)
+    else:
+        object.__setattr__(module, _SELECTOR_ATTR, given)
+    state[_PROVIDED_ATTR] = (want, given)
+    return given
+
+
 def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module, cache_slots=None):
     try:
         from ..selection.selectors import build_selection
@@ -358,7 +395,7 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module,
         )
         return None
     geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
-    selector = getattr(module, "_sparse_k_selector", None)
+    selector = _layer_selector(module, layer_idx, pattern)
     # The training-free selection's decode memo (the current block's first query) lives on the module; it is
     # created outside any traced graph (sparse_k.selection.step_state), so a compiled step that finds it traces without a break.
     memo = None
@@ -463,7 +500,7 @@ def attention_forward(
             return sparse_attention(q, k, v, p, scale=scaling, softcap=softcap, sink_logits=sink_logits, attention_mask=km,
                                     layer_idx=layer_idx, backend=backend, selection=sel, q_start=qs)
 
-        out = layer.attend(query, key, value, pattern, key_mask, run, selector=getattr(module, "_sparse_k_selector", None),
+        out = layer.attend(query, key, value, pattern, key_mask, run, selector=_layer_selector(module, layer_idx, pattern),
                            layer_idx=layer_idx)
         return out.transpose(1, 2).contiguous(), None
 

@@ -104,6 +104,25 @@ def test_learned_pattern_with_a_given_selection():
     del g
 
 
+@pytest.mark.parametrize("qb,weights,padded,sq", [(1, True, True, 77), (1, False, False, 40), (3, True, False, 61),
+                                                    (5, False, True, 23), (16, True, True, 50)])
+def test_short_query_blocks_with_a_given_selection(qb, weights, padded, sq):
+    """Query blocks shorter than the PyTorch path's query tile (every query, or a few, with their own keys:
+    ``torch_path._own_block_scores``) against the reference: GQA, left padding, a chunk of queries at the end,
+    SparseK weights with zeros, sink logits."""
+    from helpers import random_token_layout
+
+    gen = torch.Generator().manual_seed(qb * 100 + sq)
+    B, Hq, Hkv, Skv, D = 2, 6, 2, sq + 19, 16
+    p = sk.SparseK(sinks=2, window=5, top_k=7, query_block=qb)
+    q, k, v = random_qkv(B, Hq, Hkv, sq, Skv, D)
+    mask = left_padding_mask(B, Skv, gen) if padded else None
+    geo = sk.row_geometry(B, sq, Skv, mask)
+    sel = random_token_layout(B, Hkv, sq, Skv, qb, 7, geo, gen, weights=weights)
+    sink = torch.randn(Hq, generator=gen)
+    _compare(q, k, v, p, selection=sel, attention_mask=mask, sink_logits=sink)
+
+
 @pytest.mark.parametrize("name", FIXED)
 def test_gradcheck_fp64(name):
     torch.manual_seed(1)

