@@ -312,7 +312,7 @@ def run(tool: str, argv=None) -> dict:
     timing["evaluation_seconds"] = time.perf_counter() - t0
     from .variants import make_variants
 
-    results["settings"]["learned_selection"] = learned_selection(lm.model, [v.pattern for v in make_variants(args.patterns)])
+    results["settings"]["learned_selection"] = learned_selection(lm.model, make_variants(args.patterns))
     for item, res in zip(items, out):
         kind = item["kind"]
         if kind == "speed":
@@ -348,13 +348,27 @@ def main_for(tool: str):
 TRAINING_FREE = "training-free (no trained selector loaded)"
 
 
-def learned_selection(model, patterns) -> str:
-    """How the learned ``patterns`` (``sparse_k``, ``dsa``) selected, from the selectors attached to ``model``'s layers
-    after the run (a user's, or the shipped ones ``hf_sparse_attention.shipped`` attached): ``"trained selectors"``,
-    ``TRAINING_FREE``, or per pattern when they differ (``"dsa: trained selectors; sparse_k: training-free ..."``)."""
-    kinds = {getattr(m.__dict__.get("_sparse_k_selector"), "kind", None) for m in model.modules()}
-    learned = sorted({p for p in patterns if p in ("sparse_k", "dsa")})
-    how = {p: "trained selectors" if p in kinds else TRAINING_FREE for p in learned}
+def learned_selection(model, variants) -> str:
+    """How the learned ``variants`` (``sparse_k``, ``dsa``) select on ``model``: with selectors the user attached,
+    with the ones a selector provider gives for the model (``hf_sparse_attention.shipped``), else training-free.
+    ``"trained selectors"``, ``TRAINING_FREE``, or per pattern when they differ (``"dsa: trained selectors;
+    sparse_k: training-free ..."``). Asks the providers itself: what is attached after a run is the last variant's."""
+    from sparse_k import get_pattern
+    from sparse_k.integrations.transformers_adapter import SELECTOR_PROVIDERS
+
+    from ..selectors import attention_modules
+
+    mods = attention_modules(model)
+    how = {}
+    for v in variants:
+        if v.pattern not in ("sparse_k", "dsa"):
+            continue
+        pattern = get_pattern(v.pattern, **{k: x for k, x in v.params.items() if k != "shipped_selectors"})
+        users = {getattr(m.__dict__.get("_sparse_k_selector"), "kind", None) for m in mods.values()
+                 if m.__dict__.get("_sparse_k_selector") is not m.__dict__.get("_sparse_k_selector_provided", (None, None))[1]}
+        shipped = v.params.get("shipped_selectors", True) and any(
+            p(m, i, pattern) is not None for i, m in mods.items() for p in SELECTOR_PROVIDERS)
+        how[v.pattern] = "trained selectors" if v.pattern in users or shipped else TRAINING_FREE
     if len(set(how.values())) <= 1:
         return next(iter(how.values()), TRAINING_FREE)
-    return "; ".join(f"{p}: {h}" for p, h in how.items())
+    return "; ".join(f"{p}: {h}" for p, h in sorted(how.items()))

@@ -24,6 +24,7 @@ class _Attention(nn.Module):
 
     def __init__(self, layer_idx: int, *, matching: bool, sparse_attention: dict | None = None):
         super().__init__()
+        self.layer_idx = layer_idx
         out_f, in_f = ENTRY.k_proj_shape
         self.k_proj = nn.Linear(in_f, out_f, bias=False)
         if matching:
@@ -103,10 +104,18 @@ def test_shipped_selectors_is_a_checked_config_key():
 
 
 def test_learned_selection_is_reported_per_pattern():
+    """The main job's report line: dsa on the shipped model is trained, sparse_k there and both elsewhere are not."""
     from hf_sparse_attention.evaluation.cli import TRAINING_FREE, learned_selection
+    from hf_sparse_attention.evaluation.variants import make_variants
 
-    model = nn.Sequential(_Attention(0, matching=False), _Attention(1, matching=False))
-    assert learned_selection(model, ["dense", "sparse_k", "dsa"]) == TRAINING_FREE
-    object.__setattr__(model[0], "_sparse_k_selector", LightningIndexer(9, 3, 64))
-    assert learned_selection(model, ["sparse_k", "dsa"]) == f"dsa: trained selectors; sparse_k: {TRAINING_FREE}"
-    assert learned_selection(model, ["dsa", "streaming"]) == "trained selectors"
+    class _Model(nn.Module):
+        def __init__(self, matching):
+            super().__init__()
+            self.layers = nn.ModuleList(_Attention(i, matching=matching) for i in range(2))
+
+    variants = make_variants(["sparse_k", "dsa", "streaming"], 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert learned_selection(_Model(True), variants) == f"dsa: trained selectors; sparse_k: {TRAINING_FREE}"
+        assert learned_selection(_Model(False), variants) == TRAINING_FREE
+        assert learned_selection(_Model(True), make_variants(["dsa"], 256)) == "trained selectors"
