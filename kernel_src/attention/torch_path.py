@@ -121,7 +121,7 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     """Scores ``(B, Hkv, G, C, bq, Sn*K)`` of the selected keys, and their values ``(B, Hkv, C, Sn*K, Dv)`` (a tile
     inside one selection block; ``_own_block_scores`` otherwise)."""
     B, Hkv, G, C, bq, D = qc.shape
-    NB, K = sel.indices.shape[2], sel.indices.shape[3]
+    K = sel.indices.shape[3]
     dev = qc.device
     Sq = sel_blocks.shape[1]
     qi = q_idx.view(C, bq).clamp_max(Sq - 1)
@@ -131,22 +131,9 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     if span > 1:  # query blocks shorter than the tile: each query gathers its own block's keys only
         return _own_block_scores(qc, k_flat, v_flat, sel, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv)
     nb = lo.unsqueeze(-1) + torch.arange(span, device=dev)  # (B, C, Sn)
-    nb_ok = (nb >= 0) & (nb < NB)
-    nbc = nb.clamp(0, NB - 1)
-    gi = nbc.view(B, 1, C * span, 1).expand(B, Hkv, C * span, K)
-    idx = sel.indices.long().gather(2, gi).view(B, Hkv, C, span, K)
-    cnt = sel.counts.long().gather(2, nbc.view(B, 1, C * span).expand(B, Hkv, C * span)).view(B, Hkv, C, span)
-    ok = (torch.arange(K, device=dev) < cnt.unsqueeze(-1)) & nb_ok.view(B, 1, C, span, 1) & (idx >= 0) & (idx < Skv)
-    logw = None
-    if sel.weights is not None:
-        w = sel.weights.gather(2, gi).view(B, Hkv, C, span, K)
-        ok = ok & (w > 0)
-        logw = torch.log(torch.where(ok, w, torch.ones_like(w)).to(cdt))
-    idx_c = torch.where(ok, idx, torch.zeros_like(idx))
+    idx_c, ok, logw, kg, vg = _gather_selected(sel, nb, k_flat, v_flat, Hkv, Skv, cdt)
     b_ix = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
-    h_ix = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
-    kg = k_flat[b_ix, h_ix, idx_c].flatten(3, 4)  # (B, Hkv, C, Sn*K, D)
-    vg = v_flat[b_ix, h_ix, idx_c].flatten(3, 4)
+    kg, vg = kg.flatten(3, 4), vg.flatten(3, 4)  # (B, Hkv, C, Sn*K, D)
     s = torch.einsum("bhgcqd,bhcnd->bhgcqn", qc.to(cdt), kg.to(cdt)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -167,29 +154,37 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
     return s, vg
 
 
-def _own_block_scores(qc, k_flat, v_flat, sel: TokenLayout, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv):
-    """``_selection_scores`` for a tile that spans several selection blocks (``query_block`` < the tile): scores
-    ``(B, Hkv, G, C, bq, K)`` of each query against its own block's ``K`` selected keys and their values
-    ``(B, Hkv, C, bq, K, Dv)`` (per query: the shared form would score every query against every block of the tile)."""
-    B, Hkv, G, C, bq, D = qc.shape
+def _gather_selected(sel: TokenLayout, blocks, k_flat, v_flat, Hkv: int, Skv: int, cdt):
+    """The selected keys of selection blocks ``blocks (B, C, n)`` (out of range: none): key indices ``idx (B, Hkv, C,
+    n, K)`` (0 where unused), their mask ``ok``, ``log`` SparseK weights (or None), keys and values ``(B, Hkv, C, n, K,
+    D)``."""
+    B, C, n = blocks.shape
     NB, K = sel.indices.shape[2], sel.indices.shape[3]
-    dev = qc.device
-    blk_ok = (blk >= 0) & (blk < NB)  # (B, C, bq)
-    bc = blk.clamp(0, NB - 1).view(B, 1, C * bq)
-    gi = bc.unsqueeze(-1).expand(B, Hkv, C * bq, K)
-    idx = sel.indices.long().gather(2, gi).view(B, Hkv, C, bq, K)
-    cnt = sel.counts.long().gather(2, bc.expand(B, Hkv, C * bq)).view(B, Hkv, C, bq, 1)
-    ok = (torch.arange(K, device=dev) < cnt) & blk_ok.view(B, 1, C, bq, 1) & (idx >= 0) & (idx < Skv)
+    dev = blocks.device
+    blocks_ok = (blocks >= 0) & (blocks < NB)
+    bc = blocks.clamp(0, NB - 1).view(B, 1, C * n)
+    gi = bc.unsqueeze(-1).expand(B, Hkv, C * n, K)
+    idx = sel.indices.long().gather(2, gi).view(B, Hkv, C, n, K)
+    cnt = sel.counts.long().gather(2, bc.expand(B, Hkv, C * n)).view(B, Hkv, C, n, 1)
+    ok = (torch.arange(K, device=dev) < cnt) & blocks_ok.view(B, 1, C, n, 1) & (idx >= 0) & (idx < Skv)
     logw = None
     if sel.weights is not None:
-        w = sel.weights.gather(2, gi).view(B, Hkv, C, bq, K)
+        w = sel.weights.gather(2, gi).view(B, Hkv, C, n, K)
         ok = ok & (w > 0)
         logw = torch.log(torch.where(ok, w, torch.ones_like(w)).to(cdt))
     idx_c = torch.where(ok, idx, torch.zeros_like(idx))
     b_ix = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
     h_ix = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
-    kg = k_flat[b_ix, h_ix, idx_c]  # (B, Hkv, C, bq, K, D)
-    vg = v_flat[b_ix, h_ix, idx_c]
+    return idx_c, ok, logw, k_flat[b_ix, h_ix, idx_c], v_flat[b_ix, h_ix, idx_c]
+
+
+def _own_block_scores(qc, k_flat, v_flat, sel: TokenLayout, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv):
+    """``_selection_scores`` for a tile that spans several selection blocks (``query_block`` < the tile): scores
+    ``(B, Hkv, G, C, bq, K)`` of each query against its own block's ``K`` selected keys and their values
+    ``(B, Hkv, C, bq, K, Dv)`` (per query: the shared form would score every query against every block of the tile)."""
+    B, Hkv, G, C, bq, D = qc.shape
+    idx_c, ok, logw, kg, vg = _gather_selected(sel, blk, k_flat, v_flat, Hkv, Skv, cdt)  # (B, Hkv, C, bq, K[, D])
+    b_ix = torch.arange(B, device=qc.device).view(B, 1, 1, 1, 1)
     s = torch.einsum("bhgcqd,bhcqkd->bhgcqk", qc.to(cdt), kg.to(cdt)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
