@@ -118,40 +118,35 @@ def torch_sparse_attention(
 
 
 def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, lay, row_ix, head_ix, km, scale, softcap, t0, t1, cdt, Skv):
-    """Scores ``(B, Hkv, G, C, bq, Sn*K)`` of the selected keys, and their values ``(B, Hkv, C, Sn*K, Dv)`` (a tile
-    inside one selection block; ``_own_block_scores`` otherwise)."""
+    """Scores ``(B, Hkv, G, C, bq, K)`` of the selected keys, and their values ``(B, Hkv, C, K, Dv)``, for tiles that
+    each lie inside one selection block (their queries share the block's keys); ``_own_block_scores`` otherwise."""
     B, Hkv, G, C, bq, D = qc.shape
     K = sel.indices.shape[3]
-    dev = qc.device
     Sq = sel_blocks.shape[1]
     qi = q_idx.view(C, bq).clamp_max(Sq - 1)
     blk = sel_blocks[:, qi]  # (B, C, bq)
     lo = blk.amin(-1)  # (B, C)
-    span = int((blk.amax(-1) - lo).max().item()) + 1
-    if span > 1:  # query blocks shorter than the tile: each query gathers its own block's keys only
+    if bool((blk.amax(-1) != lo).any()):  # query blocks shorter than the tile: each query gathers its own block's keys
         return _own_block_scores(qc, k_flat, v_flat, sel, blk, q_idx, lay, row_ix, head_ix, km, scale, softcap, cdt, Skv)
-    nb = lo.unsqueeze(-1) + torch.arange(span, device=dev)  # (B, C, Sn)
-    idx_c, ok, logw, kg, vg = _gather_selected(sel, nb, k_flat, v_flat, Hkv, Skv, cdt)
-    b_ix = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
-    kg, vg = kg.flatten(3, 4), vg.flatten(3, 4)  # (B, Hkv, C, Sn*K, D)
+    idx_c, ok, logw, kg, vg = _gather_selected(sel, lo.unsqueeze(-1), k_flat, v_flat, Hkv, Skv, cdt)
+    kg, vg = kg.flatten(3, 4), vg.flatten(3, 4)  # (B, Hkv, C, K, D)
     s = torch.einsum("bhgcqd,bhcnd->bhgcqn", qc.to(cdt), kg.to(cdt)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if logw is not None:
-        s = s + logw.flatten(3, 4).view(B, Hkv, 1, C, 1, span * K)
-    # Per query: the key belongs to the query's own block, is valid, and is not already in the static part.
-    member = blk.view(B, 1, C, bq, 1) == nb.view(B, 1, C, 1, span)  # (B, 1, C, bq, Sn)
-    k_idx = idx_c.view(B, Hkv, C, 1, span * K)
+        s = s + logw.view(B, Hkv, 1, C, 1, K)
+    # Per query: the key is valid and not already in the static part.
+    k_idx = idx_c.view(B, Hkv, C, 1, K)
     static = lay.element_rule(q_idx.view(1, 1, C, bq, 1), k_idx, row_ix.view(-1, 1, 1, 1, 1), head_ix.view(1, -1, 1, 1, 1))
     geo = lay.geometry
-    ks = geo.k_start[row_ix.view(-1, 1, 1, 1, 1)]
-    qpos_idx = geo.q_start[row_ix.view(-1, 1, 1, 1, 1)] + q_idx.view(1, 1, C, bq, 1)
-    valid = (k_idx >= ks) & (k_idx < geo.k_end[row_ix.view(-1, 1, 1, 1, 1)]) & (k_idx <= qpos_idx)
+    rows = row_ix.view(-1, 1, 1, 1, 1)
+    qpos_idx = geo.q_start[rows] + q_idx.view(1, 1, C, bq, 1)
+    valid = (k_idx >= geo.k_start[rows]) & (k_idx < geo.k_end[rows]) & (k_idx <= qpos_idx)
     if km is not None:
-        valid = valid & km[b_ix.view(B, 1, 1, 1), k_idx.view(B, Hkv, C, span * K)].unsqueeze(3)
-    allow = member.repeat_interleave(K, -1) & ok.view(B, Hkv, C, 1, span * K) & valid & ~static
-    s = s.masked_fill(~allow.unsqueeze(2), float("-inf"))
-    return s, vg
+        b_ix = torch.arange(B, device=qc.device).view(B, 1, 1, 1)
+        valid = valid & km[b_ix, k_idx.view(B, Hkv, C, K)].unsqueeze(3)
+    allow = ok.view(B, Hkv, C, 1, K) & valid & ~static
+    return s.masked_fill(~allow.unsqueeze(2), float("-inf")), vg
 
 
 def _gather_selected(sel: TokenLayout, blocks, k_flat, v_flat, Hkv: int, Skv: int, cdt):

@@ -104,16 +104,19 @@ def test_learned_pattern_with_a_given_selection():
     del g
 
 
-@pytest.mark.parametrize("qb,weights,padded,sq", [(1, True, True, 77), (1, False, False, 40), (3, True, False, 61),
-                                                    (5, False, True, 23), (16, True, True, 50)])
-def test_short_query_blocks_with_a_given_selection(qb, weights, padded, sq):
+@pytest.mark.parametrize("qb,weights,padded,sq,extra", [(1, True, True, 77, 19), (1, False, False, 40, 19),
+                                                          (3, True, False, 61, 19), (5, False, True, 23, 19),
+                                                          (16, True, True, 50, 19), (64, True, True, 150, 0),
+                                                          (64, False, False, 128, 0)])
+def test_query_blocks_with_a_given_selection(qb, weights, padded, sq, extra):
     """Query blocks shorter than the PyTorch path's query tile (every query, or a few, with their own keys:
-    ``torch_path._own_block_scores``) against the reference: GQA, left padding, a chunk of queries at the end,
-    SparseK weights with zeros, sink logits."""
+    ``torch_path._own_block_scores``) and as long as several tiles (a tile's queries share their block's keys),
+    against the reference: GQA, left padding, a chunk of queries at the end, SparseK weights with zeros, sink
+    logits, selected keys that the window also holds (counted once)."""
     from helpers import random_token_layout
 
     gen = torch.Generator().manual_seed(qb * 100 + sq)
-    B, Hq, Hkv, Skv, D = 2, 6, 2, sq + 19, 16
+    B, Hq, Hkv, Skv, D = 2, 6, 2, sq + extra, 16
     p = sk.SparseK(sinks=2, window=5, top_k=7, query_block=qb)
     q, k, v = random_qkv(B, Hq, Hkv, sq, Skv, D)
     mask = left_padding_mask(B, Skv, gen) if padded else None
