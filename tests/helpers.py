@@ -126,6 +126,22 @@ def random_token_layout(B: int, Hkv: int, Sq: int, Skv: int, query_block: int, t
     return sk.TokenLayout(idx.to(device), cnt.to(device), query_block, first.to(device), w)
 
 
+def layout_sets(lay, geometry, Sq: int, B: int) -> dict:
+    """``{(b, kv head, query block): selected key tensor indices}`` of a ``TokenLayout`` over the call's blocks
+    (asserts the entries past each count are -1)."""
+    out = {}
+    qpos = geometry.q_positions(Sq).expand(B, Sq)
+    for b in range(B):
+        for blk in sorted({int(p) // lay.query_block for p in qpos[b].tolist() if p >= 0}):
+            n = blk - int(lay.first_block[b])
+            for h in range(lay.indices.shape[1]):
+                c = int(lay.counts[b, h, n])
+                idx = lay.indices[b, h, n].tolist()
+                assert all(i == -1 for i in idx[c:]), "entries past the count must be -1"
+                out[(b, h, blk)] = idx[:c]
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ``||a - b|| / ||b||`` in float64."""
     a, b = a.detach().double(), b.detach().double()

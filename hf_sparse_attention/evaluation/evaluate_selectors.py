@@ -4,7 +4,9 @@ For one context length it compares, on the same model and inputs:
 
 * ``dense`` (Transformers' ``sdpa``),
 * ``streaming`` with the same key budget as the learned patterns (``sinks + window + top_k``),
-* each learned pattern given with ``--selector NAME=PATH`` (trained selectors loaded from PATH),
+* each learned pattern given with ``--selector NAME=PATH`` (trained selectors loaded from PATH); ``sparse_k``
+  files once per ``--refine`` value (0: as trained; ``F``: the scorer keeps a pool of ``F * top_k`` keys and each
+  query block of ``--refine-query-block`` queries keeps the ``top_k`` of them its first query attends to most),
 * each learned pattern named in ``--training-free`` (no selector file: the documented fallback).
 
 It reports, per variant:
@@ -90,6 +92,13 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-block", type=int, default=64)
     p.add_argument("--selector", type=_parse_selector, action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
+    p.add_argument("--refine", type=bounded_int(0, None, "an integer >= 0"), nargs="+", default=[0],
+                   help="sparse_k selector files: one row per value (0: the scorer's own selection; F: pool of "
+                        "F * top_k keys, refined by the block's first query)")
+    p.add_argument("--refine-query-block", type=bounded_int(1, None, "a positive integer"), default=1,
+                   help="query block of the refined sparse_k rows")
+    p.add_argument("--any-budget", action="store_true",
+                   help="accept selector files trained for other sinks/window/top_k (the row says so)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,25 +136,41 @@ def selector_variants(args) -> list[dict]:
     ]
     if getattr(args, "no_streaming", False):
         out = out[:1]
+    any_budget = getattr(args, "any_budget", False)
     for name, path in args.selector:
         run = os.path.basename(os.path.dirname(os.path.abspath(path)))  # tells several files of one pattern apart
-        out.append({"label": f"{name} (trained: {run})", "pattern": name, "params": trained_params(name, path, learned),
-                    "selector_path": path})
+        params = trained_params(name, path, learned, any_budget=any_budget)
+        other = _other_budget(path, learned)
+        label = f"{name} (trained: {run}{other})"
+        for refine in getattr(args, "refine", [0]) if name == "sparse_k" else [0]:
+            row = dict(params)
+            if refine:
+                row.update(refine=refine, query_block=args.refine_query_block)
+            out.append({"label": label + (f", refine {refine}, query block {row['query_block']}" if refine else ""),
+                        "pattern": name, "params": row, "selector_path": path})
     for name in args.training_free:
         out.append({"label": f"{name} (training-free)", "pattern": name, "params": dict(learned)})
     return out
 
 
-def trained_params(name: str, path: str, learned: dict) -> dict:
+def _other_budget(path: str, learned: dict) -> str:
+    """``", trained at window=256, top_k=256"`` when the file was trained for another budget, else ``""``."""
+    trained = read_selector_metadata(path)["pattern"] or {}
+    diff = [f"{f}={trained[f]}" for f in ("sinks", "window", "top_k") if f in trained and trained[f] != learned[f]]
+    return f", trained at {', '.join(diff)}" if diff else ""
+
+
+def trained_params(name: str, path: str, learned: dict, *, any_budget: bool = False) -> dict:
     """The table's budget with the selector file's own ``query_block`` (and DSA indexer shape), so the
     evaluation runs the selection the selectors were trained for; a file trained for another budget
-    (sinks, window, top_k) is refused."""
+    (sinks, window, top_k) is refused unless ``any_budget``."""
     trained = read_selector_metadata(path)["pattern"] or {}
     if trained.get("pattern", name) != name:
         raise SystemExit(f"{path} holds selectors for {trained['pattern']!r}, not {name!r}")
     for field in ("sinks", "window", "top_k"):
-        if field in trained and trained[field] != learned[field]:
-            raise SystemExit(f"{path} was trained with {field}={trained[field]}, the table uses {learned[field]}")
+        if field in trained and trained[field] != learned[field] and not any_budget:
+            raise SystemExit(f"{path} was trained with {field}={trained[field]}, the table uses {learned[field]} "
+                             "(--any-budget evaluates it at the table's budget)")
     params = dict(learned)
     for field in ("query_block", "indexer_heads", "indexer_dim"):
         if field in trained:

@@ -396,10 +396,11 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module,
         return None
     geometry = row_geometry(query.shape[0], query.shape[2], key.shape[2], key_mask, q_start, device=query.device)
     selector = _layer_selector(module, layer_idx, pattern)
-    # The training-free selection's decode memo (the current block's first query) lives on the module; it is
-    # created outside any traced graph (sparse_k.selection.step_state), so a compiled step that finds it traces without a break.
+    # The decode memo of a selection that reads the block's first query (training-free; a SparseK scorer with refine)
+    # lives on the module; it is created outside any traced graph (sparse_k.selection.step_state), so a compiled step
+    # that finds it traces without a break.
     memo = None
-    if selector is None and hasattr(module, "__dict__"):
+    if (selector is None or getattr(pattern, "refine", 0)) and hasattr(module, "__dict__"):
         memo = module.__dict__.get(SELECTION_MEMO_ATTR)
         if memo is None:
             memo = new_state_dict(module, SELECTION_MEMO_ATTR)

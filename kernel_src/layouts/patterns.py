@@ -529,10 +529,12 @@ def resolve_l2_segment(pattern: L2Aligned, kv_bytes_per_token: int, l2_bytes: in
 class _Learned(Pattern):
     """Sinks + window (static, a ``streaming`` rule) plus ``top_k`` learned keys per query block.
 
-    ``refine`` (the training-free selection only, i.e. no trained selector): 0 chooses whole pages by their Quest
-    bound; ``F >= 1`` preselects ``F * top_k / page`` pages by the bound, then keeps the ``top_k`` keys among them with
-    the highest exact attention probability of the block's query (``sparse_k.selection.page_selection``). With
-    ``query_block=1`` and ``refine=8`` it retrieves like dense attention (docs/selection.md), at a high prefill cost."""
+    ``refine``: 0 selects in one stage. ``F >= 1`` selects in two: a first stage preselects ``F`` times the budget,
+    then the ``top_k`` keys of it with the highest exact attention probability of the block's first query are kept.
+    The first stage is, without a trained selector, the ``F * top_k / page`` pages of highest Quest bound
+    (``sparse_k.selection.page_selection``); with a trained SparseK scorer, the ``F * top_k`` keys of highest score
+    (a query-independent pool: a ``SparseCache`` keeps only the pool); a DSA indexer ignores it (warning). With
+    ``query_block=1`` and ``refine=8`` both come near dense quality (docs/selection.md), at a high prefill cost."""
 
     learned: ClassVar[bool] = True
     sinks: int = 4

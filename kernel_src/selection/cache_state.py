@@ -7,7 +7,10 @@
   a call runs its queries block by block over the selection of their block. With ``evict=True`` the
   keys that can never be selected again are dropped after each call: the cache keeps the sinks, the
   current block's ``top_k`` selection and the keys from the current block's first candidate-to-be
-  onwards (at most ``sinks + top_k + window + query_block - 2`` keys between calls);
+  onwards (at most ``sinks + top_k + window + query_block - 2`` keys between calls). With the pattern's
+  ``refine = F`` the running selection is the scorer's pool (``F * top_k`` keys, what the cache keeps), and each
+  block attends to the ``top_k`` keys of it that its first query gives the most attention probability
+  (``selectors._refined_layout``'s rule; the block's first query is kept for the calls that start inside the block);
 * ``dsa`` with a trained indexer: the indexer keys of the cached tokens (a call computes its new ones only);
 * no trained selector (either pattern, ``page_selection``): the memo of the current block's first query.
 
@@ -27,7 +30,8 @@ from ..layouts.geometry import row_geometry
 from ..layouts.patterns import DSA, SparseK
 from ..layouts.token_layout import TokenLayout
 from .decode_selection import SparseKDecodeState
-from .selectors import build_selection
+from .page_selection import most_probable, refine_probabilities, static_positions
+from .selectors import build_selection, pool_pattern
 
 __all__ = ["BIG", "CachedSelection"]
 
@@ -59,6 +63,7 @@ class CachedSelection:
         self.index_keys: torch.Tensor | None = None
         self.memo: dict = {}  # training-free selection: the current block's first query (page_selection)
         self._index_owner = None
+        self._first_query: tuple[int, torch.Tensor] | None = None  # refine: (block, its first query (B, Hq, D))
 
     @property
     def evicted(self) -> bool:
@@ -83,9 +88,11 @@ class CachedSelection:
         if self.state is None:
             geo_sel = build_selection(pattern, query, key, value, _geometry(query, key), layer_idx=layer_idx, selector=selector)
             out = run(query, key, value, pattern if geo_sel is not None else pattern.static_part(), geo_sel, None, None)
-            self.state = SparseKDecodeState(pattern, weighted=True)
+            pool = pool_pattern(pattern, selector)
+            self.state = SparseKDecodeState(pool, weighted=pool is pattern)
         else:
             out = self._attend_blocks(query, key, value, run, selector, seen)
+        self._keep_first_query(query, seen)
         return out, self._after_call(key, value, selector, seen)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
@@ -97,6 +104,8 @@ class CachedSelection:
                 self.memo[name].copy_(pick(self.memo[name]))
         for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
             self.memo.pop(name, None)
+        if self._first_query is not None:
+            self._first_query = (self._first_query[0], pick(self._first_query[1]))
         if self.state is not None:
             self.state.select_rows(beam_idx)
 
@@ -163,15 +172,51 @@ class CachedSelection:
             if st.positions is None:  # no candidate yet: sinks + window
                 outs.append(run(query[:, :, t:t1], key, value, self.pattern.static_part(), None, Skv - Sq + t, None))
             else:
+                positions, counts = st.positions, st.counts
+                if self.pattern.refine:
+                    first = query[:, :, blk * bq - q0] if blk * bq >= q0 else self._kept_first_query(blk)
+                    positions, counts = self._refine(first, key, positions, blk, seen)
                 lay = TokenLayout(
-                    indices=self._slots(st.positions)[:, :, None].to(torch.int32),
-                    counts=st.counts[:, :, None].to(torch.int32), query_block=_ONE_BLOCK,
+                    indices=self._slots(positions)[:, :, None].to(torch.int32),
+                    counts=counts[:, :, None].to(torch.int32), query_block=_ONE_BLOCK,
                     first_block=torch.zeros(B, dtype=torch.int64, device=key.device),
                     weights=None if st.weights is None else st.weights[:, :, None],
                 )
                 outs.append(run(query[:, :, t:t1], key, value, self.pattern, lay, Skv - Sq + t, None))
             t = t1
         return torch.cat(outs, 2)
+
+    def _keep_first_query(self, query, seen) -> None:
+        """``refine``: keep the first query of the block of the call's last query when the call holds it."""
+        if not getattr(self.pattern, "refine", 0):
+            return
+        bq, q0 = self.pattern.query_block, seen - query.shape[2]
+        blk = (seen - 1) // bq
+        if blk * bq >= q0:
+            self._first_query = (blk, query[:, :, blk * bq - q0].detach().clone())
+
+    def _kept_first_query(self, blk: int) -> torch.Tensor:
+        if self._first_query is None or self._first_query[0] != blk:
+            raise RuntimeError(f"SparseCache: the first query of block {blk} was not kept (refine needs it)")
+        return self._first_query[1]
+
+    def _refine(self, first, key, positions, blk: int, seen: int):
+        """The ``top_k`` of the block's pool ``positions (B, Hkv, Kp)`` with the largest attention probability of the
+        block's first query ``first (B, Hq, D)`` over its sinks, window and the pool (``selectors._refined_layout``):
+        ``(positions (B, Hkv, K), counts (B, Hkv))``."""
+        p = self.pattern
+        B, Hkv = positions.shape[:2]
+        Hq, D = first.shape[1], first.shape[2]
+        b0 = torch.full((B, 1), blk * p.query_block, device=key.device)
+        spos, sok = static_positions(b0, b0 - p.window, torch.full((B,), seen, device=key.device), p.sinks, p.window)
+        sidx = self._slots(torch.where(sok, spos, -1)[:, 0, None].expand(B, Hkv, spos.shape[-1]))  # (B, Hkv, Ws)
+        qb = first.to(torch.float64 if first.dtype == torch.float64 else torch.float32).view(B, Hkv, 1, Hq // Hkv, D)
+        ok = positions >= 0
+        prob = refine_probabilities(qb, key, self._slots(positions)[:, :, None], ok[:, :, None], sidx[:, :, None],
+                                    sidx[:, :, None] >= 0)
+        chosen, counts = most_probable(prob, positions[:, :, None], ok[:, :, None], p.top_k,
+                                       min(p.top_k, positions.shape[-1]))
+        return chosen[:, :, 0], counts[:, :, 0]
 
     def _after_call(self, key, value, selector, seen):
         """Advance the state to the next query's block; with eviction, return the ``(keys, values)`` it can

@@ -54,8 +54,9 @@ from ..warn import warn_once
 from .kernel_module import KernelModule, interpreter_on
 from .step_state import state_buffers
 
-__all__ = ["DEFAULT_PAGE", "expand_pages", "obs_page_scores", "observe", "page_size", "page_summaries", "quest_layout",
-           "quest_scores", "rank_merge", "front_pack", "row_kernels", "top_indices", "top_mask", "top_pages"]
+__all__ = ["DEFAULT_PAGE", "block_queries", "expand_pages", "most_probable", "obs_page_scores", "observe", "page_size",
+           "page_summaries", "quest_layout", "quest_scores", "rank_merge", "refine_probabilities", "front_pack",
+           "row_kernels", "static_positions", "top_indices", "top_mask", "top_pages"]
 
 #: Page size of the training-free default (docs/selection.md: chosen by measurement on SmolLM2-135M).
 DEFAULT_PAGE = 16
@@ -78,6 +79,10 @@ REFINE = 0
 #: queries' attention probabilities (each over its causal sinks, its causal part of the block's window and the
 #: preselected keys). Decode state: the last ``n`` queries (a ring) and the current block's ``n`` observation queries.
 OBS = 0
+#: Refinement (``refine_probabilities``): the block queries' logits come from one matmul with every key, read at the
+#: preselected keys, when the key tensor holds at most this many times the keys a block reads (preselected and
+#: static) and the matmul's temporaries are no larger than the gathered keys; otherwise the keys are gathered.
+DENSE_REFINE_FACTOR = 4
 #: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
 TRITON_SELECTION = True
 
@@ -270,16 +275,64 @@ def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch
 def _gather_logits(qb, key, k_start, pos, ok):
     """``q . k / sqrt(D)`` ``(B, H, NB, G, W)`` of the block queries ``qb (B, H, NB, G, D)`` with the keys at positions
     ``pos (B, 1|H, NB, W)``; ``-inf`` where ``ok`` is False."""
+    B = qb.shape[0]
+    return _logits_at(qb, key, pos.clamp_min(0) + k_start.view(B, 1, 1, 1), ok)
+
+
+def _logits_at(qb, key, idx, ok):
+    """``q . k / sqrt(D)`` ``(B, H, NB, G, W)`` of the block queries ``qb (B, H, NB, G, D)`` with the keys at tensor
+    indices ``idx (B, 1|H, NB, W)`` of ``key (B, H, S, D)``; ``-inf`` where ``ok`` is False."""
     B, H, NB, G, D = qb.shape
-    W = pos.shape[-1]
-    pos, ok = pos.expand(B, H, NB, W), ok.expand(B, H, NB, W)
-    idx = (pos.clamp_min(0) + k_start.view(B, 1, 1, 1)).clamp_max(key.shape[2] - 1)
+    W = idx.shape[-1]
+    idx, ok = idx.expand(B, H, NB, W).clamp(0, key.shape[2] - 1), ok.expand(B, H, NB, W)
     kg = _compute(key.gather(2, idx.reshape(B, H, NB * W, 1).expand(B, H, NB * W, D))).view(B, H, NB, W, D)
     logits = torch.einsum("bhngd,bhnwd->bhngw", qb.to(kg.dtype), kg) * D ** -0.5
     return logits.masked_fill(~ok[:, :, :, None], float("-inf"))
 
 
-def _static_positions(block_start, hi, n_keys, sinks: int, window: int):
+def refine_probabilities(qb: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, static_idx: torch.Tensor,
+                         static_ok: torch.Tensor) -> torch.Tensor:
+    """The refinement score of preselected keys: ``(B, Hkv, NB, W)``, each key's share of the softmax of the block
+    query ``qb (B, Hkv, NB, G, D)`` over its static keys (tensor indices ``static_idx (B, 1|Hkv, NB, Ws)``, valid where
+    ``static_ok``) and the preselected keys (``idx (B, 1|Hkv, NB, W)``, valid where ``ok``), per query head, summed over
+    the KV head's ``G`` query heads (a head that attends to its sinks and window gives the preselected keys little
+    weight); 0 where ``ok`` is False."""
+    B, H, NB, G, D = qb.shape
+    S, W, Ws = key.shape[2], idx.shape[-1], static_idx.shape[-1]
+    if _dense_refine(G, D, S, W + Ws):
+        logits, lse = _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok)
+    else:
+        logits = _logits_at(qb, key, idx, ok)
+        lse_static = torch.logsumexp(_logits_at(qb, key, static_idx, static_ok), -1)  # (B, Hkv, NB, G)
+        lse = torch.logaddexp(lse_static, torch.logsumexp(logits, -1))
+    return torch.exp(logits - lse[..., None]).nan_to_num(0.0).sum(3)
+
+
+def _dense_refine(G: int, D: int, S: int, reads: int) -> bool:
+    """Whether ``refine_probabilities`` takes the matmul over every one of ``S`` keys (``DENSE_REFINE_FACTOR``) when a
+    block reads ``reads`` keys with ``G`` query heads of width ``D``."""
+    return S <= DENSE_REFINE_FACTOR * reads and 3 * G * S <= D * reads
+
+
+def _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok):
+    """``refine_probabilities``' logits at the preselected keys ``(B, H, NB, G, W)`` (-inf where not ``ok``) and the
+    log-normaliser over the preselected and static keys ``(B, H, NB, G)``, from one matmul of the block queries with
+    every key (no gather of key vectors; the keys a block reads are marked in a ``(B, H, NB, S)`` count)."""
+    B, H, NB, G, D = qb.shape
+    S = key.shape[2]
+    kf = _compute(key)
+    logits = torch.einsum("bhngd,bhsd->bhngs", qb.to(kf.dtype), kf) * D ** -0.5  # (B, H, NB, G, S)
+    read = torch.zeros(B, H, NB, S, dtype=torch.int32, device=key.device)
+    for i, m in ((idx, ok), (static_idx, static_ok)):
+        n = i.shape[-1]
+        read.scatter_add_(-1, i.expand(B, H, NB, n).clamp(0, S - 1), m.expand(B, H, NB, n).to(torch.int32))
+    lse = torch.logsumexp(logits.masked_fill((read == 0)[:, :, :, None], float("-inf")), -1)
+    W = idx.shape[-1]
+    at = logits.gather(-1, idx.expand(B, H, NB, W).clamp(0, S - 1)[:, :, :, None].expand(B, H, NB, G, W))
+    return at.masked_fill(~ok.expand(B, H, NB, W)[:, :, :, None], float("-inf")), lse
+
+
+def static_positions(block_start, hi, n_keys, sinks: int, window: int):
     """The static keys of each block's first query: positions ``(B, NB, sinks + window)`` (the sinks, then the
     window back from ``block_start``) and whether each is a key of the row that is not a candidate (``<= hi``)."""
     B, NB = block_start.shape
@@ -290,7 +343,7 @@ def _static_positions(block_start, hi, n_keys, sinks: int, window: int):
     return spos, sok
 
 
-def _most_probable(prob, pos, ok, top_k: int, width: int):
+def most_probable(prob, pos, ok, top_k: int, width: int):
     """The ``top_k`` positions ``pos (B, Hkv, NB, W)`` (valid where ``ok``, ascending there) of highest ``prob``:
     ``(positions (B, Hkv, NB, width)`` ascending, -1 past the count, ``counts (B, Hkv, NB))``."""
     neg = torch.full((), -1.0, dtype=prob.dtype, device=prob.device)
@@ -308,12 +361,10 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     W = pages.shape[-1] * page
     pos, _ = expand_pages(pages, chosen, page, lo, hi, n_keys, W)  # (B, H, NB, W)
     ok = pos >= 0
-    logits = _gather_logits(qb, key, k_start, pos, ok)
-    spos, sok = _static_positions(block_start, hi, n_keys, sinks, window)
-    lse_static = torch.logsumexp(_gather_logits(qb, key, k_start, spos[:, None], sok[:, None]), -1)  # (B, H, NB, G)
-    lse = torch.logaddexp(lse_static, torch.logsumexp(logits, -1))
-    prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0).sum(3)  # (B, H, NB, W)
-    return _most_probable(prob, pos, ok, top_k, width)
+    spos, sok = static_positions(block_start, hi, n_keys, sinks, window)
+    ks = k_start.view(-1, 1, 1, 1)
+    prob = refine_probabilities(qb, key, pos.clamp_min(0) + ks, ok, spos[:, None].clamp_min(0) + ks, sok[:, None])
+    return most_probable(prob, pos, ok, top_k, width)
 
 
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
@@ -339,7 +390,7 @@ def _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo, hi, n_keys, wi
     ok = pos >= 0
     flat = qo.reshape(B, H, NB, G * O, D)
     logits = _gather_logits(flat, key, k_start, pos, ok).view(B, H, NB, G, O, W)
-    spos, sok = _static_positions(block_start, hi, n_keys, sinks, window)
+    spos, sok = static_positions(block_start, hi, n_keys, sinks, window)
     s_logits = _gather_logits(flat, key, k_start, spos[:, None], sok[:, None]).view(B, H, NB, G, O, -1)
     opos = block_start[..., None] - O + 1 + torch.arange(O, device=pos.device)  # (B, NB, O)
     causal = spos[:, :, None, :] <= opos[..., None]  # (B, NB, O, S)
@@ -347,7 +398,7 @@ def _refine_obs(qo, qo_ok, key, k_start, pages, chosen, page, lo, hi, n_keys, wi
     lse = torch.logaddexp(torch.logsumexp(s_logits, -1), torch.logsumexp(logits, -1))  # (B, H, NB, G, O)
     prob = torch.exp(logits - lse[..., None]).nan_to_num(0.0) * qo_ok[:, None, :, None, :, None]
     prob = prob.sum((3, 4))  # (B, H, NB, W)
-    return _most_probable(prob, pos, ok, top_k, width)
+    return most_probable(prob, pos, ok, top_k, width)
 
 
 def _obs_spec(B, Hq, O, D, dtype):
@@ -428,7 +479,7 @@ def _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O):
     _obs_commit_ring(memo, ext, ext_ok, q_pos0, query.shape[2], O)
     return ext, ext_ok, qo0, ok0
 
-def _block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
+def block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
     """First query of every block ``(B, Hkv, NB, G, D)``; reads and updates ``memo`` (module docstring).
 
     Host-known offsets: the memo's block ids are compared on the host (``memo["block_host"]``), so
@@ -516,7 +567,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     if O:
         ext, ext_ok, qo0, ok0 = _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O)
     else:
-        qb = _block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, G)
+        qb = block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, G)
     lo, hi = pattern.candidate_range(block_start)
     p_idx = torch.arange(n_pages, device=key.device)
     limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS

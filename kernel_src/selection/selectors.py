@@ -14,6 +14,10 @@ are taken with weight 1; otherwise:
   ``2 * top_k + PREFIX_CHUNK`` candidates) take the same top-k from a prefix scan
   (``_prefix_topk_layout``: no sort of whole rows; the weights are exact while the SparseK support
   before the block's grid chunk has at most ``2 * top_k`` keys).
+  With the pattern's ``refine = F`` (two stages, ``_refined_layout``): the scorer keeps a *pool* of the ``F * top_k``
+  candidates with the largest ``u`` (the selection above with ``top_k`` scaled by ``F``; query-independent, so a
+  cache can evict what leaves the pool), and each block keeps the ``top_k`` keys of its pool with the largest
+  attention probability of the block's first query (``page_selection.refine_probabilities``), weight 1.
 * ``DSA`` + ``LightningIndexer``: indexer scores of the block's *first* query against the
   candidates, top ``top_k`` (weight 1), one selection shared by all KV heads (a ``per_kv_head``
   indexer scores and selects for every KV head separately). Only the first query
@@ -50,14 +54,14 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import observe as _observe, front_pack, page_size, page_summaries, quest_layout, row_kernels, \
-    top_indices as _top_indices, top_mask, top_pages
+from .page_selection import observe as _observe, block_queries, front_pack, most_probable, page_size, page_summaries, \
+    quest_layout, refine_probabilities, row_kernels, static_positions, top_indices as _top_indices, top_mask, top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
 from ..layouts.token_layout import TokenLayout
 
-__all__ = ["build_selection", "selection_blocks", "selection_from_scores", "training_free_scores"]
+__all__ = ["build_selection", "pool_pattern", "selection_blocks", "selection_from_scores", "training_free_scores"]
 
 #: Upper bound on elements of one (B, Hkv, blocks, keys) score slab (memory of the SparseK sort).
 _CHUNK_ELEMENTS = 1 << 21
@@ -179,9 +183,9 @@ def build_selection(
         selector: the layer's ``SparseKScorer`` / ``LightningIndexer``, or None (training-free).
         index_keys: DSA only: the indexer keys ``(B, Skv, d_I)`` of ``key`` when the caller caches them
             (decoding computes them for the new keys only); default: computed here.
-        memo: training-free selection only: a dict the caller keeps per layer across the calls of one
-            generation (the first query of the current block, ``sparse_k.selection.page_selection``); None: a call
-            that starts inside a block uses its own first query (one-time warning).
+        memo: the training-free selection and a ``SparseKScorer`` with ``refine``: a dict the caller keeps per layer
+            across the calls of one generation (the first query of the current block, ``sparse_k.selection.page_selection``);
+            None: a call that starts inside a block uses its own first query (one-time warning).
         state: a dict the caller keeps per layer for calls over a static cache (``sparse_k.selection.selection_state``):
             a one-query call updates it for its new key instead of recomputing the selection's inputs from
             every cached key; any other call rewrites it. state_slots: the cache's slots (default ``Skv``;
@@ -207,10 +211,11 @@ def build_selection(
     nb, max_c, span = _host_extent(pattern, host, Sq, Skv)
     K = min(pattern.top_k, max_c)
     kind, step, spec, tag = sst.state_kind(selector), False, None, None
+    sel_pattern = pool_pattern(pattern, selector)  # SparseK with refine: the scorer's stage selects the pool
     if state is not None:
         slots = Skv if state_slots is None else max(int(state_slots), Skv)
-        spec = _state_spec(kind, pattern, selector, key, value, slots)
-        tag = sst.owner_tag(kind, key, slots, selector, pattern)
+        spec = _state_spec(kind, sel_pattern, selector, key, value, slots)
+        tag = sst.owner_tag(kind, key, slots, selector, sel_pattern)
         step = Sq == 1 and slots == Skv and (kind != "sparse_k" or pattern.query_block <= PREFIX_CHUNK) and sst.ready(state, spec, key, tag)
         if not step:
             sst.prepare(state, spec, key, tag)
@@ -219,7 +224,7 @@ def build_selection(
     if memo is not None and reuse_key is None:  # a prefill, a traced step: the next decode call selects afresh
         memo.pop("layout_key", None)
         memo.pop("layout", None)
-    feats = None if state is None else _state_features(kind, state, step, pattern, selector, key, value, geometry, Sq, span)
+    feats = None if state is None else _state_features(kind, state, step, sel_pattern, selector, key, value, geometry, Sq, span)
     # A step of a kept selection (dsa, pages): only the rows at their block's first step (or the first step after a
     # full call) select; the others keep their block's selection (``selection_state.keep_selection``).
     fresh = sst.block_start(pattern, geometry, B) | ~state["sel_ok"] if step and kind != "sparse_k" else None
@@ -245,21 +250,28 @@ def build_selection(
         if reuse_key is not None:  # (never while tracing: a graph's output is not kept across steps)
             memo["layout_key"], memo["layout"] = reuse_key, layout
         return layout
-    if getattr(pattern, "refine", 0):
-        warn_once(f"{pattern.name}: refine={pattern.refine} applies to the training-free selection only; layer {layer_idx} "
-                  "has a trained selector, which selects without it", key=f"{pattern.name}: refine with a selector")
+    if getattr(pattern, "refine", 0) and not isinstance(selector, SparseKScorer):
+        warn_once(f"{pattern.name}: refine={pattern.refine} applies to the training-free selection and to trained "
+                  f"sparse_k scorers; layer {layer_idx} has a DSA indexer, which selects without it",
+                  key=f"{pattern.name}: refine with a selector")
     if isinstance(selector, SparseKScorer):
         if step:
             u, listed, chunk, chosen = feats
         else:
             u = selector(value, kpos, key) if feats is None else feats
-        if max_c > 2 * pattern.top_k + PREFIX_CHUNK:
+        sk, K_pool = sel_pattern, min(sel_pattern.top_k, max_c)
+        if max_c > 2 * sk.top_k + PREFIX_CHUNK:
             if step:
-                return _stepped_select(listed, chunk, chosen, u, pattern, geometry, first,
-                                       *pattern.candidate_range(block_start), block_ok, state)
-            return _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, span)
-        return _topk_layout(u[:, :, None, :], cand[:, None], K, pattern.top_k, first, pattern.query_block, span,
-                            weighted=True)
+                lay = _stepped_select(listed, chunk, chosen, u, sk, geometry, first, *sk.candidate_range(block_start),
+                                      block_ok, state)
+            else:
+                lay = _prefix_topk_layout(u, sk, geometry, first, block_start, block_ok, K_pool, span)
+        else:
+            lay = _topk_layout(u[:, :, None, :], cand[:, None], K_pool, sk.top_k, first, sk.query_block, span,
+                               weighted=sk is pattern)
+        if sk is pattern:
+            return lay
+        return _refined_layout(lay, pattern, query, key, geometry, host, first, block_start, block_ok, memo, K)
     if feats is not None:
         index_keys = feats
     elif index_keys is None:
@@ -284,6 +296,44 @@ def build_selection(
             query_block=pattern.query_block, first_block=first, weights=None,
         )
     return lay if fresh is None else sst.keep_selection(state, lay, fresh)
+
+
+def pool_pattern(pattern: Pattern, selector) -> Pattern:
+    """The pattern whose selection a ``SparseKScorer`` computes: ``pattern`` itself, or with ``refine = F`` the pool
+    (``top_k`` scaled by ``F``, no refinement) that ``_refined_layout`` refines."""
+    if isinstance(selector, SparseKScorer) and getattr(pattern, "refine", 0):
+        return pattern.replace(top_k=pattern.refine * pattern.top_k, refine=0)
+    return pattern
+
+
+def _refined_layout(pool: TokenLayout, pattern, query, key, geometry, host, first, block_start, block_ok, memo,
+                    K: int) -> TokenLayout:
+    """SparseK's second stage: per block and KV head, the ``top_k`` keys of the ``pool`` (``indices (B, Hkv, NB, Kp)``,
+    ascending) with the largest attention probability of the block's first query (``page_selection.refine_probabilities``:
+    its softmax over its sinks, its window and the pool, summed over the KV head's query heads); weight 1.
+    ``(B, Hkv, NB, K)`` indices, ascending. Blocks go in chunks (bounded temporaries, host-known sizes)."""
+    B, Hq, Sq, D = query.shape
+    Hkv = key.shape[1]
+    G, NB, Kp = Hq // Hkv, block_start.shape[1], pool.indices.shape[-1]
+    q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
+    qb = block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, G)
+    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
+    spos, sok = static_positions(block_start, pattern.candidate_range(block_start)[1], (k_end - k_start).clamp_min(0),
+                                 pattern.sinks, pattern.window)
+    sidx = spos.clamp_min(0) + k_start[:, None, None]
+    idx = pool.indices.long()
+    limit = _CHUNK_ELEMENTS_CUDA if key.is_cuda else _CHUNK_ELEMENTS
+    step = max(1, limit // max(1, B * Hkv * G * (Kp + spos.shape[-1]) * D))
+    ind_parts, cnt_parts = [], []
+    for c0 in range(0, NB, step):
+        c1 = min(NB, c0 + step)
+        ic = idx[:, :, c0:c1]
+        prob = refine_probabilities(qb[:, :, c0:c1], key, ic, ic >= 0, sidx[:, None, c0:c1], sok[:, None, c0:c1])
+        ind, cnt = most_probable(prob, ic, ic >= 0, pattern.top_k, K)
+        ind_parts.append(ind)
+        cnt_parts.append(cnt)
+    return TokenLayout(indices=torch.cat(ind_parts, 2).to(torch.int32), counts=torch.cat(cnt_parts, 2).to(torch.int32),
+                       query_block=pattern.query_block, first_block=first, weights=None)
 
 
 def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first, query_block, flag) -> TokenLayout:

@@ -1,6 +1,7 @@
 """Learned selections decode under ``torch.compile`` with a ``StaticCache`` (CUDA graphs on a GPU).
 
-A decode step of ``sparse_k`` (trained ``SparseKScorer``, with and without the prefix top-k scan),
+A decode step of ``sparse_k`` (trained ``SparseKScorer``, with and without the prefix top-k scan, and in two
+stages with ``refine``),
 ``dsa`` (``LightningIndexer``) and the training-free default traces as one graph, its logits and
 tokens equal the eager decode and recomputing the prefix, and the state the selection keeps from
 step to step (the current block's first query: the module's memo, the indexer's memo) stays in the
@@ -23,7 +24,7 @@ from sparse_k.selection import step_state  # noqa: E402
 DEV = "cuda" if ON_GPU else "cpu"
 PROMPT, STEPS = 25, 6  # steps cross the query-block boundary at position 28
 PARAMS = {"sinks": 2, "window": 6, "top_k": 4, "query_block": 4}
-VARIANTS = ["sparse_k", "sparse_k_prefix_scan", "dsa", "default"]
+VARIANTS = ["sparse_k", "sparse_k_prefix_scan", "sparse_k_refine", "dsa", "default"]
 TOL = 2e-3 if ON_GPU else 1e-5
 
 
@@ -92,7 +93,8 @@ def _model(variant, monkeypatch):
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(cfg).eval().to(DEV)
-    hf_sparse_attention.configure(model, "dsa" if variant == "dsa" else "sparse_k", **PARAMS)
+    params = dict(PARAMS, top_k=2, refine=2) if variant == "sparse_k_refine" else PARAMS  # a pool of 4, 2 kept
+    hf_sparse_attention.configure(model, "dsa" if variant == "dsa" else "sparse_k", **params)
     model.set_attn_implementation("sparse_k")
     if variant != "default":
         torch.manual_seed(1)
@@ -107,7 +109,7 @@ def _state(model):
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         selector = getattr(attn, "_sparse_k_selector", None)
-        memo = attn.__dict__.get("_sparse_k_selection_memo") if selector is None else getattr(selector, "_block_memo", None)
+        memo = attn.__dict__.get("_sparse_k_selection_memo") or getattr(selector, "_block_memo", None)
         for name, t in (memo or {}).items():
             if isinstance(t, torch.Tensor):
                 out[(i, name)] = (id(t), t.data_ptr(), getattr(t, "_dynamo_static_input_type", None))
@@ -148,7 +150,7 @@ def _check_compiled_decode(variant, monkeypatch, **compile_kwargs):
     counters.clear()
     got, _, before, states = _decode(model, torch.compile(model.forward, fullgraph=True, **compile_kwargs), ids, tokens)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    if variant in ("dsa", "default"):  # the block's-first-query memo, in static buffers
+    if variant in ("dsa", "default", "sparse_k_refine"):  # the block's-first-query memo, in static buffers
         assert before and all(v[2] for v in before.values()), before
     for t, s in enumerate(states):
         assert s == before, f"step {t}: the selection state was replaced, not written in place"

@@ -118,3 +118,35 @@ def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):
         sweep.main(["--cells", "4096:4:256:256", "--settings", "qb=16,page=8,heads=rank,refine=4,obs=16", "--output",
                     str(tmp_path / "sweep.json")])
     assert (ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS) == before and evaluate.load_model is real_load
+
+
+def test_sparse_k_files_run_once_per_refine_value_and_other_budgets_on_request(tmp_path):
+    """``--refine 0 2``: a sparse_k file gives a row as trained and a refined row (query block
+    ``--refine-query-block``); a DSA file one row; ``--any-budget`` evaluates a file trained for another window (the
+    label says so), and the refined row runs through a model."""
+    import torch
+    from hf_sparse_attention.selectors import create_selectors, save_selectors
+
+    model = tiny_llama()
+    sk = sparse_k.SparseK(sinks=4, window=128, top_k=256, query_block=64)
+    path = save_selectors(create_selectors(model, sk), str(tmp_path / "sk"), pattern=sk)
+    argv = ["--selector", f"sparse_k={path}", "--window", "128", "--refine", "0", "2", "--no-streaming"]
+    rows = mod.selector_variants(mod.build_parser().parse_args(argv))
+    assert [r["label"] for r in rows] == ["dense", "sparse_k (trained: sk)", "sparse_k (trained: sk), refine 2, query block 1"]
+    assert rows[1]["params"]["query_block"] == 64 and not rows[1]["params"].get("refine")
+    assert (rows[2]["params"]["query_block"], rows[2]["params"]["refine"]) == (1, 2)
+    with pytest.raises(SystemExit, match="--any-budget"):
+        mod.selector_variants(mod.build_parser().parse_args(argv[:2]))
+    other = mod.selector_variants(mod.build_parser().parse_args(argv[:2] + ["--any-budget", "--no-streaming"]))
+    assert other[1]["label"] == "sparse_k (trained: sk, trained at window=128)" and other[1]["params"]["window"] == 256
+    small = dict(rows[2], params=dict(rows[2]["params"], sinks=2, window=8, top_k=4))
+    mod.apply_selector_variant(model, small)
+    ids = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        refined = model(ids).logits
+        mod.apply_selector_variant(model, dict(small, params=dict(small["params"], refine=0)))
+        plain = model(ids).logits
+    assert torch.isfinite(refined).all() and not torch.allclose(refined, plain)
+    for bad in (["--refine", "-1"], ["--refine-query-block", "0"]):
+        with pytest.raises(SystemExit):
+            mod.build_parser().parse_args(bad)

@@ -7,6 +7,7 @@ import pytest
 import sparse_k
 import torch
 from sparse_k.selection.page_selection import quest_layout  # noqa: F401  (the module under test)
+from helpers import layout_sets
 from sparse_k.selection.selectors import build_selection
 
 
@@ -72,23 +73,9 @@ def _brute_force(pattern, q, k, geometry, page, Sq, Skv, reduce="sum"):
     return out
 
 
-def _layout_sets(lay, geometry, Sq, B):
-    out = {}
-    qpos = geometry.q_positions(Sq).expand(B, Sq)
-    for b in range(B):
-        for blk in sorted({int(p) // lay.query_block for p in qpos[b].tolist() if p >= 0}):
-            n = blk - int(lay.first_block[b])
-            for h in range(lay.indices.shape[1]):
-                c = int(lay.counts[b, h, n])
-                idx = lay.indices[b, h, n].tolist()
-                assert all(i == -1 for i in idx[c:]), "entries past the count must be -1"
-                out[(b, h, blk)] = idx[:c]
-    return out
-
-
 def _check_layout(lay, pattern, geometry, Sq, Skv, B):
     """Ascending, inside each block's candidates and the row's valid keys, at most top_k."""
-    sets = _layout_sets(lay, geometry, Sq, B)
+    sets = layout_sets(lay, geometry, Sq, B)
     ks, ke = geometry.k_start.expand(B).tolist(), geometry.k_end.expand(B).tolist()
     for (b, h, blk), idx in sets.items():
         assert idx == sorted(set(idx)), f"{(b, h, blk)} not strictly ascending"
@@ -193,7 +180,7 @@ def test_decode_equals_recompute(prefill, reduce, refine, obs, monkeypatch):
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[1, :5] = False
     full_geo = sparse_k.row_geometry(B, S, S, mask)
-    want = _layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
+    want = layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
     memo, seen = {}, {}
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -202,7 +189,7 @@ def test_decode_equals_recompute(prefill, reduce, refine, obs, monkeypatch):
             lay = build_selection(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, layer_idx=0, memo=memo)
             if lay is None:
                 continue
-            for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+            for key, idx in layout_sets(lay, geo, t1 - t0, B).items():
                 assert idx == want[key], f"step {t1}, {key}"
                 seen[key] = idx
     assert not any("first query was not seen" in str(w.message) for w in rec)
@@ -246,7 +233,7 @@ def test_gpu_selection_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     cpu_geo = sparse_k.row_geometry(2, 1000, 1000, mask.cpu())
-    cpu = _layout_sets(_quiet_build(pattern, q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu_geo), cpu_geo, 1000, 2)
+    cpu = layout_sets(_quiet_build(pattern, q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu_geo), cpu_geo, 1000, 2)
     gpu_lay = sparse_k.TokenLayout(lay.indices.cpu(), lay.counts.cpu(), lay.query_block, lay.first_block.cpu())
     got = _check_layout(gpu_lay, pattern, cpu_geo, 1000, 1000, 2)
     # Matmuls on the GPU and the CPU round differently: near-tied pages may swap, rarely.
@@ -417,16 +404,16 @@ def test_decode_reuse_never_crosses_a_new_prompt():
     memo = {}
     for seed, prefill in ((1, 84), (2, 88)):  # the second's first decode call is in the first's last block (11)
         q, k, v = _inputs(B, 4, 2, S, 6, seed=100 + seed)
-        want = _layout_sets(_quiet_build(pattern, q, k, v, sparse_k.row_geometry(B, S, S)), sparse_k.row_geometry(B, S, S), S, B)
+        want = layout_sets(_quiet_build(pattern, q, k, v, sparse_k.row_geometry(B, S, S)), sparse_k.row_geometry(B, S, S), S, B)
         for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]:
             geo = sparse_k.row_geometry(B, t1 - t0, t1)
             lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
-            for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+            for key, idx in layout_sets(lay, geo, t1 - t0, B).items():
                 assert idx == want[key], f"generation {seed}, step {t1}, {key}"
 
 
 @pytest.mark.parametrize("refine", [2, 100])
-def test_refine_matches_definition(refine, monkeypatch):
+def test_refine_matches_definition(refine, refine_logits, monkeypatch):
     """``REFINE = F``: the ``F * top_k // page`` best pages (the Quest bound), then the ``top_k`` keys among them
     with the largest attention probability of the block's first query (softmax over its sinks, window and the
     preselected keys, per query head, summed over the KV head's query heads); left padding included."""
@@ -444,7 +431,7 @@ def test_refine_matches_definition(refine, monkeypatch):
     lay = _quiet_build(pattern, q, k, v, geo)
     got = _check_layout(lay, pattern, geo, S, S, B)
     monkeypatch.setattr(ps, "REFINE", 0)
-    pages_only = _layout_sets(_quiet_build(pattern, q, k, v, geo), geo, S, B)
+    pages_only = layout_sets(_quiet_build(pattern, q, k, v, geo), geo, S, B)
     n_pre = refine * (pattern.top_k // page)
     G = Hq // Hkv
     ks = geo.k_start.tolist()
@@ -536,7 +523,7 @@ def test_observation_window_matches_definition(obs, refine, qb, monkeypatch):
 
 
 @pytest.mark.parametrize("qb,refine,obs", [(1, 8, 0), (2, 6, 0), (1, 0, 3)])
-def test_per_query_selection_decode_equals_recompute(qb, refine, obs, monkeypatch):
+def test_per_query_selection_decode_equals_recompute(qb, refine, obs, refine_logits, monkeypatch):
     """Query blocks of 1-2 (every query, or every pair, selects its own keys) with ``REFINE``: a prefill then one
     token per call through the memo gives the recompute's selection; padded row 1."""
     import sparse_k.selection.page_selection as ps
@@ -550,14 +537,14 @@ def test_per_query_selection_decode_equals_recompute(qb, refine, obs, monkeypatc
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[1, :5] = False
     full_geo = sparse_k.row_geometry(B, S, S, mask)
-    want = _layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
+    want = layout_sets(_quiet_build(pattern, q, k, v, full_geo), full_geo, S, B)
     memo = {}
     for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, S)]:
         geo = sparse_k.row_geometry(B, t1 - t0, t1, mask[:, :t1])
         lay = _quiet_build(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, memo=memo)
         if lay is None:
             continue
-        for key, idx in _layout_sets(lay, geo, t1 - t0, B).items():
+        for key, idx in layout_sets(lay, geo, t1 - t0, B).items():
             assert idx == want[key], f"step {t1}, {key}"
 
 
@@ -574,30 +561,14 @@ def test_pattern_refine_is_the_two_stage_selection(name, monkeypatch):
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[0, :7] = False
     geo = sparse_k.row_geometry(B, S, S, mask)
-    by_field = _layout_sets(_quiet_build(base.replace(refine=3), q, k, v, geo), geo, S, B)
+    by_field = layout_sets(_quiet_build(base.replace(refine=3), q, k, v, geo), geo, S, B)
     monkeypatch.setattr(ps, "REFINE", 3)
-    by_module = _layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
+    by_module = layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
     monkeypatch.setattr(ps, "REFINE", 0)
-    pages_only = _layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
+    pages_only = layout_sets(_quiet_build(base, q, k, v, geo), geo, S, B)
     assert by_field == by_module
     assert by_field != pages_only
     assert sparse_k.pattern_from_dict(base.replace(refine=3).to_dict()).refine == 3
     for bad in (-1, 1.5, True):
         with pytest.raises((ValueError, TypeError), match="refine"):
             sparse_k.get_pattern(name, refine=bad)
-
-
-def test_pattern_refine_with_a_trained_selector_warns():
-    """A trained selector does not use ``refine``: the call says so (once) and selects as without it."""
-    from sparse_k.selection.selectors import SparseKScorer
-    from sparse_k.warn import _WARNED
-
-    _WARNED.discard("sparse_k: refine with a selector")
-    pattern = sparse_k.SparseK(sinks=2, window=8, top_k=8, query_block=4)
-    q, k, v = _inputs(1, 4, 2, 60, 8, seed=5)
-    geo = sparse_k.row_geometry(1, 60, 60, None)
-    scorer = SparseKScorer(2, 8)
-    with pytest.warns(UserWarning, match="refine=2 applies to the training-free selection only"):
-        got = build_selection(pattern.replace(refine=2), q, k, v, geo, layer_idx=0, selector=scorer)
-    want = build_selection(pattern, q, k, v, geo, layer_idx=0, selector=scorer)
-    assert torch.equal(got.indices, want.indices) and torch.equal(got.counts, want.counts)

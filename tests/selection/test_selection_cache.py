@@ -98,15 +98,18 @@ def _step_logits(model, seq, prefill, cache):
     return torch.stack(logits), lengths
 
 
-@pytest.mark.parametrize("trained", [True, False])
-def test_sparse_cache_evicts_and_equals_recompute(trained):
+@pytest.mark.parametrize("kind", ["trained", "refined", "refined_per_query", "training_free"])
+def test_sparse_cache_evicts_and_equals_recompute(kind, refine_logits):
     """sparse_k through the Transformers integration: SparseCache with eviction == without eviction ==
-    recomputing the prefix at every step, and the evicting cache stays bounded (trained scorer; the
-    training-free default keeps every key and still equals the recompute)."""
+    recomputing the prefix at every step, and the evicting cache stays bounded (trained scorer; with ``refine`` the
+    cache keeps the scorer's pool of ``refine * top_k`` keys, and a block's refinement reads its first query, kept
+    across calls; the training-free default keeps every key and still equals the recompute)."""
     from hf_sparse_attention import SparseCache
 
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
-    model = sparse_tiny_llama("sparse_k", params, random_selectors=trained)
+    if kind.startswith("refined"):
+        params.update(top_k=3, refine=2, query_block=1 if kind == "refined_per_query" else 4)
+    model = sparse_tiny_llama("sparse_k", params, random_selectors=kind != "training_free")
     seq = torch.randint(1, 50, (2, 70), generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -117,12 +120,13 @@ def test_sparse_cache_evicts_and_equals_recompute(trained):
     # float32 forwards of different lengths and slot orders: summation order only.
     torch.testing.assert_close(keeping, recomputed, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(evicting, keeping, atol=1e-4, rtol=1e-4)
-    if not trained:  # the query-aware training-free selection evicts nothing
+    if kind == "training_free":  # the query-aware training-free selection evicts nothing
         assert lengths[-1] == [70] * len(lengths[-1])
         return
-    bound = params["sinks"] + params["top_k"] + params["window"] + params["query_block"] - 2
+    kept = params["top_k"] * params.get("refine", 1)
+    bound = params["sinks"] + kept + params["window"] + params["query_block"] - 2
     assert max(max(x) for x in lengths[20:]) <= bound
-    assert min(min(x) for x in lengths[20:]) >= params["sinks"] + params["top_k"] + params["window"] - 1
+    assert min(min(x) for x in lengths[20:]) >= params["sinks"] + kept + params["window"] - 1
 
 
 @pytest.mark.parametrize("beam_idx", [[1, 0], [1, 1]])

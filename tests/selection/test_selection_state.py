@@ -23,7 +23,8 @@ B, HQ, HKV, D = 2, 4, 2, 16
 SLOTS, PROMPT, PAD = 97, 13, 3  # row 1 is left-padded by PAD slots
 SPARSEK = sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=4)
 DSA = sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
-KINDS = ["sparse_k", "sparse_k_prefix_scan", "dsa", "dsa_per_kv_head", "pages"]
+KINDS = ["sparse_k", "sparse_k_prefix_scan", "sparse_k_refine", "sparse_k_refine_prefix_scan", "dsa", "dsa_per_kv_head",
+         "pages"]
 #: On a GPU the offsets are device tensors: every call takes the bounds a compiled step takes (no host read).
 #: ``cpu_device_offsets`` takes that path on the CPU (the geometry's host offsets hidden).
 DEVICES = ["cpu", "cpu_device_offsets", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -45,6 +46,8 @@ def _selector(kind):
 
 
 def _pattern(kind):
+    if kind.startswith("sparse_k_refine"):
+        return SPARSEK.replace(top_k=3, refine=2)  # a pool of 6, refined to 3 keys by the block's first query
     return DSA if kind.startswith("dsa") else SPARSEK
 
 
@@ -90,7 +93,7 @@ def _setup(kind, monkeypatch, device="cpu"):
     caller then uses: ``"cpu"``)."""
     if device == "cpu_device_offsets":
         monkeypatch.setattr(RowGeometry, "host_offsets", lambda self: None)
-    if kind == "sparse_k_prefix_scan":
+    if kind.endswith("prefix_scan"):
         monkeypatch.setattr(selectors, "PREFIX_CHUNK", 8)
     return _selector(kind)
 
@@ -151,7 +154,8 @@ def test_the_step_reads_the_state(kind, monkeypatch):
         for k, v in clean.items():
             state[k].copy_(v)
         # The prefix scan's step reads its block's stored selection S (the top-k stays fixed over a block).
-        name = {"sparse_k": "u", "sparse_k_prefix_scan": "S", "dsa": "ik", "dsa_per_kv_head": "ik", "pages": "kmax"}[kind]
+        name = {"sparse_k": "u", "sparse_k_prefix_scan": "S", "sparse_k_refine": "u", "sparse_k_refine_prefix_scan": "S",
+                "dsa": "ik", "dsa_per_kv_head": "ik", "pages": "kmax"}[kind]
         state[name].copy_(-state[name] if name != "S" else state[name].roll(1, -1))
         got = _select(kind, selector, cache, q, geo, state, memo)
     assert not torch.equal(got.indices, want.indices)

@@ -14,7 +14,7 @@ from hf_sparse_attention import shipped
 from hf_sparse_attention.selectors import load_selectors
 from sparse_k import get_pattern
 from sparse_k.integrations import transformers_adapter as adapter
-from sparse_k.selection.scorers import LightningIndexer
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer
 
 ENTRY = shipped.SHIPPED[0]
 
@@ -38,11 +38,13 @@ def _pattern(**kw):
     return get_pattern(ENTRY.kind, **kw)
 
 
-def test_the_shipped_file_is_a_dsa_selector_for_every_layer():
-    sels = load_selectors(ENTRY.path(ENTRY.selectors))
-    assert ENTRY.kind == "dsa" and sorted(sels) == list(range(30))
-    assert all(isinstance(s, LightningIndexer) for s in sels.values())
-    assert ENTRY.trained_pattern["query_block"] == 1
+def test_the_shipped_files_hold_a_selector_for_every_layer():
+    """A DSA indexer (query block 1) and a SparseK scorer (query block 64) per layer of SmolLM2-135M."""
+    assert [e.kind for e in shipped.SHIPPED] == ["dsa", "sparse_k"]
+    for entry, cls, qb in zip(shipped.SHIPPED, (LightningIndexer, SparseKScorer), (1, 64)):
+        sels = load_selectors(entry.path(entry.selectors))
+        assert sorted(sels) == list(range(30)) and all(isinstance(s, cls) for s in sels.values())
+        assert entry.trained_pattern["query_block"] == qb and entry.fingerprint == ENTRY.fingerprint
 
 
 @pytest.mark.parametrize("layer", [0, 17, 29])
@@ -59,7 +61,7 @@ def test_matching_weights_get_the_layers_selector(layer):
 
 def test_other_weights_other_patterns_and_no_layer_get_nothing():
     assert shipped.shipped_selector(_Attention(3, matching=False), 3, _pattern()) is None  # same shape, other values
-    assert shipped.shipped_selector(_Attention(3, matching=True), 3, get_pattern("sparse_k")) is None
+    assert shipped.shipped_selector(_Attention(3, matching=True), 3, get_pattern("streaming")) is None
     assert shipped.shipped_selector(_Attention(3, matching=True), None, _pattern()) is None
     small = nn.Module()
     small.k_proj = nn.Linear(8, 4, bias=False)
@@ -88,7 +90,8 @@ def test_adapter_attaches_drops_and_never_replaces_a_users_selector():
         assert adapter._layer_selector(mod, 2, p) is None and "_sparse_k_selector" not in mod.__dict__
         mod.config.sparse_attention = {}
         assert adapter._layer_selector(mod, 2, p) is not None
-        assert adapter._layer_selector(mod, 2, get_pattern("sparse_k")) is None  # a dsa selector is not kept for sparse_k
+        other = adapter._layer_selector(mod, 2, get_pattern("sparse_k"))  # a dsa selector is not kept for sparse_k
+        assert isinstance(other, SparseKScorer) and adapter._layer_selector(mod, 2, p) is sel
         users = LightningIndexer(9, 3, 64)
         object.__setattr__(mod, "_sparse_k_selector", users)
         assert adapter._layer_selector(mod, 2, p) is users
@@ -104,7 +107,7 @@ def test_shipped_selectors_is_a_checked_config_key():
 
 
 def test_learned_selection_is_reported_per_pattern():
-    """The main job's report line: dsa on the shipped model is trained, sparse_k there and both elsewhere are not."""
+    """The main job's report line: dsa and sparse_k on the shipped model are trained, both elsewhere are not."""
     from hf_sparse_attention.evaluation.cli import TRAINING_FREE, learned_selection
     from hf_sparse_attention.evaluation.variants import make_variants
 
@@ -116,6 +119,6 @@ def test_learned_selection_is_reported_per_pattern():
     variants = make_variants(["sparse_k", "dsa", "streaming"], 256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert learned_selection(_Model(True), variants) == f"dsa: trained selectors; sparse_k: {TRAINING_FREE}"
+        assert learned_selection(_Model(True), variants) == "trained selectors"
         assert learned_selection(_Model(False), variants) == TRAINING_FREE
         assert learned_selection(_Model(True), make_variants(["dsa"], 256)) == "trained selectors"
