@@ -122,7 +122,8 @@ def _budget_lines(results: dict) -> list[str]:
             notes.append("without a trained selector each block selects keys with the training-free query-aware page "
                          "selection (the same keys for sparse_k and dsa); trained selectors: README, \"Learned selection\"")
         if "trained selectors" in how:
-            notes.append("trained selectors were loaded (the package ships dsa selectors for SmolLM2-135M)")
+            notes.append("trained selectors were loaded (the package ships dsa and sparse_k selectors for "
+                         "SmolLM2-135M)")
         note = "; ".join(notes)
         lines += [f"Learned selection ({', '.join(learned)}): **{how}**: {note}.", ""]
     lines += ["| pattern | context | parameters | keys per query | mean keys per query | fraction of causal pairs |",
