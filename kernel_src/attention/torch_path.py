@@ -135,18 +135,23 @@ def _selection_scores(qc, k_flat, v_flat, sel: TokenLayout, sel_blocks, q_idx, l
         s = softcap * torch.tanh(s / softcap)
     if logw is not None:
         s = s + logw.view(B, Hkv, 1, C, 1, K)
-    # Per query: the key is valid and not already in the static part.
-    k_idx = idx_c.view(B, Hkv, C, 1, K)
-    static = lay.element_rule(q_idx.view(1, 1, C, bq, 1), k_idx, row_ix.view(-1, 1, 1, 1, 1), head_ix.view(1, -1, 1, 1, 1))
-    geo = lay.geometry
-    rows = row_ix.view(-1, 1, 1, 1, 1)
-    qpos_idx = geo.q_start[rows] + q_idx.view(1, 1, C, bq, 1)
-    valid = (k_idx >= geo.k_start[rows]) & (k_idx < geo.k_end[rows]) & (k_idx <= qpos_idx)
-    if km is not None:
-        b_ix = torch.arange(B, device=qc.device).view(B, 1, 1, 1)
-        valid = valid & km[b_ix, k_idx.view(B, Hkv, C, K)].unsqueeze(3)
-    allow = ok.view(B, Hkv, C, 1, K) & valid & ~static
+    allow = ok.view(B, Hkv, C, 1, K) & _counts_for_query(idx_c.view(B, Hkv, C, 1, K), q_idx, lay, row_ix, head_ix, km)
     return s.masked_fill(~allow.unsqueeze(2), float("-inf")), vg
+
+
+def _counts_for_query(k_idx, q_idx, lay, row_ix, head_ix, km):
+    """Whether a selected key at tensor index ``k_idx (B, Hkv, C, 1 or bq, K)`` counts for each query ``q_idx (C * bq,)``
+    of the tile: a key of the query's row, at or before it, not masked out (``km``), and not already in the static
+    part. ``(B, Hkv, C, bq, K)``."""
+    B, C = k_idx.shape[0], k_idx.shape[2]
+    q = q_idx.view(1, 1, C, -1, 1)
+    rows = row_ix.view(-1, 1, 1, 1, 1)
+    static = lay.element_rule(q, k_idx, rows, head_ix.view(1, -1, 1, 1, 1))
+    geo = lay.geometry
+    valid = (k_idx >= geo.k_start[rows]) & (k_idx < geo.k_end[rows]) & (k_idx <= geo.q_start[rows] + q)
+    if km is not None:
+        valid = valid & km[torch.arange(B, device=k_idx.device).view(B, 1, 1, 1, 1), k_idx]
+    return valid & ~static
 
 
 def _gather_selected(sel: TokenLayout, blocks, k_flat, v_flat, Hkv: int, Skv: int, cdt):
@@ -179,21 +184,12 @@ def _own_block_scores(qc, k_flat, v_flat, sel: TokenLayout, blk, q_idx, lay, row
     ``(B, Hkv, C, bq, K, Dv)`` (per query: the shared form would score every query against every block of the tile)."""
     B, Hkv, G, C, bq, D = qc.shape
     idx_c, ok, logw, kg, vg = _gather_selected(sel, blk, k_flat, v_flat, Hkv, Skv, cdt)  # (B, Hkv, C, bq, K[, D])
-    b_ix = torch.arange(B, device=qc.device).view(B, 1, 1, 1, 1)
     s = torch.einsum("bhgcqd,bhcqkd->bhgcqk", qc.to(cdt), kg.to(cdt)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if logw is not None:
         s = s + logw.unsqueeze(2)
-    # The key is valid for the query and not already in the static part.
-    static = lay.element_rule(q_idx.view(1, 1, C, bq, 1), idx_c, row_ix.view(-1, 1, 1, 1, 1), head_ix.view(1, -1, 1, 1, 1))
-    geo = lay.geometry
-    rows = row_ix.view(-1, 1, 1, 1, 1)
-    qpos_idx = geo.q_start[rows] + q_idx.view(1, 1, C, bq, 1)
-    valid = (idx_c >= geo.k_start[rows]) & (idx_c < geo.k_end[rows]) & (idx_c <= qpos_idx)
-    if km is not None:
-        valid = valid & km[b_ix, idx_c]
-    allow = ok & valid & ~static
+    allow = ok & _counts_for_query(idx_c, q_idx, lay, row_ix, head_ix, km)
     return s.masked_fill(~allow.unsqueeze(2), float("-inf")), vg
 
 
