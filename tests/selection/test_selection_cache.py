@@ -98,14 +98,19 @@ def _step_logits(model, seq, prefill, cache):
     return torch.stack(logits), lengths
 
 
-@pytest.mark.parametrize("kind", ["trained", "refined", "refined_per_query", "training_free"])
-def test_sparse_cache_evicts_and_equals_recompute(kind, refine_logits):
+@pytest.mark.parametrize("kind,logits", [("trained", None), ("refined", "gathered"), ("refined", "matmul"),
+                                         ("refined_per_query", "gathered"), ("refined_per_query", "matmul"),
+                                         ("training_free", None)])
+def test_sparse_cache_evicts_and_equals_recompute(kind, logits, monkeypatch):
     """sparse_k through the Transformers integration: SparseCache with eviction == without eviction ==
     recomputing the prefix at every step, and the evicting cache stays bounded (trained scorer; with ``refine`` the
     cache keeps the scorer's pool of ``refine * top_k`` keys, and a block's refinement reads its first query, kept
     across calls; the training-free default keeps every key and still equals the recompute)."""
     from hf_sparse_attention import SparseCache
+    from sparse_k.selection import page_selection
 
+    if logits is not None:  # both ways the refinement computes its logits (page_selection._dense_refine)
+        monkeypatch.setattr(page_selection, "_dense_refine", lambda *a: logits == "matmul")
     params = {"sinks": 2, "window": 8, "top_k": 5, "query_block": 4}
     if kind.startswith("refined"):
         params.update(top_k=3, refine=2, query_block=1 if kind == "refined_per_query" else 4)
