@@ -36,7 +36,8 @@ Variants (``--variants``, comma list): ``sdpa``, ``flex_attention``, ``sliding_w
 ``--window`` 4096), ``streaming`` (``--sinks`` 4 + 4096), ``sparse_k`` (trained-shaped random
 ``SparseKScorer``: sinks 4, ``--learned-window`` 1024, ``--top-k`` 2048, ``--query-block`` 128), ``dsa``
 (random ``LightningIndexer``, same budget), ``default`` (the ``sparse_k`` defaults with the
-training-free selection).
+training-free selection), ``per_query`` (the same with ``query_block=1, refine=8``: the training-free selection
+per query, refined by exact attention probabilities; docs/selection.md).
 
 Example (H100, 8 layers)::
 
@@ -60,7 +61,7 @@ from contextlib import contextmanager
 
 import torch
 
-VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default")
+VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default", "per_query")
 
 
 def variant_spec(name: str, args) -> dict:
@@ -74,6 +75,7 @@ def variant_spec(name: str, args) -> dict:
         "sparse_k": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "sparse_k", **learned}},
         "dsa": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "dsa", **learned}},
         "default": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k"}},
+        "per_query": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k", "query_block": 1, "refine": 8}},
     }[name]
 
 

@@ -42,7 +42,9 @@ place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graph
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
 under ``TRITON_INTERPRET=1``), the page scores and the page top-k of ``quest_layout`` run there, for every call (so
 a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
-block: ``selection_state``); otherwise (``HEAD_REDUCE`` other than "sum", ``refine`` / ``REFINE``, float64, the CPU) PyTorch.
+block: ``selection_state``); so do the refinement's scores and its top-k (``refine_probabilities``, ``most_probable``,
+for the training-free pages and trained SparseK pools alike); otherwise (``HEAD_REDUCE`` other than "sum",
+``OBS``, float64, the CPU) PyTorch.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ OBS = 0
 #: preselected keys, when the key tensor holds at most this many times the keys a block reads (preselected and
 #: static) and the matmul's temporaries are no larger than the gathered keys; otherwise the keys are gathered.
 DENSE_REFINE_FACTOR = 4
+#: Entries of the preselection's per-key lists (positions, flags, indices, scores; in units of a key vector's float)
+#: per preselected key that bound a chunk of the refinement with the kernels (``quest_layout``).
+REFINE_LIST_ENTRIES = 8
 #: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
 TRITON_SELECTION = True
 
@@ -291,14 +296,19 @@ def _logits_at(qb, key, idx, ok):
 
 
 def refine_probabilities(qb: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, static_idx: torch.Tensor,
-                         static_ok: torch.Tensor) -> torch.Tensor:
+                         static_ok: torch.Tensor, flag: torch.Tensor | None = None) -> torch.Tensor:
     """The refinement score of preselected keys: ``(B, Hkv, NB, W)``, each key's share of the softmax of the block
     query ``qb (B, Hkv, NB, G, D)`` over its static keys (tensor indices ``static_idx (B, 1|Hkv, NB, Ws)``, valid where
     ``static_ok``) and the preselected keys (``idx (B, 1|Hkv, NB, W)``, valid where ``ok``), per query head, summed over
     the KV head's ``G`` query heads (a head that attends to its sinks and window gives the preselected keys little
-    weight); 0 where ``ok`` is False."""
+    weight); 0 where ``ok`` is False. Float32 queries where ``row_kernels`` gives the kernels: one Triton program per
+    block and KV head (``select_triton.refine_scores``, no temporaries), which leaves the rows off ``flag (B, Hkv, NB)``
+    unwritten (None: every row); else PyTorch, gathered or by one matmul (every row)."""
     B, H, NB, G, D = qb.shape
     S, W, Ws = key.shape[2], idx.shape[-1], static_idx.shape[-1]
+    kern = row_kernels(qb)
+    if kern is not None:  # a score for a discrete choice: no gradient
+        return kern.refine_scores(qb.detach(), key.detach(), idx, ok, static_idx, static_ok, flag)
     if _dense_refine(G, D, S, W + Ws):
         logits, lse = _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok)
     else:
@@ -343,17 +353,28 @@ def static_positions(block_start, hi, n_keys, sinks: int, window: int):
     return spos, sok
 
 
-def most_probable(prob, pos, ok, top_k: int, width: int):
+def most_probable(prob, pos, ok, top_k: int, width: int, flag: torch.Tensor | None = None):
     """The ``top_k`` positions ``pos (B, Hkv, NB, W)`` (valid where ``ok``, ascending there) of highest ``prob``:
-    ``(positions (B, Hkv, NB, width)`` ascending, -1 past the count, ``counts (B, Hkv, NB))``."""
+    ``(positions (B, Hkv, NB, width)`` ascending, -1 past the count, ``counts (B, Hkv, NB))``. With the kernels, the
+    rows off ``flag (B, Hkv, NB)`` (None: every row) are not computed and choose nothing."""
+    k = min(top_k, pos.shape[-1])
+    kern = row_kernels(prob)
+    if kern is not None:  # the same set (the valid entries are >= 0 > -1), ascending
+        at = kern.topk_rows(prob, k, mask=ok.expand(prob.shape), flag=flag).long()  # (B, Hkv, NB, k), -1 after
+        if flag is not None:
+            at = torch.where(flag[..., None], at, -1)
+        chosen = torch.where(at >= 0, pos.expand(prob.shape).gather(-1, at.clamp_min(0)), -1)
+        chosen = torch.nn.functional.pad(chosen, (0, max(0, width - k)), value=-1)[..., :width]
+        return chosen, (at >= 0).sum(-1).clamp_max(width)
     neg = torch.full((), -1.0, dtype=prob.dtype, device=prob.device)
-    keep = top_mask(torch.where(ok, prob, neg), min(top_k, pos.shape[-1])) & ok
+    keep = top_mask(torch.where(ok, prob, neg), k) & ok
     return front_pack(keep, width, pos, -1), keep.sum(-1).clamp_max(width)
 
 
-def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k, block_start, sinks, window):
+def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k, block_start, sinks, window, flag=None):
     """The ``top_k`` keys of the preselected ``pages`` by the block query's attention probability (``REFINE``):
-    ``positions (B, Hkv, NB, width)`` ascending (-1 past the count), ``counts (B, Hkv, NB)``.
+    ``positions (B, Hkv, NB, width)`` ascending (-1 past the count), ``counts (B, Hkv, NB)``; with the kernels, the rows
+    off ``flag (B,)`` (None: all) are skipped and choose nothing.
 
     The probability of a key is its share of the softmax of the block's first query over its static keys (sinks
     and window) and the preselected keys, per query head; the KV head sums its query heads' probabilities (a
@@ -363,8 +384,9 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     ok = pos >= 0
     spos, sok = static_positions(block_start, hi, n_keys, sinks, window)
     ks = k_start.view(-1, 1, 1, 1)
-    prob = refine_probabilities(qb, key, pos.clamp_min(0) + ks, ok, spos[:, None].clamp_min(0) + ks, sok[:, None])
-    return most_probable(prob, pos, ok, top_k, width)
+    rows = None if flag is None else flag[:, None, None].expand(pos.shape[:3])
+    prob = refine_probabilities(qb, key, pos.clamp_min(0) + ks, ok, spos[:, None].clamp_min(0) + ks, sok[:, None], rows)
+    return most_probable(prob, pos, ok, top_k, width, rows)
 
 
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
@@ -575,19 +597,23 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     step = max(1, limit // max(1, B * Hkv * n_pages * per_q))  # blocks per chunk: bounded score memory
     refine = getattr(pattern, "refine", 0) or REFINE
     n_pre = refine * (pattern.top_k // page) if refine > 0 else 0
-    if n_pre:
-        step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * D)))
+    kern = row_kernels(kmin) if HEAD_REDUCE == "sum" and not O else None
+    if n_pre:  # the refinement's temporaries: gathered key vectors (PyTorch) or a few lists of the preselected keys
+        step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * (REFINE_LIST_ENTRIES if kern else D))))
         if O:
             step = max(1, min(step, limit // max(1, B * Hkv * per_q * (n_pre * page + pattern.sinks + pattern.window))))
-    kern = row_kernels(kmin) if HEAD_REDUCE == "sum" and not n_pre and not O else None
     pos_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
         if kern is not None:
             pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, hi[:, c0:c1], bo, page,
-                                          pattern.top_k // page, flag)
-            pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
+                                          n_pre or pattern.top_k // page, flag)
+            if n_pre:
+                pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
+                                       n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window, flag)
+            else:
+                pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
             pos_parts.append(pos_c)
             cnt_parts.append(cnt_c)
             continue

@@ -24,6 +24,14 @@ same kernels every time and they cost nothing inside a block. No host read.
   float32: the DSA indexer scores (``LightningIndexer.scores``) ``sum_h w_h relu(q_h . k / sqrt(d))``
   over the ``H / G`` indexer heads of each of ``G`` key groups (``G = 1``: a shared indexer; ``G = Hkv``
   per KV head), ``-inf`` off the candidates. One program per (row, tile of keys).
+* ``refine_scores(q (B, H, C, G, D), key (B, H, S, D), idx, ok (B, 1|H, C, W), sidx, sok (B, 1|H, C, Ws))
+  -> (B, H, C, W)`` float32: the refinement score of ``page_selection.refine_probabilities``, each preselected
+  key's share of the softmax of the block query over its static keys (``sidx``) and the preselected keys (``idx``),
+  per query head, summed over the ``G`` heads; 0 where ``ok`` is False. One program per row: a first pass over
+  the static and preselected keys keeps each head's running max and sum (the log-normaliser), a second pass over
+  the preselected keys writes their probabilities. The keys are read where they lie (any float dtype, any strides:
+  Transformers' views), in tiles of ``BLOCK_N`` gathered rows; the products are float32 ``tl.dot`` with IEEE
+  precision (the query heads padded to 16 rows).
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
 ``sparse_k::index_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
@@ -39,7 +47,7 @@ import triton.language as tl
 
 from .._ops import add_op_namespace_prefix
 
-__all__ = ["index_scores", "page_bound_scores", "topk_rows"]
+__all__ = ["index_scores", "page_bound_scores", "refine_scores", "topk_rows"]
 
 
 @triton.jit
@@ -167,6 +175,69 @@ def _index_score_kernel(Q, W, IK, CAND, FLAG, OUT, T, G, HG, S, DI, scale,
         wh = tl.load(W + b * sw_b + t * sw_t + h)
         acc += wh * tl.maximum(tl.sum(k * q[None, :], 1) * scale, 0.0)
     tl.store(OUT + row * so_r + s, tl.where(cand, acc, float("-inf")), mask=sin)
+
+
+@triton.jit
+def _refine_logits(q, K_row, I_row, OK_row, start, n, sk_s, d, din, scale, BLOCK_N: tl.constexpr):
+    """Logits ``(BLOCK_G, BLOCK_N)`` of the row's queries ``q`` with the keys listed at ``[start, start + BLOCK_N)``
+    (tensor indices ``I_row``, valid where ``OK_row``), ``-inf`` off the valid ones; and that validity."""
+    j = start + tl.arange(0, BLOCK_N)
+    jin = j < n
+    valid = jin & (tl.load(OK_row + j, mask=jin, other=0) != 0)
+    ki = tl.load(I_row + j, mask=valid, other=0).to(tl.int64)
+    k = tl.load(K_row + ki[:, None] * sk_s + d[None, :], mask=valid[:, None] & din[None, :], other=0.0).to(tl.float32)
+    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    return tl.where(valid[None, :], logits, float("-inf")), valid
+
+
+@triton.jit
+def _online_lse(m, l, logits):
+    """Running max ``m`` and sum ``l`` (``(BLOCK_G,)``) of ``exp`` over the tiles of ``logits`` seen so far."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), 1)
+    return m_new, l
+
+
+@triton.jit
+def _refine_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, OUT, H, C, G, D, W, WS, scale,
+                   sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s, si_b, si_h, si_c, ss_b, ss_h, ss_c, so_r,
+                   HAS_FLAG: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * C + c
+    if HAS_FLAG:
+        if tl.load(FLAG + row) == 0:
+            return
+    c = row % C
+    b = row // C // H
+    h = row // C % H
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gin = g < G
+    din = d < D
+    q = tl.load(Q + b * sq_b + h * sq_h + c * sq_c + g[:, None] * sq_g + d[None, :], mask=gin[:, None] & din[None, :],
+                other=0.0)
+    K_row = K + b * sk_b + h * sk_h
+    I_row = IDX + b * si_b + h * si_h + c * si_c
+    OK_row = OK + b * si_b + h * si_h + c * si_c
+    S_row = SIDX + b * ss_b + h * ss_h + c * ss_c
+    SOK_row = SOK + b * ss_b + h * ss_h + c * ss_c
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    for start in range(0, WS, BLOCK_N):
+        logits, _ = _refine_logits(q, K_row, S_row, SOK_row, start, WS, sk_s, d, din, scale, BLOCK_N)
+        m, l = _online_lse(m, l, logits)
+    for start in range(0, W, BLOCK_N):
+        logits, _ = _refine_logits(q, K_row, I_row, OK_row, start, W, sk_s, d, din, scale, BLOCK_N)
+        m, l = _online_lse(m, l, logits)
+    lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
+    lse = tl.where(gin, lse, float("-inf"))
+    o_row = OUT + row * so_r
+    for start in range(0, W, BLOCK_N):
+        logits, valid = _refine_logits(q, K_row, I_row, OK_row, start, W, sk_s, d, din, scale, BLOCK_N)
+        live = (lse > float("-inf"))[:, None] & valid[None, :]
+        p = tl.where(live, tl.exp(logits - tl.where(live, lse[:, None], 0.0)), 0.0)
+        j = start + tl.arange(0, BLOCK_N)
+        tl.store(o_row + j, tl.sum(p, 0), mask=j < W)
 
 
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -354,3 +425,65 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch
     return _index_scores(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), ik,
                          cand.to(torch.uint8).contiguous(), _row_flag(flag, (B, T, groups), "index_scores"), groups,
                          block_s)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("refine_scores"), mutates_args=())
+def _refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
+                   sok: torch.Tensor, flag: torch.Tensor | None, block_n: int) -> torch.Tensor:
+    B, H, C, G, D = q.shape
+    W, WS = idx.shape[-1], sidx.shape[-1]
+    out = _empty((B, H, C, W), torch.float32, q.device)
+    if B * H * C > 0 and W > 0:
+        _refine_kernel[(B * H * C,)](
+            q, key, idx, ok, sidx, sok, _flag_arg(flag, ok), out, H, C, G, D, W, WS, D ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3), key.stride(0), key.stride(1), key.stride(2),
+            idx.stride(0), idx.stride(1), idx.stride(2), sidx.stride(0), sidx.stride(1), sidx.stride(2), W,
+            HAS_FLAG=flag is not None, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            num_warps=4)
+    return out
+
+
+@_refine_scores.register_fake
+def _(q, key, idx, ok, sidx, sok, flag, block_n):
+    B, H, C = q.shape[:3]
+    return q.new_empty((B, H, C, idx.shape[-1]), dtype=torch.float32)
+
+
+def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
+                  sok: torch.Tensor, flag: torch.Tensor | None = None, *, block_n: int = 64) -> torch.Tensor:
+    """The refinement score of preselected keys (module docstring; ``page_selection.refine_probabilities``).
+
+    Args:
+        q: ``(B, H, C, G, D)`` the first query of ``C`` blocks, the ``G`` query heads of each of ``H`` KV heads.
+        key: ``(B, H, S, D)`` float16/bfloat16/float32 keys, any strides with a unit last one (else copied).
+        idx, ok: ``(B, 1|H, C, W)`` int tensor indices of the preselected keys into ``key``'s dim 2, and bool validity.
+        sidx, sok: ``(B, 1|H, C, Ws)`` the same for each block's static keys (sinks and window).
+        flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
+        block_n: keys per tile (power of two, 16 to 256).
+    Returns:
+        ``(B, H, C, W)`` float32, 0 where ``ok`` is False.
+    """
+    if q.dim() != 5 or key.dim() != 4 or key.shape[:2] != q.shape[:2] or key.shape[3] != q.shape[4]:
+        raise ValueError(f"refine_scores: q (B, H, C, G, D) and key (B, H, S, D) do not match: {tuple(q.shape)}, "
+                         f"{tuple(key.shape)}")
+    if key.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"refine_scores: `key` must be float16/bfloat16/float32, got {key.dtype}")
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or not 16 <= block_n <= 256 or block_n & (block_n - 1):
+        raise ValueError(f"refine_scores: `block_n` must be a power of two in [16, 256], got {block_n!r}")
+    B, H, C = q.shape[:3]
+    lists = []
+    for name_i, name_m, i, m in (("idx", "ok", idx, ok), ("sidx", "sok", sidx, sok)):
+        if i.dim() != 4 or i.shape[0] != B or i.shape[1] not in (1, H) or i.shape[2] != C or i.dtype.is_floating_point:
+            raise ValueError(f"refine_scores: `{name_i}` must be an integer (B, 1|H, C, n) = ({B}, 1|{H}, {C}, n) tensor, "
+                             f"got {i.dtype} {tuple(i.shape)}")
+        if m.dtype != torch.bool:
+            raise ValueError(f"refine_scores: `{name_m}` must be bool, got {m.dtype}")
+        try:
+            m = m.expand(i.shape)
+        except RuntimeError:
+            raise ValueError(f"refine_scores: `{name_m}` shape {tuple(m.shape)} does not broadcast to {tuple(i.shape)}") from None
+        lists += [i.expand(B, H, C, i.shape[3]).to(torch.int32).contiguous(),
+                  m.expand(B, H, C, i.shape[3]).to(torch.uint8).contiguous()]
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    return _refine_scores(q.to(torch.float32).contiguous(), key, *lists, _row_flag(flag, (B, H, C), "refine_scores"),
+                          block_n)

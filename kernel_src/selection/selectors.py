@@ -54,8 +54,9 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
-from .page_selection import observe as _observe, block_queries, front_pack, most_probable, page_size, page_summaries, \
-    quest_layout, refine_probabilities, row_kernels, static_positions, top_indices as _top_indices, top_mask, top_pages
+from .page_selection import REFINE_LIST_ENTRIES, observe as _observe, block_queries, front_pack, most_probable, page_size, \
+    page_summaries, quest_layout, refine_probabilities, row_kernels, static_positions, top_indices as _top_indices, top_mask, \
+    top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
 from .step_state import new_state_dict, state_buffers
@@ -323,7 +324,8 @@ def _refined_layout(pool: TokenLayout, pattern, query, key, geometry, host, firs
     sidx = spos.clamp_min(0) + k_start[:, None, None]
     idx = pool.indices.long()
     limit = _CHUNK_ELEMENTS_CUDA if key.is_cuda else _CHUNK_ELEMENTS
-    step = max(1, limit // max(1, B * Hkv * G * (Kp + spos.shape[-1]) * D))
+    per_key = REFINE_LIST_ENTRIES if row_kernels(qb) is not None else G * D  # kernels: no gathered key vectors
+    step = max(1, limit // max(1, B * Hkv * (Kp + spos.shape[-1]) * per_key))
     ind_parts, cnt_parts = [], []
     for c0 in range(0, NB, step):
         c1 = min(NB, c0 + step)

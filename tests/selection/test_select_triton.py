@@ -7,10 +7,11 @@ write fails the comparison, and a row whose flag is off must still hold the sent
 
 * ``topk_rows`` equals the PyTorch selection (``front_pack(top_mask(...) & valid)``) exactly: ties (small integer
   scores), ``-inf``, ``-0.0``, ``k`` above the valid count, odd lengths, with and without a mask.
-* ``page_bound_scores`` / ``index_scores`` against ``quest_scores`` / ``LightningIndexer.scores``: the error
-  against a float64 reference is at most twice PyTorch's own float32 error plus a rounding floor.
-* ``build_selection`` through the kernels selects what the PyTorch path selects (training-free pages, DSA shared
-  and per KV head); over many static-cache decode steps (device-known and host-known offsets) a step equals the full
+* ``page_bound_scores`` / ``index_scores`` / ``refine_scores`` against ``quest_scores`` / ``LightningIndexer.scores`` /
+  ``refine_probabilities``: the error against a float64 reference is at most twice PyTorch's own float32 error plus a
+  rounding floor (``refine_scores``: GQA, odd sizes, keys in bfloat16 and in a strided view).
+* ``build_selection`` through the kernels selects what the PyTorch path selects (training-free pages, with and
+  without refinement, per query and per block; a trained SparseK pool refined; DSA shared and per KV head); over many static-cache decode steps (device-known and host-known offsets) a step equals the full
   selection of the same call, and the steps inside a query block launch the kernels with every row's flag off.
 """
 
@@ -30,13 +31,13 @@ if HAVE_TRITON:
 import sparse_k  # noqa: E402
 from sparse_k.layouts.geometry import RowGeometry  # noqa: E402
 from sparse_k.selection import page_selection  # noqa: E402
-from sparse_k.selection.page_selection import front_pack, page_summaries, quest_scores, top_mask  # noqa: E402
-from sparse_k.selection.scorers import LightningIndexer  # noqa: E402
+from sparse_k.selection.page_selection import front_pack, page_summaries, quest_scores, refine_probabilities, top_mask  # noqa: E402
+from sparse_k.selection.scorers import LightningIndexer, SparseKScorer  # noqa: E402
 from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 20  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 27  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -174,6 +175,60 @@ def test_index_scores_match_the_indexer_and_skip_flagged_rows(per_kv_head):
         _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
 
 
+def _refine_inputs(B, H, C, G, D, S, W, Ws, seed):
+    """Block queries, keys and, per block, distinct preselected and static keys (as the selection passes them: a key
+    is in at most one list), with holes; keys ``(B, H, S, D)`` float32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, C, G, D, generator=g) * 2
+    key = torch.randn(B, H, S, D, generator=g)
+    perm = torch.stack([torch.randperm(S, generator=g) for _ in range(B * C)]).view(B, 1, C, S)
+    idx = perm[..., :W].expand(B, H, C, W).clone()
+    idx[:, 1:] = perm[..., W + Ws:2 * W + Ws].expand(B, H - 1, C, W)  # another KV head, other keys
+    ok = torch.rand(B, H, C, W, generator=g) > 0.3
+    ok[0, 0, 0] = False  # a row without a preselected key
+    sidx, sok = perm[..., W:W + Ws], torch.rand(B, 1, C, Ws, generator=g) > 0.2
+    return q, key, idx, ok, sidx, sok
+
+
+@KERNEL_TEST
+def test_refine_scores_match_the_refinement_and_skip_flagged_rows(monkeypatch):
+    monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
+    B, H, C, G, D, S, W, Ws = 2, 2, 3, 3, 24, 101, 37, 9
+    q, key, idx, ok, sidx, sok = _refine_inputs(B, H, C, G, D, S, W, Ws, seed=int(torch.randint(0, 10**6, ())))
+    want64 = refine_probabilities(q.double(), key.double(), idx, ok, sidx, sok)
+    want32 = refine_probabilities(q, key, idx, ok, sidx, sok)
+    args = [t.to(DEV) for t in (q, key, idx, ok, sidx, sok)]
+    got = st.refine_scores(*args, block_n=16).cpu()
+    assert bool((got[0, 0, 0] == 0).all()) and bool((got[~ok] == 0).all())
+    _within_float32_error(got, want32, want64, "float32 keys")
+    strided = args[1].transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) tensor
+    _within_float32_error(st.refine_scores(args[0], strided, *args[2:]).cpu(), want32, want64, "strided keys")
+    k16 = key.to(torch.bfloat16)
+    want16 = refine_probabilities(q.double(), k16.double(), idx, ok, sidx, sok)
+    _within_float32_error(st.refine_scores(args[0], k16.to(DEV), *args[2:]).cpu(),
+                          refine_probabilities(q, k16.float(), idx, ok, sidx, sok), want16, "bfloat16 keys")
+    flag = torch.tensor([[True, False, True], [False, True, True]], device=DEV)[:, None].expand(B, H, C)
+    got = st.refine_scores(*args, flag=flag).cpu()
+    f = flag.cpu()
+    assert bool((got[~f] == SENTINEL).all())
+    _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
+
+
+@KERNEL_TEST
+def test_refine_scores_rejects_bad_arguments():
+    q, key, idx, ok, sidx, sok = (t.to(DEV) for t in _refine_inputs(1, 2, 2, 2, 16, 40, 8, 4, seed=0))
+    with pytest.raises(ValueError, match="`idx`"):
+        st.refine_scores(q, key, idx.float(), ok, sidx, sok)
+    with pytest.raises(ValueError, match="`sok`"):
+        st.refine_scores(q, key, idx, ok, sidx, sok.int())
+    with pytest.raises(ValueError, match="`key`"):
+        st.refine_scores(q, key.double(), idx, ok, sidx, sok)
+    with pytest.raises(ValueError, match="do not match"):
+        st.refine_scores(q, key[:, :1], idx, ok, sidx, sok)
+    with pytest.raises(ValueError, match="`block_n`"):
+        st.refine_scores(q, key, idx, ok, sidx, sok, block_n=24)
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -186,6 +241,11 @@ pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*
          **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
                               "sok_b", "sl_b", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
+refine = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "SIDX": "*i32", "SOK": "*u8", "FLAG": "*u8",
+          "OUT": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "WS")}, "scale": "fp32",
+          **{n: "i32" for n in ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h", "si_c", "ss_b",
+                                "ss_h", "ss_c", "so_r")},
+          "HAS_FLAG": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
@@ -193,7 +253,8 @@ index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8"
 for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
                               (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
-                              (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4)):
+                              (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
+                              (st._refine_kernel, refine, {"HAS_FLAG": True, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}, 4)):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     assert "cubin" in k.asm, list(k.asm)
@@ -216,19 +277,28 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 B, HQ, HKV, D = 2, 4, 2, 16
 SLOTS, PROMPT, PAD = 83, 13, 3  # row 1 is left-padded by PAD slots
-KINDS = ["dsa", "dsa_per_kv_head", "pages"]
+KINDS = ["dsa", "dsa_per_kv_head", "pages", "pages_refine"]  # decode steps keep a selection inside a block
+PER_QUERY_KINDS = ["pages_refine_qb1", "sparse_k_refine"]  # every query its own block
 
 
 def _pattern(kind):
-    if kind == "pages":
-        return sparse_k.SparseK(sinks=2, window=5, top_k=8, query_block=4)
+    if kind.startswith("pages"):
+        refine, qb = {"pages": (0, 4), "pages_refine": (2, 4), "pages_refine_qb1": (3, 1)}[kind]
+        return sparse_k.SparseK(sinks=2, window=5, top_k=8, query_block=qb, refine=refine)
+    if kind == "sparse_k_refine":
+        return sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=1, refine=3)
     return sparse_k.DSA(sinks=1, window=3, top_k=5, query_block=3)
 
 
 def _selector(kind):
     torch.manual_seed(5)
-    if kind == "pages":
+    if kind.startswith("pages"):
         return None
+    if kind == "sparse_k_refine":
+        scorer = SparseKScorer(HKV, D, key_norm_term=False)
+        with torch.no_grad():
+            scorer.pos_weight.normal_()
+        return scorer.to(DEV)
     return LightningIndexer(HQ, HKV, D, indexer_heads=2, indexer_dim=8, per_kv_head=kind == "dsa_per_kv_head").to(DEV)
 
 
@@ -261,7 +331,7 @@ def _same(got, want, where):
 
 
 @KERNEL_TEST
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + PER_QUERY_KINDS)
 def test_selection_through_the_kernels_equals_the_torch_path(kind, monkeypatch):
     selector, cache = _selector(kind), Cache(1)
     q, geo = cache.call(SLOTS - 2)
