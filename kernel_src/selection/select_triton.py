@@ -30,8 +30,7 @@ same kernels every time and they cost nothing inside a block. No host read.
   per query head, summed over the ``G`` heads; 0 where ``ok`` is False. One program per row: a first pass over
   the static and preselected keys keeps each head's running max and sum (the log-normaliser), a second pass over
   the preselected keys writes their probabilities. The keys are read where they lie (any float dtype, any strides:
-  Transformers' views), in tiles of ``BLOCK_N`` gathered rows; the products are float32 ``tl.dot`` with IEEE
-  precision (the query heads padded to 16 rows).
+  Transformers' views), in tiles of ``BLOCK_N`` gathered rows; float32 products and sums (no ``tl.dot``).
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
 ``sparse_k::index_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
@@ -179,14 +178,16 @@ def _index_score_kernel(Q, W, IK, CAND, FLAG, OUT, T, G, HG, S, DI, scale,
 
 @triton.jit
 def _refine_logits(q, K_row, I_row, OK_row, start, n, sk_s, d, din, scale, BLOCK_N: tl.constexpr):
-    """Logits ``(BLOCK_G, BLOCK_N)`` of the row's queries ``q`` with the keys listed at ``[start, start + BLOCK_N)``
-    (tensor indices ``I_row``, valid where ``OK_row``), ``-inf`` off the valid ones; and that validity."""
+    """Logits ``(BLOCK_G, BLOCK_N)`` of the row's queries ``q (BLOCK_G, BLOCK_D)`` with the keys listed at ``[start, start
+    + BLOCK_N)`` (tensor indices ``I_row``, valid where ``OK_row``), ``-inf`` off the valid ones; and that validity.
+    Float32 products summed over the head dimension (no ``tl.dot``: the few query heads of a KV head would pad an MMA
+    tile, and float32 ``tl.dot`` rounds through TF32)."""
     j = start + tl.arange(0, BLOCK_N)
     jin = j < n
     valid = jin & (tl.load(OK_row + j, mask=jin, other=0) != 0)
     ki = tl.load(I_row + j, mask=valid, other=0).to(tl.int64)
     k = tl.load(K_row + ki[:, None] * sk_s + d[None, :], mask=valid[:, None] & din[None, :], other=0.0).to(tl.float32)
-    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    logits = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale
     return tl.where(valid[None, :], logits, float("-inf")), valid
 
 
@@ -432,14 +433,14 @@ def _refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: to
                    sok: torch.Tensor, flag: torch.Tensor | None, block_n: int) -> torch.Tensor:
     B, H, C, G, D = q.shape
     W, WS = idx.shape[-1], sidx.shape[-1]
+    block_g, block_d = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
     out = _empty((B, H, C, W), torch.float32, q.device)
     if B * H * C > 0 and W > 0:
         _refine_kernel[(B * H * C,)](
             q, key, idx, ok, sidx, sok, _flag_arg(flag, ok), out, H, C, G, D, W, WS, D ** -0.5,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), key.stride(0), key.stride(1), key.stride(2),
             idx.stride(0), idx.stride(1), idx.stride(2), sidx.stride(0), sidx.stride(1), sidx.stride(2), W,
-            HAS_FLAG=flag is not None, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-            num_warps=4)
+            HAS_FLAG=flag is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8)
     return out
 
 
@@ -450,7 +451,7 @@ def _(q, key, idx, ok, sidx, sok, flag, block_n):
 
 
 def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
-                  sok: torch.Tensor, flag: torch.Tensor | None = None, *, block_n: int = 64) -> torch.Tensor:
+                  sok: torch.Tensor, flag: torch.Tensor | None = None, *, block_n: int | None = None) -> torch.Tensor:
     """The refinement score of preselected keys (module docstring; ``page_selection.refine_probabilities``).
 
     Args:
@@ -459,7 +460,7 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
         idx, ok: ``(B, 1|H, C, W)`` int tensor indices of the preselected keys into ``key``'s dim 2, and bool validity.
         sidx, sok: ``(B, 1|H, C, Ws)`` the same for each block's static keys (sinks and window).
         flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
-        block_n: keys per tile (power of two, 16 to 256).
+        block_n: keys per tile (power of two, 16 to 256; default: a ``(G, block_n, D)`` product of about 8K floats).
     Returns:
         ``(B, H, C, W)`` float32, 0 where ``ok`` is False.
     """
@@ -468,7 +469,8 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
                          f"{tuple(key.shape)}")
     if key.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"refine_scores: `key` must be float16/bfloat16/float32, got {key.dtype}")
-    if isinstance(block_n, bool) or not isinstance(block_n, int) or not 16 <= block_n <= 256 or block_n & (block_n - 1):
+    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or not 16 <= block_n <= 256
+                                or block_n & (block_n - 1)):
         raise ValueError(f"refine_scores: `block_n` must be a power of two in [16, 256], got {block_n!r}")
     B, H, C = q.shape[:3]
     lists = []
@@ -485,5 +487,7 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
         lists += [i.expand(B, H, C, i.shape[3]).to(torch.int32).contiguous(),
                   m.expand(B, H, C, i.shape[3]).to(torch.uint8).contiguous()]
     key = key if key.stride(-1) == 1 else key.contiguous()
+    if block_n is None:  # the (G, block_n, D) product of a tile: about 8K floats (64 registers a thread at 8 warps)
+        block_n = max(16, min(64, 8192 // (triton.next_power_of_2(q.shape[3]) * max(16, triton.next_power_of_2(q.shape[4])))))
     return _refine_scores(q.to(torch.float32).contiguous(), key, *lists, _row_flag(flag, (B, H, C), "refine_scores"),
                           block_n)

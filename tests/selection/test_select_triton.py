@@ -254,7 +254,7 @@ for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FL
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
                               (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
                               (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
-                              (st._refine_kernel, refine, {"HAS_FLAG": True, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}, 4)):
+                              (st._refine_kernel, refine, {"HAS_FLAG": True, "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8)):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     assert "cubin" in k.asm, list(k.asm)
