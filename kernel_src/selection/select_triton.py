@@ -122,6 +122,12 @@ def _topk_kernel(X, M, FLAG, OUT, n, k, stride_x, stride_m, stride_o,
 
 
 @triton.jit
+def _row_bhc(row, H, C):
+    """``(b, h, c)`` of a program's row ``(b * H + h) * C + c``."""
+    return row // C // H, row // C % H, row % C
+
+
+@triton.jit
 def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
                        sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
                        HAS_FLAG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -129,9 +135,7 @@ def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
     if HAS_FLAG:
         if tl.load(FLAG + row) == 0:
             return
-    c = row % C
-    b = row // C // H
-    h = row // C % H
+    b, h, c = _row_bhc(row, H, C)
     p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     pin = p < P
@@ -208,9 +212,7 @@ def _refine_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, OUT, H, C, G, D, W, WS, scale
     if HAS_FLAG:
         if tl.load(FLAG + row) == 0:
             return
-    c = row % C
-    b = row // C // H
-    h = row // C % H
+    b, h, c = _row_bhc(row, H, C)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gin = g < G
