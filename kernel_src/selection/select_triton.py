@@ -33,7 +33,7 @@ same kernels every time and they cost nothing inside a block. No host read.
   Transformers' views), in tiles of ``BLOCK_N`` gathered rows; float32 products and sums (no ``tl.dot``).
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
-``sparse_k::index_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
+``sparse_k::index_scores``, ``sparse_k::refine_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
 buffers come from ``_empty`` (uninitialised; the tests poison it). Runs on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1`` (float32 arithmetic only, which the interpreter computes exactly).
 """
