@@ -2,7 +2,8 @@
 """Selection cost vs attention cost on one GPU.
 
 For each context length: dense causal SDPA, then for each selector (``sparse_k`` with a random
-``SparseKScorer``, ``dsa`` with a random ``LightningIndexer``, the training-free default) the time of
+``SparseKScorer``, ``dsa`` with a random ``LightningIndexer``, the training-free default, and ``per_query``: the
+training-free selection at its default budget with ``query_block=1, refine=8``) the time of
 ``build_selection`` alone and of selection + ``sparse_attention``, one layer, B=1. Also whether the
 selection call synchronises with the host (``torch.cuda.set_sync_debug_mode``) and, for sparse_k, the
 the recall of a variant against its reference (sparse_k: the top-k over whole rows; dsa_paged: dsa).
@@ -49,8 +50,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--selectors", nargs="+", default=["sparse_k", "sparse_k_full", "dsa", "dsa_paged", "training_free"],
+                   choices=["sparse_k", "sparse_k_full", "dsa", "dsa_paged", "training_free", "per_query"],
                    help="sparse_k (default path: prefix scan on long rows), sparse_k_full (top-k over whole rows), dsa "
-                        "(default: exact), dsa_paged (DSA_PRESELECT on), training_free")
+                        "(default: exact), dsa_paged (DSA_PRESELECT on), training_free, per_query (training-free, "
+                        "query_block=1, refine=8, sinks 4 + window 256 + top_k 256)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
         for name in args.selectors:
             pat_cls = sparse_k.DSA if name.startswith("dsa") else sparse_k.SparseK
             pattern = pat_cls(sinks=4, window=1024, top_k=2048, query_block=128)
+            if name == "per_query":
+                pattern = sparse_k.SparseK(query_block=1, refine=8)
             selector = None
             if name.startswith("sparse_k"):
                 selector = SparseKScorer(Hkv, D).to(dev)

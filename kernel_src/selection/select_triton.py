@@ -27,9 +27,10 @@ same kernels every time and they cost nothing inside a block. No host read.
 * ``refine_scores(q (B, H, C, G, D), key (B, H, S, D), idx, ok (B, 1|H, C, W), sidx, sok (B, 1|H, C, Ws))
   -> (B, H, C, W)`` float32: the refinement score of ``page_selection.refine_probabilities``, each preselected
   key's share of the softmax of the block query over its static keys (``sidx``) and the preselected keys (``idx``),
-  per query head, summed over the ``G`` heads; 0 where ``ok`` is False. One program per row: a first pass over
-  the static and preselected keys keeps each head's running max and sum (the log-normaliser), a second pass over
-  the preselected keys writes their probabilities. The keys are read where they lie (any float dtype, any strides:
+  per query head, summed over the ``G`` heads; 0 where ``ok`` is False. A row's preselected keys are split over
+  programs of ``REFINE_SPLIT`` keys: a first kernel keeps each query head's running max and sum of ``exp`` over a
+  split (the first split also over the static keys), a second combines the row's splits into the log-normaliser and
+  writes the probabilities of its split. The keys are read where they lie (any float dtype, any strides:
   Transformers' views), in tiles of ``BLOCK_N`` gathered rows; float32 products and sums (no ``tl.dot``).
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
@@ -47,6 +48,12 @@ import triton.language as tl
 from .._ops import add_op_namespace_prefix
 
 __all__ = ["index_scores", "page_bound_scores", "refine_scores", "topk_rows"]
+
+
+#: Preselected keys per program of ``refine_scores`` (a row's keys are split over ``cdiv(W, REFINE_SPLIT)`` programs, so
+#: a decode step, one row per KV head, still fills the GPU; a function of ``W`` alone, so a row's arithmetic is the same
+#: in prefill and decode). A multiple of the tile sizes (``block_n``).
+REFINE_SPLIT = 512
 
 
 @triton.jit
@@ -205,42 +212,77 @@ def _online_lse(m, l, logits):
 
 
 @triton.jit
-def _refine_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, OUT, H, C, G, D, W, WS, scale,
-                   sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s, si_b, si_h, si_c, ss_b, ss_h, ss_c, so_r,
-                   HAS_FLAG: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * C + c
-    if HAS_FLAG:
-        if tl.load(FLAG + row) == 0:
-            return
+def _refine_split(Q, K, IDX, OK, H, C, G, D, W, sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, si_b, si_h, si_c,
+                  SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What a refinement program ``(row, split)`` reads: its row ``(b * H + h) * C + c`` and ``(b, h, c)``, its
+    ``(BLOCK_G, BLOCK_D)`` block queries, the head-dimension offsets and mask, the row's keys, preselected-key list and
+    validity, and the split's preselected-key range ``[lo, hi)``."""
+    row = tl.program_id(0).to(tl.int64)
     b, h, c = _row_bhc(row, H, C)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    gin = g < G
-    din = d < D
-    q = tl.load(Q + b * sq_b + h * sq_h + c * sq_c + g[:, None] * sq_g + d[None, :], mask=gin[:, None] & din[None, :],
+    q = tl.load(Q + b * sq_b + h * sq_h + c * sq_c + g[:, None] * sq_g + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
                 other=0.0)
-    K_row = K + b * sk_b + h * sk_h
-    I_row = IDX + b * si_b + h * si_h + c * si_c
-    OK_row = OK + b * si_b + h * si_h + c * si_c
-    S_row = SIDX + b * ss_b + h * ss_h + c * ss_c
-    SOK_row = SOK + b * ss_b + h * ss_h + c * ss_c
+    lo = tl.program_id(1) * SPLIT
+    lists = b * si_b + h * si_h + c * si_c
+    return row, b, h, c, q, d, d < D, K + b * sk_b + h * sk_h, IDX + lists, OK + lists, lo, tl.minimum(W, lo + SPLIT)
+
+
+@triton.jit
+def _refine_partial_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, PM, PL, H, C, G, D, W, WS, NS, scale,
+                           sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s, si_b, si_h, si_c, ss_b, ss_h, ss_c,
+                           HAS_FLAG: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """Split ``s`` of a row: the running max and sum of ``exp(logit)`` per query head over the preselected keys
+    ``[s * SPLIT, (s + 1) * SPLIT)`` (split 0: and the static keys), into ``PM, PL (R, NS, BLOCK_G)``."""
+    row, b, h, c, q, d, din, K_row, I_row, OK_row, lo, hi = _refine_split(
+        Q, K, IDX, OK, H, C, G, D, W, sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, si_b, si_h, si_c, SPLIT, BLOCK_G, BLOCK_D)
+    if HAS_FLAG:  # a row the caller keeps: nothing to compute (its queries were read for nothing)
+        if tl.load(FLAG + row) == 0:
+            return
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
-    for start in range(0, WS, BLOCK_N):
-        logits, _ = _refine_logits(q, K_row, S_row, SOK_row, start, WS, sk_s, d, din, scale, BLOCK_N)
+    if lo == 0:
+        statics = b * ss_b + h * ss_h + c * ss_c
+        for start in range(0, WS, BLOCK_N):
+            logits, _ = _refine_logits(q, K_row, SIDX + statics, SOK + statics, start, WS, sk_s, d, din, scale, BLOCK_N)
+            m, l = _online_lse(m, l, logits)
+    for start in range(lo, hi, BLOCK_N):
+        logits, _ = _refine_logits(q, K_row, I_row, OK_row, start, hi, sk_s, d, din, scale, BLOCK_N)
         m, l = _online_lse(m, l, logits)
-    for start in range(0, W, BLOCK_N):
-        logits, _ = _refine_logits(q, K_row, I_row, OK_row, start, W, sk_s, d, din, scale, BLOCK_N)
-        m, l = _online_lse(m, l, logits)
-    lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
-    lse = tl.where(gin, lse, float("-inf"))
+    part = (row * NS + tl.program_id(1)) * BLOCK_G + tl.arange(0, BLOCK_G)
+    tl.store(PM + part, m)
+    tl.store(PL + part, l)
+
+
+@triton.jit
+def _refine_prob_kernel(Q, K, IDX, OK, FLAG, PM, PL, OUT, H, C, G, D, W, NS, scale,
+                        sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s, si_b, si_h, si_c, so_r,
+                        HAS_FLAG: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Split ``s`` of a row: the log-normaliser of every query head from the row's partials, then the summed
+    probabilities of the preselected keys ``[s * SPLIT, (s + 1) * SPLIT)``."""
+    row, b, h, c, q, d, din, K_row, I_row, OK_row, lo, hi = _refine_split(
+        Q, K, IDX, OK, H, C, G, D, W, sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, si_b, si_h, si_c, SPLIT, BLOCK_G, BLOCK_D)
+    if HAS_FLAG:  # a row the caller keeps: nothing to compute (its queries were read for nothing)
+        if tl.load(FLAG + row) == 0:
+            return
+    si = tl.arange(0, BLOCK_S)
+    g = tl.arange(0, BLOCK_G)
+    part = (row * NS + si[:, None]) * BLOCK_G + g[None, :]
+    pm = tl.load(PM + part, mask=(si < NS)[:, None], other=float("-inf"))  # (BLOCK_S, BLOCK_G)
+    pl = tl.load(PL + part, mask=(si < NS)[:, None], other=0.0)
+    m = tl.max(pm, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(pl * tl.exp(pm - m_safe[None, :]), 0)
+    lse = tl.where((l > 0) & (g < G), m + tl.log(l), float("-inf"))
     o_row = OUT + row * so_r
-    for start in range(0, W, BLOCK_N):
-        logits, valid = _refine_logits(q, K_row, I_row, OK_row, start, W, sk_s, d, din, scale, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        logits, valid = _refine_logits(q, K_row, I_row, OK_row, start, hi, sk_s, d, din, scale, BLOCK_N)
         live = (lse > float("-inf"))[:, None] & valid[None, :]
         p = tl.where(live, tl.exp(logits - tl.where(live, lse[:, None], 0.0)), 0.0)
         j = start + tl.arange(0, BLOCK_N)
-        tl.store(o_row + j, tl.sum(p, 0), mask=j < W)
+        tl.store(o_row + j, tl.sum(p, 0), mask=j < hi)
 
 
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -436,13 +478,19 @@ def _refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: to
     B, H, C, G, D = q.shape
     W, WS = idx.shape[-1], sidx.shape[-1]
     block_g, block_d = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
+    R, NS = B * H * C, triton.cdiv(W, REFINE_SPLIT)
     out = _empty((B, H, C, W), torch.float32, q.device)
-    if B * H * C > 0 and W > 0:
-        _refine_kernel[(B * H * C,)](
-            q, key, idx, ok, sidx, sok, _flag_arg(flag, ok), out, H, C, G, D, W, WS, D ** -0.5,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3), key.stride(0), key.stride(1), key.stride(2),
-            idx.stride(0), idx.stride(1), idx.stride(2), sidx.stride(0), sidx.stride(1), sidx.stride(2), W,
-            HAS_FLAG=flag is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8)
+    if R > 0 and W > 0:
+        pm, pl = (_empty((R, NS, block_g), torch.float32, q.device) for _ in range(2))
+        f = _flag_arg(flag, ok)
+        common = dict(HAS_FLAG=flag is not None, SPLIT=REFINE_SPLIT, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+                      num_warps=8)
+        qs = (q.stride(0), q.stride(1), q.stride(2), q.stride(3), key.stride(0), key.stride(1), key.stride(2),
+              idx.stride(0), idx.stride(1), idx.stride(2))
+        _refine_partial_kernel[(R, NS)](q, key, idx, ok, sidx, sok, f, pm, pl, H, C, G, D, W, WS, NS, D ** -0.5, *qs,
+                                        sidx.stride(0), sidx.stride(1), sidx.stride(2), **common)
+        _refine_prob_kernel[(R, NS)](q, key, idx, ok, f, pm, pl, out, H, C, G, D, W, NS, D ** -0.5, *qs, W,
+                                     BLOCK_S=max(2, triton.next_power_of_2(NS)), **common)
     return out
 
 

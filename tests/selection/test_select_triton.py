@@ -37,7 +37,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 27  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 28  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -191,8 +191,10 @@ def _refine_inputs(B, H, C, G, D, S, W, Ws, seed):
 
 
 @KERNEL_TEST
-def test_refine_scores_match_the_refinement_and_skip_flagged_rows(monkeypatch):
+@pytest.mark.parametrize("split", [512, 16])  # one program per row; a row's keys split over 3 programs
+def test_refine_scores_match_the_refinement_and_skip_flagged_rows(split, monkeypatch):
     monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
+    monkeypatch.setattr(st, "REFINE_SPLIT", split)
     B, H, C, G, D, S, W, Ws = 2, 2, 3, 3, 24, 101, 37, 9
     q, key, idx, ok, sidx, sok = _refine_inputs(B, H, C, G, D, S, W, Ws, seed=int(torch.randint(0, 10**6, ())))
     want64 = refine_probabilities(q.double(), key.double(), idx, ok, sidx, sok)
@@ -241,11 +243,15 @@ pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*
          **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
                               "sok_b", "sl_b", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
-refine = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "SIDX": "*i32", "SOK": "*u8", "FLAG": "*u8",
-          "OUT": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "WS")}, "scale": "fp32",
-          **{n: "i32" for n in ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h", "si_c", "ss_b",
-                                "ss_h", "ss_c", "so_r")},
-          "HAS_FLAG": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+strides = ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h", "si_c")
+refine_part = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "SIDX": "*i32", "SOK": "*u8", "FLAG": "*u8",
+               "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "WS", "NS")}, "scale": "fp32",
+               **{n: "i32" for n in (*strides, "ss_b", "ss_h", "ss_c")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
+               "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+refine_prob = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "FLAG": "*u8", "PM": "*fp32", "PL": "*fp32",
+               "OUT": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "NS")}, "scale": "fp32",
+               **{n: "i32" for n in (*strides, "so_r")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
+               "BLOCK_S": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
@@ -254,7 +260,10 @@ for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FL
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
                               (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
                               (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
-                              (st._refine_kernel, refine, {"HAS_FLAG": True, "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8)):
+                              (st._refine_partial_kernel, refine_part, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_G": 4,
+                                                                        "BLOCK_N": 16, "BLOCK_D": 128}, 8),
+                              (st._refine_prob_kernel, refine_prob, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_S": 4,
+                                                                     "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8)):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     assert "cubin" in k.asm, list(k.asm)
@@ -333,6 +342,7 @@ def _same(got, want, where):
 @KERNEL_TEST
 @pytest.mark.parametrize("kind", KINDS + PER_QUERY_KINDS)
 def test_selection_through_the_kernels_equals_the_torch_path(kind, monkeypatch):
+    monkeypatch.setattr(st, "REFINE_SPLIT", 8)  # the refinements' rows split over programs
     selector, cache = _selector(kind), Cache(1)
     q, geo = cache.call(SLOTS - 2)
     with torch.no_grad():
@@ -353,6 +363,7 @@ def test_decode_steps_equal_the_full_selection_and_skip_inside_a_block(kind, off
     and the layout it returns is then the kept one."""
     if offsets == "device":
         monkeypatch.setattr(RowGeometry, "host_offsets", lambda self: None)
+    monkeypatch.setattr(st, "REFINE_SPLIT", 8)  # pages_refine: a row's keys split over programs
     flags = []
     topk_rows = st.topk_rows
     monkeypatch.setattr(st, "topk_rows", lambda x, k, mask=None, flag=None, **kw: flags.append(flag) or topk_rows(x, k, mask, flag, **kw))
