@@ -301,9 +301,9 @@ def refine_probabilities(qb: torch.Tensor, key: torch.Tensor, idx: torch.Tensor,
     query ``qb (B, Hkv, NB, G, D)`` over its static keys (tensor indices ``static_idx (B, 1|Hkv, NB, Ws)``, valid where
     ``static_ok``) and the preselected keys (``idx (B, 1|Hkv, NB, W)``, valid where ``ok``), per query head, summed over
     the KV head's ``G`` query heads (a head that attends to its sinks and window gives the preselected keys little
-    weight); 0 where ``ok`` is False. Float32 queries where ``row_kernels`` gives the kernels: one Triton program per
-    block and KV head (``select_triton.refine_scores``, no gathered key vectors), which leaves the rows off ``flag (B, Hkv, NB)``
-    unwritten (None: every row); else PyTorch, gathered or by one matmul (every row)."""
+    weight); 0 where ``ok`` is False. Float32 queries where ``row_kernels`` gives the kernels: Triton
+    (``select_triton.refine_scores``: no gathered key vectors, a block's keys split over programs), which leaves the
+    rows off ``flag (B, Hkv, NB)`` unwritten (None: every row); else PyTorch, gathered or by one matmul (every row)."""
     B, H, NB, G, D = qb.shape
     S, W, Ws = key.shape[2], idx.shape[-1], static_idx.shape[-1]
     kern = row_kernels(qb)
