@@ -86,7 +86,7 @@ OBS = 0
 #: static) and the matmul's temporaries are no larger than the gathered keys; otherwise the keys are gathered.
 DENSE_REFINE_FACTOR = 4
 #: Entries of the preselection's per-key lists (positions, flags, indices, scores; in units of a key vector's float)
-#: per preselected key that bound a chunk of the refinement with the kernels (``quest_layout``).
+#: per preselected key that bound a chunk of the refinement with the kernels (``quest_layout``, ``selectors._refined_layout``).
 REFINE_LIST_ENTRIES = 8
 #: Whether the selection runs its Triton kernels (``select_triton``) where they apply (``row_kernels``).
 TRITON_SELECTION = True
