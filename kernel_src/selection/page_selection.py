@@ -389,6 +389,18 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     return most_probable(prob, pos, ok, top_k, width, rows)
 
 
+def _refine_pages(kern, qb, key, k_start, pages, page, lo, hi, n_keys, width, top_k, block_start, sinks, window, flag):
+    """``_refine`` through the kernels for pages from ``_kernel_pages`` (``pages (B, Hkv, NB, n)`` ascending, -1 after;
+    ``page`` a power of two): the scores come per tile of blocks from ``refine_page_scores`` in page-slot order, whose
+    positions are ascending like ``expand_pages``' packed ones, so ``most_probable`` chooses the same keys."""
+    rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
+    prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
+    pos = (pages.clamp_min(0)[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)
+    ok = (pages >= 0).repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
+        & (pos < n_keys[:, None, None, None])
+    return most_probable(prob, torch.where(ok, pos, -1), ok, top_k, width, rows)
+
+
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
                     cand_pages: torch.Tensor) -> torch.Tensor:
     """Page scores ``(B, Hkv, NB, P)`` of the observation window (``OBS``): for every observation query ``qo (B, Hkv, NB,
@@ -609,7 +621,12 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         if kern is not None:
             pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, hi[:, c0:c1], bo, page,
                                           n_pre or pattern.top_k // page, flag)
-            if n_pre:
+            if n_pre and page & (page - 1) == 0:
+                qk = qb[:, :, c0:c1].to(query.dtype) if query.dtype == key.dtype else qb[:, :, c0:c1]  # exact: qb holds queries
+                pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, lo[:, c0:c1],
+                                             hi[:, c0:c1], n_keys, width, pattern.top_k, bs, pattern.sinks,
+                                             pattern.window, flag)
+            elif n_pre:
                 pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
                                        n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window, flag)
             else:

@@ -16,10 +16,11 @@ same kernels every time and they cost nothing inside a block. No host read.
 * ``page_bound_scores(q (B, H, C, G, D), kmin, kmax (B, H, P, D), ok (B, 1, P), last (B, C), flag)
   -> (B, H, C, P)`` float32: the training-free default's page score (``page_selection.quest_scores``,
   ``HEAD_REDUCE = "sum"``) ``sum_g relu(q_g) . kmax + min(q_g, 0) . kmin`` of the candidate pages
-  (``ok`` and ``p <= last``), ``-inf`` elsewhere. Float32 FMAs (no ``tl.dot``, so no TF32): the sum
-  rounds differently from the PyTorch GEMM, which is why a GPU computes every call of a generation
-  (prefill included) with these kernels, so decode equals recompute bit for bit. One program per
-  (row, tile of ``BLOCK_P`` pages).
+  (``ok`` and ``p <= last``), ``-inf`` elsewhere, as ``(sum_g relu(q_g)) . kmax + (sum_g min(q_g, 0)) . kmin``:
+  two ``tl.dot`` of a tile of ``PAGE_BOUND_ROWS`` blocks with ``BLOCK_P`` pages on the tensor cores in TF32x3 (about
+  float32's rounding). The sums round differently from the PyTorch GEMM, which is why a GPU computes every call of a
+  generation (prefill included) with these kernels; a block's row of the MMA depends only on its own query, so decode
+  (one block) equals recompute bit for bit.
 * ``index_scores(q (B, T, H, d), w (B, T, H), ik (B, S, G * d), cand (B, T, S), flag) -> (B, T, G, S)``
   float32: the DSA indexer scores (``LightningIndexer.scores``) ``sum_h w_h relu(q_h . k / sqrt(d))``
   over the ``H / G`` indexer heads of each of ``G`` key groups (``G = 1``: a shared indexer; ``G = Hkv``
@@ -31,10 +32,21 @@ same kernels every time and they cost nothing inside a block. No host read.
   programs of ``REFINE_SPLIT`` keys: a first kernel keeps each query head's running max and sum of ``exp`` over a
   split (the first split also over the static keys), a second combines the row's splits into the log-normaliser and
   writes the probabilities of its split. The keys are read where they lie (any float dtype, any strides:
-  Transformers' views), in tiles of ``BLOCK_N`` gathered rows; float32 products and sums (no ``tl.dot``).
+  Transformers' views), in tiles of ``BLOCK_N`` gathered rows; float32 products and sums (no ``tl.dot``). Used for
+  lists that are not pages (a trained SparseK pool).
+* ``refine_page_scores(q (B, H, C, G, D), key, pages (B, H, C, n), page, block_start (B, C), n_keys, k_start (B,),
+  sinks, window) -> (B, H, C, n * page)`` float32: the same score for the training-free selection, whose pools are
+  pages and whose static keys are the sinks and the window, in page-slot order. A program takes a tile of
+  ``PAGE_REFINE_ROWS // G`` consecutive blocks of one KV head and a split of ``PAGE_REFINE_SPLIT`` key positions, and
+  walks the split's key tiles that any of its blocks reads (sinks, window, or a listed page: a pointer per block into
+  its ascending page list; from one such tile it jumps to the next), scoring each against all the tile's queries
+  with one ``tl.dot`` (the keys are read once per tile of blocks instead of once per block); a first kernel keeps
+  the running max and sum, a second merges the splits in order and writes the probabilities. Products in the keys'
+  half precision when the queries have it (exact), else TF32x3 (about float32); sums in float32; a block's
+  arithmetic does not depend on the other blocks of its tile, so decode equals recompute.
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
-``sparse_k::index_scores``, ``sparse_k::refine_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
+``sparse_k::index_scores``, ``sparse_k::refine_scores``, ``sparse_k::refine_page_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
 buffers come from ``_empty`` (uninitialised; the tests poison it). Runs on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1`` (float32 arithmetic only, which the interpreter computes exactly).
 """
@@ -47,13 +59,22 @@ import triton.language as tl
 
 from .._ops import add_op_namespace_prefix
 
-__all__ = ["index_scores", "page_bound_scores", "refine_scores", "topk_rows"]
+__all__ = ["index_scores", "page_bound_scores", "refine_page_scores", "refine_scores", "topk_rows"]
 
 
 #: Preselected keys per program of ``refine_scores`` (a row's keys are split over ``cdiv(W, REFINE_SPLIT)`` programs, so
 #: a decode step, one row per KV head, still fills the GPU; a function of ``W`` alone, so a row's arithmetic is the same
 #: in prefill and decode). A multiple of the tile sizes (``block_n``).
 REFINE_SPLIT = 512
+
+#: ``refine_page_scores``: key positions per program (a split; absolute ranges, so a block sums its keys in the same
+#: order in prefill and decode), keys per tile (at least a page), and MMA rows per tile (blocks x query heads).
+PAGE_REFINE_SPLIT = 2048
+PAGE_REFINE_BLOCK_N = 64
+PAGE_REFINE_ROWS = 64
+
+#: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it).
+PAGE_BOUND_ROWS = 16
 
 
 @triton.jit
@@ -137,28 +158,38 @@ def _row_bhc(row, H, C):
 @triton.jit
 def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
                        sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
-                       HAS_FLAG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * C + c
+                       HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    n_ct = tl.cdiv(C, BLOCK_C)
+    tile = tl.program_id(0).to(tl.int64)
+    b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
+    cc = c0 + tl.arange(0, BLOCK_C)
+    rows = (b * H + h) * C + cc
+    live = cc < C
     if HAS_FLAG:
-        if tl.load(FLAG + row) == 0:
+        live = live & (tl.load(FLAG + rows, mask=live, other=0) != 0)
+        if tl.max(live.to(tl.int32)) == 0:
             return
-    b, h, c = _row_bhc(row, H, C)
     p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     pin = p < P
     din = d < D
-    last = tl.load(LAST + b * sl_b + c)
-    cand = pin & (p <= last) & (tl.load(OK + b * sok_b + p, mask=pin, other=0) != 0)  # (BLOCK_P,)
+    q_pos = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)  # sum_g relu(q_g): the bound sums over the heads
+    q_neg = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)  # sum_g min(q_g, 0)
+    q_rows = Q + b * sq_b + h * sq_h + cc[:, None] * sq_c + d[None, :]
+    for g in range(0, G):
+        q = tl.load(q_rows + g * sq_g, mask=live[:, None] & din[None, :], other=0.0)
+        q_pos += tl.maximum(q, 0.0)
+        q_neg += tl.minimum(q, 0.0)
+    page_ok = pin & (tl.load(OK + b * sok_b + p, mask=pin, other=0) != 0)  # (BLOCK_P,)
     koff = b * sk_b + h * sk_h + p[:, None] * sk_p + d[None, :]
-    kmask = cand[:, None] & din[None, :]
+    kmask = page_ok[:, None] & din[None, :]
     kmax = tl.load(KMAX + koff, mask=kmask, other=0.0)  # (BLOCK_P, BLOCK_D)
     kmin = tl.load(KMIN + koff, mask=kmask, other=0.0)
-    q_row = Q + b * sq_b + h * sq_h + c * sq_c
-    acc = tl.zeros([BLOCK_P], tl.float32)
-    for g in range(0, G):
-        q = tl.load(q_row + g * sq_g + d, mask=din, other=0.0)  # (BLOCK_D,)
-        acc += tl.sum(tl.maximum(q, 0.0)[None, :] * kmax + tl.minimum(q, 0.0)[None, :] * kmin, 1)
-    tl.store(OUT + row * so_r + p, tl.where(cand, acc, float("-inf")), mask=pin)
+    acc = tl.dot(q_pos, tl.trans(kmax), input_precision="tf32x3")
+    acc = tl.dot(q_neg, tl.trans(kmin), acc, input_precision="tf32x3")
+    last = tl.load(LAST + b * sl_b + cc, mask=live, other=-1)
+    cand = page_ok[None, :] & (p[None, :] <= last[:, None])
+    tl.store(OUT + rows[:, None] * so_r + p[None, :], tl.where(cand, acc, float("-inf")), mask=live[:, None] & pin[None, :])
 
 
 @triton.jit
@@ -285,6 +316,184 @@ def _refine_prob_kernel(Q, K, IDX, OK, FLAG, PM, PL, OUT, H, C, G, D, W, NS, sca
         tl.store(o_row + j, tl.sum(p, 0), mask=j < hi)
 
 
+@triton.jit
+def _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
+               HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What a program ``(tile, split)`` of ``refine_page_scores`` reads: the tile's ``(b, h)`` and first block ``c0``,
+    its blocks' rows ``(BLOCK_C,)``, which of them are computed (in the call, flag on), their block starts, last
+    candidate ``hi`` and last key read ``top`` (-1 when not computed), the key count of ``b``, and the block queries
+    ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (row ``c * BLOCK_G + g``; zero past ``C`` and ``G``)."""
+    n_ct = tl.cdiv(C, BLOCK_C)
+    tile = tl.program_id(0).to(tl.int64)
+    b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
+    cc = c0 + tl.arange(0, BLOCK_C)
+    cin = cc < C
+    rows = (b * H + h) * C + cc
+    live = cin
+    if HAS_FLAG:
+        live = live & (tl.load(FLAG + rows, mask=cin, other=0) != 0)
+    bs = tl.load(BS + b * C + cc, mask=cin, other=0)
+    nk = tl.load(NK + b)
+    top = tl.where(live, tl.minimum(bs, nk - 1), -1)
+    m = tl.arange(0, BLOCK_C * BLOCK_G)
+    mc, mg = m // BLOCK_G, m % BLOCK_G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b * sq_b + h * sq_h + (c0 + mc)[:, None] * sq_c + mg[:, None] * sq_g + d[None, :],
+                mask=((c0 + mc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
+    return b, h, rows, live, bs, bs - window, top, nk, q, d
+
+
+@triton.jit
+def _pages_below(PAGES, rows, live, limit, NPG, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Per block ``(BLOCK_C,)``: how many of its listed pages are below page ``limit`` (where a split starting at page
+    ``limit`` begins in the block's ascending list)."""
+    ptr = tl.zeros([BLOCK_C], tl.int32)
+    j = tl.arange(0, BLOCK_L)
+    for j0 in range(0, NPG, BLOCK_L):
+        jj = j0 + j
+        lst = tl.load(PAGES + rows[:, None] * NPG + jj[None, :], mask=live[:, None] & (jj < NPG)[None, :], other=-1)
+        ptr += tl.sum(((lst >= 0) & (lst < limit)).to(tl.int32), 1)
+    return ptr
+
+
+@triton.jit
+def _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NP: tl.constexpr):
+    """Key tile ``[t0, t0 + BLOCK_N)`` (``t0`` a multiple of ``BLOCK_N``, itself of ``PAGE``) of the tile's blocks:
+    ``static, pool (BLOCK_C, BLOCK_N)`` (sinks and window; the listed pages inside ``[sinks, hi]``), ``listed`` (the key's
+    page is listed), its output slot ``list index * PAGE + offset``, and the advanced list pointers."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, NP)
+    lst = tl.load(PAGES + rows[:, None] * NPG + (ptr[:, None] + j[None, :]),
+                  mask=live[:, None] & ((ptr[:, None] + j[None, :]) < NPG), other=-1)  # (BLOCK_C, NP)
+    eq = lst[:, :, None] == (p // PAGE)[None, None, :]  # (BLOCK_C, NP, BLOCK_N)
+    listed = tl.max(eq.to(tl.int32), 1) != 0
+    slot = (ptr[:, None] + tl.sum(tl.where(eq, j[None, :, None], 0), 1)) * PAGE + (p % PAGE)[None, :]
+    ptr += tl.sum(((lst >= 0) & (lst <= (t0 + BLOCK_N - 1) // PAGE)).to(tl.int32), 1)
+    key = live[:, None] & (p[None, :] < nk)
+    static = key & ((p[None, :] < sinks) | ((p[None, :] > hi[:, None]) & (p[None, :] <= top[:, None])))
+    pool = key & listed & (p[None, :] >= sinks) & (p[None, :] <= hi[:, None])
+    return static, pool, listed & live[:, None], slot, ptr
+
+
+@triton.jit
+def _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, STATIC: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The next key tile after ``[t0, t0 + BLOCK_N)`` that one of the tile's blocks reads: its next listed page (at its
+    pointer ``ptr``, already past this tile), and with ``STATIC`` its sinks and window; tiles in between are skipped
+    (nothing there would change a block's sums). A position past every block's keys when there is none."""
+    far = 2147483647
+    nxt = t0 + BLOCK_N
+    lst = tl.load(PAGES + rows * NPG + ptr, mask=live & (ptr < NPG), other=-1)
+    cand = tl.where(lst >= 0, lst * PAGE, far)
+    if STATIC:
+        cand = tl.minimum(cand, tl.where(live & (nxt < sinks) & (nxt < nk), nxt, far))
+        win = tl.maximum(hi + 1, nxt)
+        cand = tl.minimum(cand, tl.where(win <= top, win, far))
+    return (tl.min(cand, 0) // BLOCK_N * BLOCK_N).to(tl.int32)
+
+
+@triton.jit
+def _page_logits(q, K_bh, t0, ks, sk_s, d, D, member, scale, F32: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Logits ``(BLOCK_C * BLOCK_G, BLOCK_N)`` of the block queries with the keys at positions ``[t0, t0 + BLOCK_N)``
+    (tensor index ``+ ks``) on the tensor cores, ``-inf`` where ``member (BLOCK_C, BLOCK_N)`` is False."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    col = tl.max(member.to(tl.int32), 0) != 0
+    k = tl.load(K_bh + (p + ks)[:, None] * sk_s + d[None, :], mask=col[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
+    if F32:  # float32 queries: three TF32 products (about float32's rounding, on the tensor cores)
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    rows_member = tl.reshape(tl.broadcast_to(member[:, None, :], (BLOCK_C, BLOCK_G, BLOCK_N)), (BLOCK_C * BLOCK_G, BLOCK_N))
+    return tl.where(rows_member, s * scale, float("-inf"))
+
+
+@triton.jit
+def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G, D, NPG, NS, sinks, window, scale,
+                                 sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s,
+                                 HAS_FLAG: tl.constexpr, F32: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+                                 BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
+    """Split ``s`` (key positions ``[s * SPLIT, (s + 1) * SPLIT)``) of a tile of ``BLOCK_C`` blocks: each query head's
+    running max and sum of ``exp(logit)`` over the block's static and pool keys there, into ``PM, PL (R, NS, BLOCK_G)``."""
+    b, h, rows, live, bs, hi, top, nk, q, d = _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
+                                                          HAS_FLAG, BLOCK_C, BLOCK_G, BLOCK_D)
+    ks = tl.load(KST + b)
+    K_bh = K + b * sk_b + h * sk_h
+    lo = tl.program_id(1) * SPLIT
+    end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
+    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
+    m = tl.full([BLOCK_C * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_C * BLOCK_G], tl.float32)
+    t0 = lo
+    while t0 < end:
+        static, pool, _, _, ptr = _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE, BLOCK_N, NP)
+        member = static | pool
+        if tl.max(member.to(tl.int32)) != 0:
+            m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, sk_s, d, D, member, scale, F32, BLOCK_C, BLOCK_G,
+                                                  BLOCK_N))
+        t0 = _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
+    mr = tl.arange(0, BLOCK_C * BLOCK_G)
+    part = (tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,)) * NS
+            + tl.program_id(1)) * BLOCK_G + mr % BLOCK_G
+    ok = tl.reshape(tl.broadcast_to(live[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,))
+    tl.store(PM + part, m, mask=ok)
+    tl.store(PL + part, l, mask=ok)
+
+
+@triton.jit
+def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C, G, D, NPG, NS, sinks, window, scale,
+                              sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s,
+                              HAS_FLAG: tl.constexpr, F32: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
+    """Split ``s`` of a tile: the log-normaliser of every query head from the block's partials (merged in split order,
+    so the trailing empty splits of a longer key tensor change nothing), then the summed probabilities of the pool keys
+    in ``[s * SPLIT, (s + 1) * SPLIT)`` written at their slots (0 at a listed page's other keys; split 0 also zeroes
+    the slots past the block's listed pages)."""
+    b, h, rows, live, bs, hi, top, nk, q, d = _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
+                                                          HAS_FLAG, BLOCK_C, BLOCK_G, BLOCK_D)
+    BM: tl.constexpr = BLOCK_C * BLOCK_G
+    mr = tl.arange(0, BM)
+    ok = tl.reshape(tl.broadcast_to(live[:, None], (BLOCK_C, BLOCK_G)), (BM,))
+    part = tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_C, BLOCK_G)), (BM,)) * NS * BLOCK_G + mr % BLOCK_G
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    for s in range(0, NS):
+        pm = tl.load(PM + part + s * BLOCK_G, mask=ok, other=float("-inf"))
+        pl = tl.load(PL + part + s * BLOCK_G, mask=ok, other=0.0)
+        m_new = tl.maximum(m, pm)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp(m - m_safe) + pl * tl.exp(pm - m_safe)
+        m = m_new
+    lse = tl.where(ok & (l > 0) & (mr % BLOCK_G < G), m + tl.log(l), float("-inf"))
+    ks = tl.load(KST + b)
+    K_bh = K + b * sk_b + h * sk_h
+    W = NPG * PAGE
+    lo = tl.program_id(1) * SPLIT
+    end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
+    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
+    t0 = lo
+    while t0 < end:
+        _, pool, listed, slot, ptr = _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE, BLOCK_N,
+                                                   NP)
+        if tl.max(listed.to(tl.int32)) != 0:
+            logits = _page_logits(q, K_bh, t0, ks, sk_s, d, D, pool, scale, F32, BLOCK_C, BLOCK_G, BLOCK_N)
+            live_lse = lse > float("-inf")
+            p = tl.where(live_lse[:, None], tl.exp(logits - tl.where(live_lse, lse, 0.0)[:, None]), 0.0)
+            prob = tl.sum(tl.reshape(p, (BLOCK_C, BLOCK_G, BLOCK_N)), 1)
+            tl.store(OUT + rows[:, None] * W + slot, tl.where(pool, prob, 0.0), mask=listed)
+        t0 = _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
+    if tl.program_id(1) == 0:  # the slots past each block's listed pages
+        count = _pages_below(PAGES, rows, live, 2147483647, NPG, BLOCK_C, BLOCK_L) * PAGE
+        w = tl.arange(0, BLOCK_L)
+        for w0 in range(0, W, BLOCK_L):
+            ww = w0 + w
+            tl.store(OUT + rows[:, None] * W + ww[None, :], tl.zeros([BLOCK_C, BLOCK_L], tl.float32),
+                     mask=live[:, None] & (ww[None, :] < W) & (ww[None, :] >= count[:, None]))
+
+
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """Every output buffer of the launchers (uninitialised; the tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -372,11 +581,11 @@ def _page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, 
     P = kmin.shape[2]
     out = _empty((B, H, C, P), torch.float32, q.device)
     if B * H * C > 0:
-        _page_bound_kernel[(B * H * C, triton.cdiv(P, block_p))](
+        _page_bound_kernel[(B * H * triton.cdiv(C, PAGE_BOUND_ROWS), triton.cdiv(P, block_p))](
             q, kmin, kmax, ok, last, _flag_arg(flag, ok), out, H, C, G, D, P,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-            ok.stride(0), last.stride(0), P, HAS_FLAG=flag is not None, BLOCK_P=block_p,
-            BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+            ok.stride(0), last.stride(0), P, HAS_FLAG=flag is not None, BLOCK_C=PAGE_BOUND_ROWS, BLOCK_P=block_p,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
     return out
 
 
@@ -541,3 +750,83 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
         block_n = max(16, min(64, 8192 // (triton.next_power_of_2(q.shape[3]) * max(16, triton.next_power_of_2(q.shape[4])))))
     return _refine_scores(q.to(torch.float32).contiguous(), key, *lists, _row_flag(flag, (B, H, C), "refine_scores"),
                           block_n)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("refine_page_scores"), mutates_args=())
+def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, block_start: torch.Tensor,
+                        n_keys: torch.Tensor, k_start: torch.Tensor, flag: torch.Tensor | None, page: int, sinks: int,
+                        window: int) -> torch.Tensor:
+    B, H, C, G, D = q.shape
+    NPG = pages.shape[-1]
+    out = _empty((B, H, C, NPG * page), torch.float32, q.device)
+    if B * H * C > 0 and NPG > 0:
+        block_g = triton.next_power_of_2(G)
+        block_c = max(1, PAGE_REFINE_ROWS // block_g)
+        block_n = max(PAGE_REFINE_BLOCK_N, page)
+        NS = triton.cdiv(key.shape[2], PAGE_REFINE_SPLIT)
+        pm, pl = (_empty((B * H * C, NS, block_g), torch.float32, q.device) for _ in range(2))
+        f = _flag_arg(flag, pages)
+        grid = (B * H * triton.cdiv(C, block_c), NS)
+        args = (H, C, G, D, NPG, NS, sinks, window, D ** -0.5, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                key.stride(0), key.stride(1), key.stride(2))
+        common = dict(HAS_FLAG=flag is not None, F32=q.dtype == torch.float32, PAGE=page, SPLIT=PAGE_REFINE_SPLIT,
+                      BLOCK_C=block_c, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                      BLOCK_L=min(128, max(16, triton.next_power_of_2(NPG))), NP=block_n // page, num_warps=4)
+        _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args, **common)
+        _refine_pages_prob_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, out, *args, **common)
+    return out
+
+
+@_refine_page_scores.register_fake
+def _(q, key, pages, block_start, n_keys, k_start, flag, page, sinks, window):
+    B, H, C = q.shape[:3]
+    return q.new_empty((B, H, C, pages.shape[-1] * page), dtype=torch.float32)
+
+
+def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, page: int, block_start: torch.Tensor,
+                       n_keys: torch.Tensor, k_start: torch.Tensor, sinks: int, window: int,
+                       flag: torch.Tensor | None = None) -> torch.Tensor:
+    """The refinement score of the keys of preselected pages, computed per tile of blocks on the tensor cores (module
+    docstring): ``refine_scores`` for the training-free selection's pools, in page-slot order.
+
+    Args:
+        q: ``(B, H, C, G, D)`` the first query of ``C`` blocks, the ``G`` query heads of each of ``H`` KV heads: in the
+            keys' float16/bfloat16 (exact products, float32 sums), else float32 (TF32x3 products, about float32).
+        key: ``(B, H, S, D)`` float16/bfloat16/float32 keys, any strides with a unit last one (else copied).
+        pages: ``(B, H, C, n)`` integer page indices (position ``// page``) of each block's preselected pages,
+            ascending, ``-1`` after; every listed page at or below the block's last candidate page.
+        page: keys per page, a power of two up to ``PAGE_REFINE_SPLIT``.
+        block_start: ``(B, C)`` int64 position of each block's first query. n_keys, k_start: ``(B,)`` int64 keys of a
+            row and the tensor index of its position 0 (left padding).
+        sinks, window: the static keys (positions ``< sinks``, and ``(block_start - window, block_start]``); the
+            candidates are ``[sinks, block_start - window]``.
+        flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
+    Returns:
+        ``(B, H, C, n * page)`` float32: at slot ``j * page + o`` the summed probability of key ``pages[..., j] * page +
+        o`` when it is a candidate below ``n_keys`` (as ``refine_scores`` of ``page_selection.expand_pages``' keys with
+        ``static_positions``' keys), else 0.
+    """
+    if q.dim() != 5 or key.dim() != 4 or key.shape[:2] != q.shape[:2] or key.shape[3] != q.shape[4]:
+        raise ValueError(f"refine_page_scores: q (B, H, C, G, D) and key (B, H, S, D) do not match: {tuple(q.shape)}, "
+                         f"{tuple(key.shape)}")
+    if key.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"refine_page_scores: `key` must be float16/bfloat16/float32, got {key.dtype}")
+    B, H, C = q.shape[:3]
+    if pages.dim() != 4 or tuple(pages.shape[:3]) != (B, H, C) or pages.dtype.is_floating_point:
+        raise ValueError(f"refine_page_scores: `pages` must be an integer ({B}, {H}, {C}, n) tensor, got {pages.dtype} "
+                         f"{tuple(pages.shape)}")
+    if isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= PAGE_REFINE_SPLIT or page & (page - 1):
+        raise ValueError(f"refine_page_scores: `page` must be a power of two in [1, {PAGE_REFINE_SPLIT}], got {page!r}")
+    for name, t, shape in (("block_start", block_start, (B, C)), ("n_keys", n_keys, (B,)), ("k_start", k_start, (B,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
+            raise ValueError(f"refine_page_scores: `{name}` must be int64 {shape}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    for name, v in (("sinks", sinks), ("window", window)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"refine_page_scores: `{name}` must be an int >= 0, got {v!r}")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    low = key.dtype != torch.float32 and q.dtype == key.dtype
+    return _refine_page_scores(q.contiguous() if low else q.to(torch.float32).contiguous(),
+                               key, pages.to(torch.int32).contiguous(),
+                               block_start.contiguous(), n_keys.contiguous(), k_start.contiguous(),
+                               _row_flag(flag, (B, H, C), "refine_page_scores"), page, sinks, window)

@@ -37,7 +37,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 28  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 32  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -216,6 +216,94 @@ def test_refine_scores_match_the_refinement_and_skip_flagged_rows(split, monkeyp
     _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
 
 
+def _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, n_sel, seed):
+    """Block queries, keys, block starts (row 1 left-padded by 3 slots) and per block ``n_sel`` distinct candidate pages
+    (ascending, ``-1`` after: blocks with fewer candidates), as ``_kernel_pages`` passes them."""
+    g = torch.Generator().manual_seed(seed)
+    q, key = torch.randn(B, H, C, G, D, generator=g) * 2, torch.randn(B, H, S, D, generator=g)
+    k_start, n_keys = torch.tensor([0, 3])[:B], torch.tensor([S, S - 3])[:B]
+    bs = torch.stack([torch.randint(0, int(n), (C,), generator=g) for n in n_keys])
+    last = torch.div(bs - window + 1, page, rounding_mode="floor") - 1
+    P = -(-S // page)
+    score = torch.where(torch.arange(P) <= last[:, None, :, None], torch.rand(B, H, C, P, generator=g), -1.0)
+    top = torch.topk(score, min(n_sel, P), -1)
+    pages = torch.sort(torch.where(top.values >= 0, top.indices, P), -1).values
+    return q, key, torch.where(pages >= P, -1, pages), bs, n_keys, k_start
+
+
+def _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, dtype):
+    """``refine_probabilities`` of ``expand_pages``' packed keys in ``dtype``, and the slot of each packed key."""
+    hi = bs - window
+    W = pages.shape[-1] * page
+    pos, _ = page_selection.expand_pages(pages.clamp_min(0), pages >= 0, page, torch.full_like(bs, sinks), hi, n_keys, W)
+    spos, sok = page_selection.static_positions(bs, hi, n_keys, sinks, window)
+    ks = k_start.view(-1, 1, 1, 1)
+    want = refine_probabilities(q.to(dtype), key.to(dtype), pos.clamp_min(0) + ks, pos >= 0, spos[:, None].clamp_min(0) + ks,
+                                sok[:, None])
+    slot_pos = (pages.clamp_min(0)[..., None] * page + torch.arange(page)).flatten(-2)
+    slot_ok = (pages >= 0).repeat_interleave(page, -1) & (slot_pos >= sinks) & (slot_pos <= hi[:, None, :, None]) \
+        & (slot_pos < n_keys[:, None, None, None])
+    return want, slot_ok
+
+
+def _packed(got, slot_ok):
+    """The slot-order scores at the valid slots, packed to the front like ``expand_pages``' keys (zeros after)."""
+    dest = torch.where(slot_ok, slot_ok.long().cumsum(-1) - 1, slot_ok.shape[-1])
+    out = torch.zeros(*got.shape[:-1], got.shape[-1] + 1, dtype=got.dtype)
+    return out.scatter(-1, dest, torch.where(slot_ok, got, 0.0))[..., :-1]
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("split, page, G", [(4096, 16, 3), (64, 16, 4), (64, 8, 1)])
+def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, monkeypatch):
+    """Page-slot scores equal ``refine_probabilities`` of the packed keys (GQA, odd sizes, keys split over programs,
+    left padding, blocks before the sinks end, blocks with fewer pages), 0 at every other slot; float16
+    products; a strided key view; rows off the flag stay unwritten."""
+    monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
+    monkeypatch.setattr(st, "PAGE_REFINE_SPLIT", split)
+    B, H, C, D, S, sinks, window = 2, 2, 37, 24, 203, 5, 20
+    q, key, pages, bs, n_keys, k_start = _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, 5,
+                                                             seed=int(torch.randint(0, 10**6, ())))
+    bs[0, :2] = torch.tensor([1, 3])  # blocks before the sinks end (no pool)
+    want64, slot_ok = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float64)
+    want32, _ = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float32)
+    assert bool((pages < 0).any()) and bool(slot_ok.any())
+    run = lambda qq, kk, flag=None: st.refine_page_scores(qq.to(DEV), kk.to(DEV), pages.to(DEV), page, bs.to(DEV),  # noqa: E731
+                                                         n_keys.to(DEV), k_start.to(DEV), sinks, window, flag).cpu()
+    got = run(q, key)
+    assert bool((got[~slot_ok] == 0).all())
+    _within_float32_error(_packed(got, slot_ok), want32, want64, "float32")
+    strided = key.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) tensor
+    _within_float32_error(_packed(run(q, strided), slot_ok), want32, want64, "strided keys")
+    q16, k16 = q.half(), key.half()
+    w16, _ = _page_refine_reference(q16.double(), k16.double(), pages, page, bs, n_keys, k_start, sinks, window,
+                                    torch.float64)
+    w16_32, _ = _page_refine_reference(q16.float(), k16.float(), pages, page, bs, n_keys, k_start, sinks, window,
+                                       torch.float32)
+    _within_float32_error(_packed(run(q16, k16), slot_ok), w16_32, w16, "float16 products")
+    flag = (torch.arange(C) % 3 != 1).view(1, 1, C).expand(B, H, C).clone()
+    flag[1, 0] = False
+    got = run(q, key, flag.to(DEV))
+    assert bool((got[~flag] == SENTINEL).all())
+    _within_float32_error(_packed(got, slot_ok)[flag], want32[flag], want64[flag], "flagged rows")
+
+
+@KERNEL_TEST
+def test_refine_page_scores_rejects_bad_arguments():
+    q, key, pages, bs, n_keys, k_start = (t.to(DEV) for t in _page_refine_inputs(1, 2, 3, 2, 16, 64, 8, 2, 4, 2, seed=0))
+    ok = dict(page=8, block_start=bs, n_keys=n_keys, k_start=k_start, sinks=2, window=4)
+    with pytest.raises(ValueError, match="`pages`"):
+        st.refine_page_scores(q, key, pages.float(), **ok)
+    with pytest.raises(ValueError, match="`page`"):
+        st.refine_page_scores(q, key, pages, **{**ok, "page": 12})
+    with pytest.raises(ValueError, match="`block_start`"):
+        st.refine_page_scores(q, key, pages, **{**ok, "block_start": bs.int()})
+    with pytest.raises(ValueError, match="`window`"):
+        st.refine_page_scores(q, key, pages, **{**ok, "window": -1})
+    with pytest.raises(ValueError, match="`key`"):
+        st.refine_page_scores(q, key.double(), pages, **ok)
+
+
 @KERNEL_TEST
 def test_refine_scores_rejects_bad_arguments():
     q, key, idx, ok, sidx, sok = (t.to(DEV) for t in _refine_inputs(1, 2, 2, 2, 16, 40, 8, 4, seed=0))
@@ -242,7 +330,7 @@ topk = {"X": "*fp32", "M": "*u8", "FLAG": "*u8", "OUT": "*i32", "n": "i32", "k":
 pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*i64", "FLAG": "*u8", "OUT": "*fp32",
          **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
                               "sok_b", "sl_b", "so_r")},
-         "HAS_FLAG": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
+         "HAS_FLAG": "constexpr", "BLOCK_C": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
 strides = ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h", "si_c")
 refine_part = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "SIDX": "*i32", "SOK": "*u8", "FLAG": "*u8",
                "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "WS", "NS")}, "scale": "fp32",
@@ -252,18 +340,32 @@ refine_prob = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "FLAG": "
                "OUT": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "NS")}, "scale": "fp32",
                **{n: "i32" for n in (*strides, "so_r")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
                "BLOCK_S": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+page_refine = {"Q": "*bf16", "K": "*bf16", "PAGES": "*i32", "BS": "*i64", "NK": "*i64", "KST": "*i64", "FLAG": "*u8",
+               "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "NPG", "NS", "sinks", "window")},
+               "scale": "fp32", **{n: "i32" for n in ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s")},
+               **{n: "constexpr" for n in ("HAS_FLAG", "F32", "PAGE", "SPLIT", "BLOCK_C", "BLOCK_G", "BLOCK_N", "BLOCK_D",
+                                           "BLOCK_L", "NP")}}
+page_refine_out = dict(page_refine, OUT="*fp32")
+page_refine_out = {k: page_refine_out[k] for k in (*list(page_refine)[:9], "OUT", *list(page_refine)[9:])}
+page_const = {"HAS_FLAG": True, "PAGE": 16, "SPLIT": 4096, "BLOCK_C": 16, "BLOCK_G": 4, "BLOCK_N": 64, "BLOCK_D": 128,
+              "BLOCK_L": 128, "NP": 4}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
 for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
-                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_P": 64, "BLOCK_D": 128}, 4),
+                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_C": 16, "BLOCK_P": 64,
+                                                              "BLOCK_D": 128}, 4),
                               (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
                               (st._refine_partial_kernel, refine_part, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_G": 4,
                                                                         "BLOCK_N": 16, "BLOCK_D": 128}, 8),
                               (st._refine_prob_kernel, refine_prob, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_S": 4,
-                                                                     "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8)):
+                                                                     "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8),
+                              (st._refine_pages_partial_kernel, page_refine, {**page_const, "F32": False}, 4),
+                              (st._refine_pages_prob_kernel, page_refine_out, {**page_const, "F32": False}, 4),
+                              (st._refine_pages_prob_kernel, {**page_refine_out, "Q": "*fp32"}, {**page_const, "F32": True},
+                               4)):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     assert "cubin" in k.asm, list(k.asm)
