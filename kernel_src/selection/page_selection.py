@@ -42,9 +42,10 @@ place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graph
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
 under ``TRITON_INTERPRET=1``), the page scores and the page top-k of ``quest_layout`` run there, for every call (so
 a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
-block: ``selection_state``); so do the refinement's scores and its top-k (``refine_probabilities``, ``most_probable``,
-for the training-free pages and trained SparseK pools alike); otherwise (``HEAD_REDUCE`` other than "sum",
-``OBS``, float64, the CPU) PyTorch.
+block: ``selection_state``); so do the refinement's scores and its top-k (``most_probable``; the scores of the
+training-free pages per tile of blocks, ``select_triton.refine_page_scores``, when the page size is a power of two,
+else and for trained SparseK pools ``refine_probabilities``); otherwise (``HEAD_REDUCE`` other than "sum", ``OBS``,
+float64, the CPU) PyTorch.
 """
 
 from __future__ import annotations
