@@ -523,3 +523,30 @@ def test_page_bound_scores_at_real_sizes():
     want32 = torch.where(cand, quest_scores(q, kmin, kmax, ok), float("-inf"))  # TF32 off: torch's default for matmul
     want64 = torch.where(cand, quest_scores(q.double(), kmin.double(), kmax.double(), ok), float("-inf"))
     _within_float32_error(st.page_bound_scores(q, kmin, kmax, ok, last), want32, want64, "128K")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("C", [1, 40])  # a decode step (one block of 16 rows live); a prefill chunk of 40 queries
+def test_refine_page_scores_at_real_sizes(C):
+    """128K bf16 keys in pages of 16, 8 KV heads of 4 query heads, head dim 128, a pool of 128 pages per query (the
+    training-free ``refine=8`` at ``top_k`` 256), window 256: the tile kernel equals the gather kernel
+    (``refine_scores`` over the packed keys) within float32 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, H, G, D, S, page, sinks, window = 1, 8, 4, 128, 131072, 16, 4, 256
+    key = torch.randn(B, H, S, D, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(B, H, C, G, D, device="cuda", generator=g).to(torch.bfloat16)
+    bs = torch.sort(torch.randint(S // 2, S, (B, C), device="cuda", generator=g)).values
+    last = (bs - window + 1) // page - 1
+    score = torch.rand(B, H, C, S // page, device="cuda", generator=g)
+    score = torch.where(torch.arange(S // page, device="cuda") <= last[:, None, :, None], score, -1.0)
+    pages = torch.sort(torch.topk(score, 128, -1).indices, -1).values
+    n_keys, k_start = torch.full((B,), S, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
+    got = st.refine_page_scores(q, key, pages, page, bs, n_keys, k_start, sinks, window)
+    hi = bs - window
+    pos, _ = page_selection.expand_pages(pages, pages >= 0, page, torch.full_like(bs, sinks), hi, n_keys, 128 * page)
+    spos, sok = page_selection.static_positions(bs, hi, n_keys, sinks, window)
+    want = st.refine_scores(q.float(), key, pos.clamp_min(0), pos >= 0, spos[:, None].clamp_min(0), sok[:, None])
+    assert torch.equal(pos, (pages[..., None] * page + torch.arange(page, device="cuda")).flatten(-2))  # no clipped key
+    # logits of order 1 summed over 128 exact bf16 products in another order: ~1e-6 apart, relative after exp
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
