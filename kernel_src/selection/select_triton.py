@@ -763,6 +763,9 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
         block_g = triton.next_power_of_2(G)
         block_c = max(1, PAGE_REFINE_ROWS // block_g)
         block_n = max(PAGE_REFINE_BLOCK_N, page)
+        if PAGE_REFINE_SPLIT % block_n:  # a split must hold whole key tiles
+            raise ValueError(f"refine_page_scores: PAGE_REFINE_SPLIT ({PAGE_REFINE_SPLIT}) must be a multiple of the "
+                             f"key tile ({block_n})")
         NS = triton.cdiv(key.shape[2], PAGE_REFINE_SPLIT)
         pm, pl = (_empty((B * H * C, NS, block_g), torch.float32, q.device) for _ in range(2))
         f = _flag_arg(flag, pages)

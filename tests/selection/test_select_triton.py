@@ -37,7 +37,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 32  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 33  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -254,7 +254,7 @@ def _packed(got, slot_ok):
 
 
 @KERNEL_TEST
-@pytest.mark.parametrize("split, page, G", [(4096, 16, 3), (64, 16, 4), (64, 8, 1)])
+@pytest.mark.parametrize("split, page, G", [(4096, 16, 3), (64, 16, 4), (64, 8, 1), (128, 64, 2)])
 def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, monkeypatch):
     """Page-slot scores equal ``refine_probabilities`` of the packed keys (GQA, odd sizes, keys split over programs,
     left padding, blocks before the sinks end, blocks with fewer pages), 0 at every other slot; float16
