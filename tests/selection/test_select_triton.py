@@ -7,9 +7,10 @@ write fails the comparison, and a row whose flag is off must still hold the sent
 
 * ``topk_rows`` equals the PyTorch selection (``front_pack(top_mask(...) & valid)``) exactly: ties (small integer
   scores), ``-inf``, ``-0.0``, ``k`` above the valid count, odd lengths, with and without a mask.
-* ``page_bound_scores`` / ``index_scores`` / ``refine_scores`` against ``quest_scores`` / ``LightningIndexer.scores`` /
-  ``refine_probabilities``: the error against a float64 reference is at most twice PyTorch's own float32 error plus a
-  rounding floor (``refine_scores``: GQA, odd sizes, keys in bfloat16 and in a strided view).
+* ``page_bound_scores`` / ``index_scores`` / ``refine_scores`` / ``refine_page_scores`` against ``quest_scores`` /
+  ``LightningIndexer.scores`` / ``refine_probabilities``: the error against a float64 reference is at most twice
+  PyTorch's own float32 error plus a rounding floor (the refinements: GQA, odd sizes, keys split over programs, half
+  precision keys and a strided view; the page refinement's slots mapped to ``expand_pages``' packed keys).
 * ``build_selection`` through the kernels selects what the PyTorch path selects (training-free pages, with and
   without refinement, per query and per block; a trained SparseK pool refined; DSA shared and per KV head); over many static-cache decode steps (device-known and host-known offsets) a step equals the full
   selection of the same call, and the steps inside a query block launch the kernels with every row's flag off.
@@ -345,8 +346,7 @@ page_refine = {"Q": "*bf16", "K": "*bf16", "PAGES": "*i32", "BS": "*i64", "NK": 
                "scale": "fp32", **{n: "i32" for n in ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s")},
                **{n: "constexpr" for n in ("HAS_FLAG", "F32", "PAGE", "SPLIT", "BLOCK_C", "BLOCK_G", "BLOCK_N", "BLOCK_D",
                                            "BLOCK_L", "NP")}}
-page_refine_out = dict(page_refine, OUT="*fp32")
-page_refine_out = {k: page_refine_out[k] for k in (*list(page_refine)[:9], "OUT", *list(page_refine)[9:])}
+page_refine_out = dict([*list(page_refine.items())[:9], ("OUT", "*fp32"), *list(page_refine.items())[9:]])  # OUT after PL
 page_const = {"HAS_FLAG": True, "PAGE": 16, "SPLIT": 4096, "BLOCK_C": 16, "BLOCK_G": 4, "BLOCK_N": 64, "BLOCK_D": 128,
               "BLOCK_L": 128, "NP": 4}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
