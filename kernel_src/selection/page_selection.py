@@ -260,6 +260,17 @@ def top_pages(scores: torch.Tensor, cand_pages: torch.Tensor, n_sel: int):
     return pages, chosen
 
 
+def _page_keys(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tensor,
+               n_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every key position of the ``pages (B, H, NB, n)``, slot ``j * page + o`` for key ``o`` of page ``j``: ``(B, H,
+    NB, n * page)``, and whether it is a key of a ``chosen`` page inside ``[lo, hi]`` ``(B, NB)`` and below ``n_keys
+    (B,)``."""
+    pos = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)
+    ok = chosen.repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
+        & (pos < n_keys[:, None, None, None])
+    return pos, ok
+
+
 def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tensor,
                  n_keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key positions of the chosen pages inside ``[lo, hi]`` and below ``n_keys``, packed to the front.
@@ -269,9 +280,7 @@ def expand_pages(pages: torch.Tensor, chosen: torch.Tensor, page: int, lo: torch
     (-1 past the count) and ``counts (B, H, NB)`` int64. ``width`` must be ``>=`` the largest count.
     """
     B, H, NB = pages.shape[:3]
-    pos = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)  # (B, H, NB, n*page)
-    ok = chosen.repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
-        & (pos < n_keys[:, None, None, None])
+    pos, ok = _page_keys(pages, chosen, page, lo, hi, n_keys)
     dest = torch.where(ok, ok.long().cumsum(-1) - 1, torch.full_like(pos, width))
     out = torch.full((B, H, NB, width + 1), -1, dtype=torch.int64, device=pages.device)
     out.scatter_(-1, dest, torch.where(ok, pos, torch.full_like(pos, -1)))
@@ -396,9 +405,7 @@ def _refine_pages(kern, qb, key, k_start, pages, page, lo, hi, n_keys, width, to
     positions are ascending like ``expand_pages``' packed ones, so ``most_probable`` chooses the same keys."""
     rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
     prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
-    pos = (pages.clamp_min(0)[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)
-    ok = (pages >= 0).repeat_interleave(page, -1) & (pos >= lo[:, None, :, None]) & (pos <= hi[:, None, :, None]) \
-        & (pos < n_keys[:, None, None, None])
+    pos, ok = _page_keys(pages.clamp_min(0), pages >= 0, page, lo, hi, n_keys)
     return most_probable(prob, torch.where(ok, pos, -1), ok, top_k, width, rows)
 
 

@@ -156,9 +156,10 @@ def _row_bhc(row, H, C):
 
 
 @triton.jit
-def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
-                       sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
-                       HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+def _block_tile(FLAG, H, C, HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A program's tile of ``BLOCK_C`` consecutive blocks of one ``(b, h)`` (program id 0 over ``B * H *
+    cdiv(C, BLOCK_C)``): ``b, h``, the first block ``c0``, the blocks ``cc (BLOCK_C,)``, their rows ``(b * H + h) * C + c`` and which of them
+    are computed (inside ``C``, flag on)."""
     n_ct = tl.cdiv(C, BLOCK_C)
     tile = tl.program_id(0).to(tl.int64)
     b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
@@ -167,6 +168,15 @@ def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
     live = cc < C
     if HAS_FLAG:
         live = live & (tl.load(FLAG + rows, mask=live, other=0) != 0)
+    return b, h, c0, cc, rows, live
+
+
+@triton.jit
+def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
+                       sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
+                       HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, _, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
+    if HAS_FLAG:
         if tl.max(live.to(tl.int32)) == 0:
             return
     p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -323,16 +333,8 @@ def _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
     its blocks' rows ``(BLOCK_C,)``, which of them are computed (in the call, flag on), their block starts, last
     candidate ``hi`` and last key read ``top`` (-1 when not computed), the key count of ``b``, and the block queries
     ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (row ``c * BLOCK_G + g``; zero past ``C`` and ``G``)."""
-    n_ct = tl.cdiv(C, BLOCK_C)
-    tile = tl.program_id(0).to(tl.int64)
-    b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
-    cc = c0 + tl.arange(0, BLOCK_C)
-    cin = cc < C
-    rows = (b * H + h) * C + cc
-    live = cin
-    if HAS_FLAG:
-        live = live & (tl.load(FLAG + rows, mask=cin, other=0) != 0)
-    bs = tl.load(BS + b * C + cc, mask=cin, other=0)
+    b, h, c0, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
+    bs = tl.load(BS + b * C + cc, mask=cc < C, other=0)
     nk = tl.load(NK + b)
     top = tl.where(live, tl.minimum(bs, nk - 1), -1)
     m = tl.arange(0, BLOCK_C * BLOCK_G)
