@@ -327,22 +327,35 @@ def _refine_prob_kernel(Q, K, IDX, OK, FLAG, PM, PL, OUT, H, C, G, D, W, NS, sca
 
 
 @triton.jit
-def _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
-               HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """What a program ``(tile, split)`` of ``refine_page_scores`` reads: the tile's ``(b, h)`` and first block ``c0``,
-    its blocks' rows ``(BLOCK_C,)``, which of them are computed (in the call, flag on), their block starts, last
-    candidate ``hi`` and last key read ``top`` (-1 when not computed), the key count of ``b``, and the block queries
-    ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (row ``c * BLOCK_G + g``; zero past ``C`` and ``G``)."""
+def _rows_of_blocks(x, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    """A per-block vector ``(BLOCK_C,)`` repeated for the ``BLOCK_G`` MMA rows of each block ``(BLOCK_C * BLOCK_G,)``
+    (row ``c * BLOCK_G + g``)."""
+    return tl.reshape(tl.broadcast_to(x[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,))
+
+
+@triton.jit
+def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
+               HAS_FLAG: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """What a program ``(tile, split)`` of ``refine_page_scores`` reads, per MMA row ``c * BLOCK_G + g`` (block ``c``
+    of the tile, query head ``g``): ``b, h``, the rows' block rows ``(b * H + h) * C + c``, whether the block is
+    computed (in the call, flag on), its last candidate ``hi``, its last key read ``top`` (-1 when not computed), the
+    index into its ascending page list of its first page at or past the split's start ``lo`` (``ptr``), the key count
+    of ``b``, whether the row is a real query head, and the block queries ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (zero past
+    ``C`` and ``G``)."""
     b, h, c0, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
     bs = tl.load(BS + b * C + cc, mask=cc < C, other=0)
     nk = tl.load(NK + b)
     top = tl.where(live, tl.minimum(bs, nk - 1), -1)
+    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
     m = tl.arange(0, BLOCK_C * BLOCK_G)
     mc, mg = m // BLOCK_G, m % BLOCK_G
     d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b * sq_b + h * sq_h + (c0 + mc)[:, None] * sq_c + mg[:, None] * sq_g + d[None, :],
                 mask=((c0 + mc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
-    return b, h, rows, live, bs, bs - window, top, nk, q, d
+    return (b, h, _rows_of_blocks(rows, BLOCK_C, BLOCK_G), _rows_of_blocks(live, BLOCK_C, BLOCK_G),
+            _rows_of_blocks(bs - window, BLOCK_C, BLOCK_G), _rows_of_blocks(top, BLOCK_C, BLOCK_G),
+            _rows_of_blocks(ptr, BLOCK_C, BLOCK_G), nk, mg < G, q, d)
 
 
 @triton.jit
@@ -359,56 +372,66 @@ def _pages_below(PAGES, rows, live, limit, NPG, BLOCK_C: tl.constexpr, BLOCK_L: 
 
 
 @triton.jit
-def _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NP: tl.constexpr):
-    """Key tile ``[t0, t0 + BLOCK_N)`` (``t0`` a multiple of ``BLOCK_N``, itself of ``PAGE``) of the tile's blocks:
-    ``static, pool (BLOCK_C, BLOCK_N)`` (sinks and window; the listed pages inside ``[sinks, hi]``), ``listed`` (the key's
-    page is listed), its output slot ``list index * PAGE + offset``, and the advanced list pointers."""
-    p = t0 + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, NP)
-    lst = tl.load(PAGES + rows[:, None] * NPG + (ptr[:, None] + j[None, :]),
-                  mask=live[:, None] & ((ptr[:, None] + j[None, :]) < NPG), other=-1)  # (BLOCK_C, NP)
-    eq = lst[:, :, None] == (p // PAGE)[None, None, :]  # (BLOCK_C, NP, BLOCK_N)
-    listed = tl.max(eq.to(tl.int32), 1) != 0
-    slot = (ptr[:, None] + tl.sum(tl.where(eq, j[None, :, None], 0), 1)) * PAGE + (p % PAGE)[None, :]
-    ptr += tl.sum(((lst >= 0) & (lst <= (t0 + BLOCK_N - 1) // PAGE)).to(tl.int32), 1)
-    key = live[:, None] & (p[None, :] < nk)
-    static = key & ((p[None, :] < sinks) | ((p[None, :] > hi[:, None]) & (p[None, :] <= top[:, None])))
-    pool = key & listed & (p[None, :] >= sinks) & (p[None, :] <= hi[:, None])
-    return static, pool, listed & live[:, None], slot, ptr
+def _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE: tl.constexpr, NP: tl.constexpr):
+    """Which of the ``NP`` pages of key tile ``[t0, t0 + NP * PAGE)`` each row's block lists, as a bit mask ``(R,)``
+    (bit ``i``: page ``t0 // PAGE + i``), and how many. ``ptr`` is the index of the block's first listed page at or
+    past the tile (its list is ascending), so the tile's listed pages are the next ``NP`` entries at most."""
+    p0 = t0 // PAGE
+    bits = tl.zeros_like(ptr)
+    count = tl.zeros_like(ptr)
+    for j in tl.static_range(NP):
+        lst = tl.load(PAGES + rows * NPG + ptr + j, mask=live & (ptr + j < NPG), other=-1)
+        inside = (lst >= p0) & (lst < p0 + NP)
+        bits = bits | tl.where(inside, 1 << tl.where(inside, lst - p0, 0), 0)
+        count += inside.to(tl.int32)
+    return bits, count
 
 
 @triton.jit
-def _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, STATIC: tl.constexpr, PAGE: tl.constexpr,
+def _tile_pool(bits, t0, hi, nk, sinks, live, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(R, BLOCK_N)``: the keys of ``[t0, t0 + BLOCK_N)`` in a row's pool (a listed page, inside ``[sinks, hi]``,
+    below ``nk``)."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    listed = ((bits[:, None] >> (tl.arange(0, BLOCK_N) // PAGE)[None, :]) & 1) != 0
+    return listed & live[:, None] & (p[None, :] < nk) & (p[None, :] >= sinks) & (p[None, :] <= hi[:, None])
+
+
+@triton.jit
+def _tile_static(t0, hi, top, nk, sinks, live, BLOCK_N: tl.constexpr):
+    """``(R, BLOCK_N)``: the static keys of ``[t0, t0 + BLOCK_N)`` a row reads (sinks; the window ``(hi, top]``)."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    return live[:, None] & (p[None, :] < nk) & ((p[None, :] < sinks)
+                                                | ((p[None, :] > hi[:, None]) & (p[None, :] <= top[:, None])))
+
+
+@triton.jit
+def _next_tile(PAGES, rows, live, ptr, nxt, hi, top, nk, sinks, NPG, STATIC: tl.constexpr, PAGE: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """The next key tile after ``[t0, t0 + BLOCK_N)`` that one of the tile's blocks reads: its next listed page (at its
-    pointer ``ptr``, already past this tile), and with ``STATIC`` its sinks and window; tiles in between are skipped
-    (nothing there would change a block's sums). A position past every block's keys when there is none."""
+    """The first key tile at or after position ``nxt`` (a multiple of ``BLOCK_N``) that a row reads: its next listed
+    page (at ``ptr``, at or past ``nxt``), and with ``STATIC`` its sinks and window; tiles in between are skipped
+    (nothing there changes a row's sums). A position past every row's keys when there is none."""
     far = 2147483647
-    nxt = t0 + BLOCK_N
     lst = tl.load(PAGES + rows * NPG + ptr, mask=live & (ptr < NPG), other=-1)
     cand = tl.where(lst >= 0, lst * PAGE, far)
     if STATIC:
         cand = tl.minimum(cand, tl.where(live & (nxt < sinks) & (nxt < nk), nxt, far))
         win = tl.maximum(hi + 1, nxt)
-        cand = tl.minimum(cand, tl.where(win <= top, win, far))
+        cand = tl.minimum(cand, tl.where(live & (win <= top), win, far))
     return (tl.min(cand, 0) // BLOCK_N * BLOCK_N).to(tl.int32)
 
 
 @triton.jit
-def _page_logits(q, K_bh, t0, ks, sk_s, d, D, member, scale, F32: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Logits ``(BLOCK_C * BLOCK_G, BLOCK_N)`` of the block queries with the keys at positions ``[t0, t0 + BLOCK_N)``
-    (tensor index ``+ ks``) on the tensor cores, ``-inf`` where ``member (BLOCK_C, BLOCK_N)`` is False."""
+def _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Logits ``(R, BLOCK_N)`` of the block queries ``q (R, BLOCK_D)`` with the keys at positions ``[t0, t0 +
+    BLOCK_N)`` (tensor index ``+ ks``) on the tensor cores, ``-inf`` where ``member (R, BLOCK_N)`` is False."""
     p = t0 + tl.arange(0, BLOCK_N)
-    col = tl.max(member.to(tl.int32), 0) != 0
-    k = tl.load(K_bh + (p + ks)[:, None] * sk_s + d[None, :], mask=col[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
+    k = tl.load(K_bh + (p + ks)[:, None] * sk_s + d[None, :], mask=(p < nk)[:, None] & (d < D)[None, :],
+                other=0.0).to(q.dtype)
     if F32:  # float32 queries: three TF32 products (about float32's rounding, on the tensor cores)
         s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
         s = tl.dot(q, tl.trans(k))
-    rows_member = tl.reshape(tl.broadcast_to(member[:, None, :], (BLOCK_C, BLOCK_G, BLOCK_N)), (BLOCK_C * BLOCK_G, BLOCK_N))
-    return tl.where(rows_member, s * scale, float("-inf"))
+    return tl.where(member, s * scale, float("-inf"))
 
 
 @triton.jit
@@ -419,29 +442,27 @@ def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G
                                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
     """Split ``s`` (key positions ``[s * SPLIT, (s + 1) * SPLIT)``) of a tile of ``BLOCK_C`` blocks: each query head's
     running max and sum of ``exp(logit)`` over the block's static and pool keys there, into ``PM, PL (R, NS, BLOCK_G)``."""
-    b, h, rows, live, bs, hi, top, nk, q, d = _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
-                                                          HAS_FLAG, BLOCK_C, BLOCK_G, BLOCK_D)
+    lo = tl.program_id(1) * SPLIT
+    b, h, rows, live, hi, top, ptr, nk, _, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h, sq_c,
+                                                             sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C, BLOCK_G,
+                                                             BLOCK_D, BLOCK_L)
     ks = tl.load(KST + b)
     K_bh = K + b * sk_b + h * sk_h
-    lo = tl.program_id(1) * SPLIT
     end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
-    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
     m = tl.full([BLOCK_C * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_C * BLOCK_G], tl.float32)
-    t0 = lo
+    t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
     while t0 < end:
-        static, pool, _, _, ptr = _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE, BLOCK_N, NP)
-        member = static | pool
-        if tl.max(member.to(tl.int32)) != 0:
-            m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, sk_s, d, D, member, scale, F32, BLOCK_C, BLOCK_G,
-                                                  BLOCK_N))
-        t0 = _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
+        bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
+        member = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N) | _tile_static(t0, hi, top, nk, sinks, live,
+                                                                                         BLOCK_N)
+        m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32, BLOCK_N))
+        ptr += count
+        t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
     mr = tl.arange(0, BLOCK_C * BLOCK_G)
-    part = (tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,)) * NS
-            + tl.program_id(1)) * BLOCK_G + mr % BLOCK_G
-    ok = tl.reshape(tl.broadcast_to(live[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,))
-    tl.store(PM + part, m, mask=ok)
-    tl.store(PL + part, l, mask=ok)
+    part = (rows * NS + tl.program_id(1)) * BLOCK_G + mr % BLOCK_G
+    tl.store(PM + part, m, mask=live)
+    tl.store(PL + part, l, mask=live)
 
 
 @triton.jit
@@ -454,46 +475,61 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
     so the trailing empty splits of a longer key tensor change nothing), then the summed probabilities of the pool keys
     in ``[s * SPLIT, (s + 1) * SPLIT)`` written at their slots (0 at a listed page's other keys; split 0 also zeroes
     the slots past the block's listed pages)."""
-    b, h, rows, live, bs, hi, top, nk, q, d = _page_tile(Q, BS, NK, FLAG, H, C, G, D, sq_b, sq_h, sq_c, sq_g, window,
-                                                          HAS_FLAG, BLOCK_C, BLOCK_G, BLOCK_D)
     BM: tl.constexpr = BLOCK_C * BLOCK_G
+    lo = tl.program_id(1) * SPLIT
+    b, h, rows, live, hi, top, ptr, nk, head, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h,
+                                                                sq_c, sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C,
+                                                                BLOCK_G, BLOCK_D, BLOCK_L)
     mr = tl.arange(0, BM)
-    ok = tl.reshape(tl.broadcast_to(live[:, None], (BLOCK_C, BLOCK_G)), (BM,))
-    part = tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_C, BLOCK_G)), (BM,)) * NS * BLOCK_G + mr % BLOCK_G
+    part = rows * NS * BLOCK_G + mr % BLOCK_G
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     for s in range(0, NS):
-        pm = tl.load(PM + part + s * BLOCK_G, mask=ok, other=float("-inf"))
-        pl = tl.load(PL + part + s * BLOCK_G, mask=ok, other=0.0)
+        pm = tl.load(PM + part + s * BLOCK_G, mask=live, other=float("-inf"))
+        pl = tl.load(PL + part + s * BLOCK_G, mask=live, other=0.0)
         m_new = tl.maximum(m, pm)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + pl * tl.exp(pm - m_safe)
         m = m_new
-    lse = tl.where(ok & (l > 0) & (mr % BLOCK_G < G), m + tl.log(l), float("-inf"))
+    lse = tl.where(live & (l > 0) & head, m + tl.log(l), float("-inf"))
+    live_lse = lse > float("-inf")
+    lse_safe = tl.where(live_lse, lse, 0.0)
     ks = tl.load(KST + b)
     K_bh = K + b * sk_b + h * sk_h
     W = NPG * PAGE
-    lo = tl.program_id(1) * SPLIT
     end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
-    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
-    t0 = lo
+    o = tl.arange(0, BLOCK_N) % PAGE
+    page_of = tl.arange(0, BLOCK_N) // PAGE
+    t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     while t0 < end:
-        _, pool, listed, slot, ptr = _page_members(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, PAGE, BLOCK_N,
-                                                   NP)
-        if tl.max(listed.to(tl.int32)) != 0:
-            logits = _page_logits(q, K_bh, t0, ks, sk_s, d, D, pool, scale, F32, BLOCK_C, BLOCK_G, BLOCK_N)
-            live_lse = lse > float("-inf")
-            p = tl.where(live_lse[:, None], tl.exp(logits - tl.where(live_lse, lse, 0.0)[:, None]), 0.0)
-            prob = tl.sum(tl.reshape(p, (BLOCK_C, BLOCK_G, BLOCK_N)), 1)
-            tl.store(OUT + rows[:, None] * W + slot, tl.where(pool, prob, 0.0), mask=listed)
-        t0 = _next_tile(PAGES, rows, live, ptr, t0, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
+        bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
+        pool = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N)
+        logits = _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, pool, scale, F32, BLOCK_N)
+        p = tl.where(live_lse[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
+        prob = tl.sum(tl.reshape(p, (BLOCK_C, BLOCK_G, BLOCK_N)), 1)  # (BLOCK_C, BLOCK_N): summed over the heads
+        # per block (its rows agree): the listed pages, their rank in the list, and the pool keys
+        bits_c = tl.max(tl.reshape(bits, (BLOCK_C, BLOCK_G)), 1)
+        ptr_c = tl.max(tl.reshape(ptr, (BLOCK_C, BLOCK_G)), 1)
+        rows_c = tl.max(tl.reshape(rows, (BLOCK_C, BLOCK_G)), 1)
+        hi_c = tl.max(tl.reshape(hi, (BLOCK_C, BLOCK_G)), 1)
+        listed_c = ((bits_c[:, None] >> page_of[None, :]) & 1) != 0
+        pos = t0 + tl.arange(0, BLOCK_N)
+        pool_c = listed_c & (pos[None, :] < nk) & (pos[None, :] >= sinks) & (pos[None, :] <= hi_c[:, None])
+        rank = tl.zeros([BLOCK_C, BLOCK_N], tl.int32)
+        for j in tl.static_range(NP):
+            rank += ((bits_c[:, None] >> j) & 1) * (j < page_of[None, :]).to(tl.int32)
+        slot = (ptr_c[:, None] + rank) * PAGE + o[None, :]
+        tl.store(OUT + rows_c[:, None] * W + slot, tl.where(pool_c, prob, 0.0), mask=listed_c)
+        ptr += count
+        t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     if tl.program_id(1) == 0:  # the slots past each block's listed pages
-        count = _pages_below(PAGES, rows, live, 2147483647, NPG, BLOCK_C, BLOCK_L) * PAGE
+        _, _, _, _, rows_b, live_b = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
+        count_b = _pages_below(PAGES, rows_b, live_b, 2147483647, NPG, BLOCK_C, BLOCK_L) * PAGE
         w = tl.arange(0, BLOCK_L)
         for w0 in range(0, W, BLOCK_L):
             ww = w0 + w
-            tl.store(OUT + rows[:, None] * W + ww[None, :], tl.zeros([BLOCK_C, BLOCK_L], tl.float32),
-                     mask=live[:, None] & (ww[None, :] < W) & (ww[None, :] >= count[:, None]))
+            tl.store(OUT + rows_b[:, None] * W + ww[None, :], tl.zeros([BLOCK_C, BLOCK_L], tl.float32),
+                     mask=live_b[:, None] & (ww[None, :] < W) & (ww[None, :] >= count_b[:, None]))
 
 
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -764,7 +800,7 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
     if B * H * C > 0 and NPG > 0:
         block_g = triton.next_power_of_2(G)
         block_c = max(1, PAGE_REFINE_ROWS // block_g)
-        block_n = max(PAGE_REFINE_BLOCK_N, page)
+        block_n = max(page, min(PAGE_REFINE_BLOCK_N, 16 * page))  # at most 16 pages a tile (a 16-bit mask)
         if PAGE_REFINE_SPLIT % block_n:  # a split must hold whole key tiles
             raise ValueError(f"refine_page_scores: PAGE_REFINE_SPLIT ({PAGE_REFINE_SPLIT}) must be a multiple of the "
                              f"key tile ({block_n})")

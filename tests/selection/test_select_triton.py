@@ -539,7 +539,9 @@ def test_refine_page_scores_at_real_sizes(C):
     bs = torch.sort(torch.randint(S // 2, S, (B, C), device="cuda", generator=g)).values
     last = (bs - window + 1) // page - 1
     score = torch.rand(B, H, C, S // page, device="cuda", generator=g)
-    score = torch.where(torch.arange(S // page, device="cuda") <= last[:, None, :, None], score, -1.0)
+    first = -(-sinks // page)  # the first page wholly past the sinks (a candidate page holds no sink)
+    page_idx = torch.arange(S // page, device="cuda")
+    score = torch.where((page_idx >= first) & (page_idx <= last[:, None, :, None]), score, -1.0)
     pages = torch.sort(torch.topk(score, 128, -1).indices, -1).values
     n_keys, k_start = torch.full((B,), S, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
     got = st.refine_page_scores(q, key, pages, page, bs, n_keys, k_start, sinks, window)
