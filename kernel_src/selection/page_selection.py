@@ -629,7 +629,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         if kern is not None:
             pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, hi[:, c0:c1], bo, page,
                                           n_pre or pattern.top_k // page, flag)
-            if n_pre and page & (page - 1) == 0 and page <= kern.PAGE_REFINE_MAX_PAGE:
+            if n_pre and page & (page - 1) == 0:
                 qk = qb[:, :, c0:c1].to(query.dtype) if query.dtype == key.dtype else qb[:, :, c0:c1]  # exact: qb holds queries
                 pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, lo[:, c0:c1],
                                              hi[:, c0:c1], n_keys, width, pattern.top_k, bs, pattern.sinks,

@@ -68,14 +68,10 @@ __all__ = ["index_scores", "page_bound_scores", "refine_page_scores", "refine_sc
 REFINE_SPLIT = 512
 
 #: ``refine_page_scores``: key positions per program (a split; absolute ranges, so a block sums its keys in the same
-#: order in prefill and decode), keys per tile (at least a page, at most 64), MMA rows per tile (blocks x query
-#: heads) and warps per program.
+#: order in prefill and decode), keys per tile (at least a page), and MMA rows per tile (blocks x query heads).
 PAGE_REFINE_SPLIT = 2048
 PAGE_REFINE_BLOCK_N = 64
 PAGE_REFINE_ROWS = 64
-PAGE_REFINE_WARPS = 4
-#: The largest page ``refine_page_scores`` takes: a key tile (at most 64 keys) is a 64-bit mask per row.
-PAGE_REFINE_MAX_PAGE = 64
 
 #: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it).
 PAGE_BOUND_ROWS = 16
@@ -392,45 +388,20 @@ def _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE: tl.constexpr, NP: tl.cons
 
 
 @triton.jit
-def _key_range_bits(first, last, t0, BLOCK_N: tl.constexpr):
-    """``(R,)`` int64 bit masks of the keys ``[first, last]`` (per row) inside the tile ``[t0, t0 + BLOCK_N)``, bit ``i``
-    for position ``t0 + i`` (``BLOCK_N <= 64``)."""
-    lo = tl.maximum(first - t0, 0)
-    hi = tl.minimum(last - t0, BLOCK_N - 1)
-    ones = tl.full(lo.shape, -1, tl.int64)  # every bit
-    upto = tl.where(hi >= 63, ones, (tl.full(lo.shape, 2, tl.int64) << tl.minimum(tl.maximum(hi, 0), 62)) - 1)
-    below = (tl.full(lo.shape, 1, tl.int64) << tl.minimum(lo, 63)) - 1
-    return tl.where(hi >= lo, upto & ~below, 0)
+def _tile_pool(bits, t0, hi, nk, sinks, live, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(R, BLOCK_N)``: the keys of ``[t0, t0 + BLOCK_N)`` in a row's pool (a listed page, inside ``[sinks, hi]``,
+    below ``nk``)."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    listed = ((bits[:, None] >> (tl.arange(0, BLOCK_N) // PAGE)[None, :]) & 1) != 0
+    return listed & live[:, None] & (p[None, :] < nk) & (p[None, :] >= sinks) & (p[None, :] <= hi[:, None])
 
 
 @triton.jit
-def _tile_pool_bits(bits, t0, hi, nk, sinks, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NP: tl.constexpr):
-    """``(R,)`` int64 key bits of the tile's keys in a row's pool: the keys of its listed pages (page bits ``bits``)
-    inside ``[sinks, min(hi, nk - 1)]``."""
-    keys = tl.zeros(bits.shape, tl.int64)
-    if PAGE >= 64:
-        page_keys = tl.full(bits.shape, -1, tl.int64)  # every bit
-    else:
-        page_keys = (tl.full(bits.shape, 1, tl.int64) << PAGE) - 1
-    for j in tl.static_range(NP):
-        keys = keys | tl.where(((bits >> j) & 1) != 0, page_keys << (j * PAGE), 0)
-    return keys & _key_range_bits(tl.full(hi.shape, sinks, tl.int64), tl.minimum(hi, nk - 1), t0, BLOCK_N)
-
-
-@triton.jit
-def _tile_static_bits(t0, hi, top, nk, sinks, live, BLOCK_N: tl.constexpr):
-    """``(R,)`` int64 key bits of the tile's static keys a computed row reads (sinks below ``nk``; the window ``(hi,
-    top]``)."""
-    zero = tl.zeros(hi.shape, tl.int64)
-    keys = (_key_range_bits(zero, zero + tl.minimum(sinks, nk) - 1, t0, BLOCK_N)
-            | _key_range_bits(hi + 1, tl.minimum(top, nk - 1), t0, BLOCK_N))
-    return tl.where(live, keys, 0)
-
-
-@triton.jit
-def _bits_to_mask(keys, BLOCK_N: tl.constexpr):
-    """``(R, BLOCK_N)`` bool: bit ``i`` of each row's ``keys``."""
-    return ((keys[:, None] >> tl.arange(0, BLOCK_N).to(tl.int64)[None, :]) & 1) != 0
+def _tile_static(t0, hi, top, nk, sinks, live, BLOCK_N: tl.constexpr):
+    """``(R, BLOCK_N)``: the static keys of ``[t0, t0 + BLOCK_N)`` a row reads (sinks; the window ``(hi, top]``)."""
+    p = t0 + tl.arange(0, BLOCK_N)
+    return live[:, None] & (p[None, :] < nk) & ((p[None, :] < sinks)
+                                                | ((p[None, :] > hi[:, None]) & (p[None, :] <= top[:, None])))
 
 
 @triton.jit
@@ -483,9 +454,8 @@ def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G
     t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
     while t0 < end:
         bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
-        keys = _tile_pool_bits(bits, t0, hi, nk, sinks, PAGE, BLOCK_N, NP) | _tile_static_bits(t0, hi, top, nk, sinks,
-                                                                                               live, BLOCK_N)
-        member = _bits_to_mask(keys, BLOCK_N)
+        member = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N) | _tile_static(t0, hi, top, nk, sinks, live,
+                                                                                         BLOCK_N)
         m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32, BLOCK_N))
         ptr += count
         t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
@@ -533,16 +503,18 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
     t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     while t0 < end:
         bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
-        pool_keys = _tile_pool_bits(bits, t0, hi, nk, sinks, PAGE, BLOCK_N, NP)
-        logits = _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, _bits_to_mask(pool_keys, BLOCK_N), scale, F32, BLOCK_N)
+        pool = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N)
+        logits = _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, pool, scale, F32, BLOCK_N)
         p = tl.where(live_lse[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
         prob = tl.sum(tl.reshape(p, (BLOCK_C, BLOCK_G, BLOCK_N)), 1)  # (BLOCK_C, BLOCK_N): summed over the heads
         # per block (its rows agree): the listed pages, their rank in the list, and the pool keys
         bits_c = tl.max(tl.reshape(bits, (BLOCK_C, BLOCK_G)), 1)
         ptr_c = tl.max(tl.reshape(ptr, (BLOCK_C, BLOCK_G)), 1)
         rows_c = tl.max(tl.reshape(rows, (BLOCK_C, BLOCK_G)), 1)
+        hi_c = tl.max(tl.reshape(hi, (BLOCK_C, BLOCK_G)), 1)
         listed_c = ((bits_c[:, None] >> page_of[None, :]) & 1) != 0
-        pool_c = _bits_to_mask(tl.max(tl.reshape(pool_keys, (BLOCK_C, BLOCK_G)), 1), BLOCK_N)
+        pos = t0 + tl.arange(0, BLOCK_N)
+        pool_c = listed_c & (pos[None, :] < nk) & (pos[None, :] >= sinks) & (pos[None, :] <= hi_c[:, None])
         rank = tl.zeros([BLOCK_C, BLOCK_N], tl.int32)
         for j in tl.static_range(NP):
             rank += ((bits_c[:, None] >> j) & 1) * (j < page_of[None, :]).to(tl.int32)
@@ -829,9 +801,6 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
         block_g = triton.next_power_of_2(G)
         block_c = max(1, PAGE_REFINE_ROWS // block_g)
         block_n = max(page, min(PAGE_REFINE_BLOCK_N, 16 * page))  # at most 16 pages a tile (a 16-bit mask)
-        if block_n > 64:
-            raise ValueError(f"refine_page_scores: a key tile of {block_n} keys does not fit a 64-bit mask "
-                             f"(PAGE_REFINE_BLOCK_N = {PAGE_REFINE_BLOCK_N})")
         if PAGE_REFINE_SPLIT % block_n:  # a split must hold whole key tiles
             raise ValueError(f"refine_page_scores: PAGE_REFINE_SPLIT ({PAGE_REFINE_SPLIT}) must be a multiple of the "
                              f"key tile ({block_n})")
@@ -843,8 +812,7 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
                 key.stride(0), key.stride(1), key.stride(2))
         common = dict(HAS_FLAG=flag is not None, F32=q.dtype == torch.float32, PAGE=page, SPLIT=PAGE_REFINE_SPLIT,
                       BLOCK_C=block_c, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                      BLOCK_L=min(128, max(16, triton.next_power_of_2(NPG))), NP=block_n // page,
-                      num_warps=PAGE_REFINE_WARPS)
+                      BLOCK_L=min(128, max(16, triton.next_power_of_2(NPG))), NP=block_n // page, num_warps=4)
         _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args, **common)
         _refine_pages_prob_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, out, *args, **common)
     return out
@@ -868,7 +836,7 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
         key: ``(B, H, S, D)`` float16/bfloat16/float32 keys, any strides with a unit last one (else copied).
         pages: ``(B, H, C, n)`` integer page indices (position ``// page``) of each block's preselected pages,
             ascending, ``-1`` after; every listed page at or below the block's last candidate page.
-        page: keys per page, a power of two up to ``PAGE_REFINE_MAX_PAGE`` (a key tile's keys are a 64-bit mask).
+        page: keys per page, a power of two up to ``PAGE_REFINE_SPLIT``.
         block_start: ``(B, C)`` int64 position of each block's first query. n_keys, k_start: ``(B,)`` int64 keys of a
             row and the tensor index of its position 0 (left padding).
         sinks, window: the static keys (positions ``< sinks``, and ``(block_start - window, block_start]``); the
@@ -888,9 +856,8 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
     if pages.dim() != 4 or tuple(pages.shape[:3]) != (B, H, C) or pages.dtype.is_floating_point:
         raise ValueError(f"refine_page_scores: `pages` must be an integer ({B}, {H}, {C}, n) tensor, got {pages.dtype} "
                          f"{tuple(pages.shape)}")
-    if isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= PAGE_REFINE_MAX_PAGE or page & (page - 1):
-        raise ValueError(f"refine_page_scores: `page` must be a power of two in [1, {PAGE_REFINE_MAX_PAGE}], got "
-                         f"{page!r}")
+    if isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= PAGE_REFINE_SPLIT or page & (page - 1):
+        raise ValueError(f"refine_page_scores: `page` must be a power of two in [1, {PAGE_REFINE_SPLIT}], got {page!r}")
     for name, t, shape in (("block_start", block_start, (B, C)), ("n_keys", n_keys, (B,)), ("k_start", k_start, (B,))):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
             raise ValueError(f"refine_page_scores: `{name}` must be int64 {shape}, got "
