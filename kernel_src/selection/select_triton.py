@@ -500,6 +500,8 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
     end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
     o = tl.arange(0, BLOCK_N) % PAGE
     page_of = tl.arange(0, BLOCK_N) // PAGE
+    _, _, _, _, rows_b, live_b = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)  # per block: where its slots are written
+    hi_b = tl.max(tl.reshape(hi, (BLOCK_C, BLOCK_G)), 1)
     t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     while t0 < end:
         bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
@@ -510,20 +512,17 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
         # per block (its rows agree): the listed pages, their rank in the list, and the pool keys
         bits_c = tl.max(tl.reshape(bits, (BLOCK_C, BLOCK_G)), 1)
         ptr_c = tl.max(tl.reshape(ptr, (BLOCK_C, BLOCK_G)), 1)
-        rows_c = tl.max(tl.reshape(rows, (BLOCK_C, BLOCK_G)), 1)
-        hi_c = tl.max(tl.reshape(hi, (BLOCK_C, BLOCK_G)), 1)
         listed_c = ((bits_c[:, None] >> page_of[None, :]) & 1) != 0
         pos = t0 + tl.arange(0, BLOCK_N)
-        pool_c = listed_c & (pos[None, :] < nk) & (pos[None, :] >= sinks) & (pos[None, :] <= hi_c[:, None])
+        pool_c = listed_c & (pos[None, :] < nk) & (pos[None, :] >= sinks) & (pos[None, :] <= hi_b[:, None])
         rank = tl.zeros([BLOCK_C, BLOCK_N], tl.int32)
         for j in tl.static_range(NP):
             rank += ((bits_c[:, None] >> j) & 1) * (j < page_of[None, :]).to(tl.int32)
         slot = (ptr_c[:, None] + rank) * PAGE + o[None, :]
-        tl.store(OUT + rows_c[:, None] * W + slot, tl.where(pool_c, prob, 0.0), mask=listed_c)
+        tl.store(OUT + rows_b[:, None] * W + slot, tl.where(pool_c, prob, 0.0), mask=listed_c)
         ptr += count
         t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     if tl.program_id(1) == 0:  # the slots past each block's listed pages
-        _, _, _, _, rows_b, live_b = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
         count_b = _pages_below(PAGES, rows_b, live_b, 2147483647, NPG, BLOCK_C, BLOCK_L) * PAGE
         w = tl.arange(0, BLOCK_L)
         for w0 in range(0, W, BLOCK_L):
