@@ -334,9 +334,9 @@ def _rows_of_blocks(x, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
-def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
+def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
                HAS_FLAG: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """What a program ``(tile, split)`` of ``refine_page_scores`` reads, per MMA row ``c * BLOCK_G + g`` (block ``c``
     of the tile, query head ``g``): ``b, h``, the rows' block rows ``(b * H + h) * C + c``, whether the block is
     computed (in the call, flag on), its last candidate ``hi``, its last key read ``top`` (-1 when not computed), the
@@ -351,8 +351,11 @@ def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h, sq_c, sq_g, 
     m = tl.arange(0, BLOCK_C * BLOCK_G)
     mc, mg = m // BLOCK_G, m % BLOCK_G
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * sq_b + h * sq_h + (c0 + mc)[:, None] * sq_c + mg[:, None] * sq_g + d[None, :],
-                mask=((c0 + mc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
+    q_ptr = Q + b * sq_b + h * sq_h + (c0 + mc)[:, None] * sq_c + mg[:, None] * sq_g + d[None, :]
+    if D == BLOCK_D:  # a mask constant along the head dimension: vector loads
+        q = tl.load(q_ptr, mask=((c0 + mc < C) & (mg < G))[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptr, mask=((c0 + mc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
     return (b, h, _rows_of_blocks(rows, BLOCK_C, BLOCK_G), _rows_of_blocks(live, BLOCK_C, BLOCK_G),
             _rows_of_blocks(bs - window, BLOCK_C, BLOCK_G), _rows_of_blocks(top, BLOCK_C, BLOCK_G),
             _rows_of_blocks(ptr, BLOCK_C, BLOCK_G), nk, mg < G, q, d)
@@ -421,12 +424,16 @@ def _next_tile(PAGES, rows, live, ptr, nxt, hi, top, nk, sinks, NPG, STATIC: tl.
 
 
 @triton.jit
-def _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32: tl.constexpr, BLOCK_N: tl.constexpr):
+def _page_logits(q, K_bh, t0, ks, nk, sk_s, d, member, scale, F32: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Logits ``(R, BLOCK_N)`` of the block queries ``q (R, BLOCK_D)`` with the keys at positions ``[t0, t0 +
     BLOCK_N)`` (tensor index ``+ ks``) on the tensor cores, ``-inf`` where ``member (R, BLOCK_N)`` is False."""
     p = t0 + tl.arange(0, BLOCK_N)
-    k = tl.load(K_bh + (p + ks)[:, None] * sk_s + d[None, :], mask=(p < nk)[:, None] & (d < D)[None, :],
-                other=0.0).to(q.dtype)
+    k_ptr = K_bh + (p + ks)[:, None] * sk_s + d[None, :]
+    if D == BLOCK_D:  # a mask constant along the head dimension: vector loads
+        k = tl.load(k_ptr, mask=(p < nk)[:, None], other=0.0).to(q.dtype)
+    else:
+        k = tl.load(k_ptr, mask=(p < nk)[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
     if F32:  # float32 queries: three TF32 products (about float32's rounding, on the tensor cores)
         s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
@@ -435,16 +442,16 @@ def _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32: tl.constex
 
 
 @triton.jit
-def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G, D, NPG, NS, sinks, window, scale,
+def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G, NPG, NS, sinks, window, scale,
                                  sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s,
                                  HAS_FLAG: tl.constexpr, F32: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                                  BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
+                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
     """Split ``s`` (key positions ``[s * SPLIT, (s + 1) * SPLIT)``) of a tile of ``BLOCK_C`` blocks: each query head's
     running max and sum of ``exp(logit)`` over the block's static and pool keys there, into ``PM, PL (R, NS, BLOCK_G)``."""
     lo = tl.program_id(1) * SPLIT
-    b, h, rows, live, hi, top, ptr, nk, _, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h, sq_c,
-                                                             sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C, BLOCK_G,
+    b, h, rows, live, hi, top, ptr, nk, _, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c,
+                                                             sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C, BLOCK_G, D,
                                                              BLOCK_D, BLOCK_L)
     ks = tl.load(KST + b)
     K_bh = K + b * sk_b + h * sk_h
@@ -456,7 +463,8 @@ def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G
         bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
         member = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N) | _tile_static(t0, hi, top, nk, sinks, live,
                                                                                          BLOCK_N)
-        m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, member, scale, F32, BLOCK_N))
+        m, l = _online_lse(m, l, _page_logits(q, K_bh, t0, ks, nk, sk_s, d, member, scale, F32, BLOCK_N, D,
+                                                              BLOCK_D))
         ptr += count
         t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, True, PAGE, BLOCK_N)
     mr = tl.arange(0, BLOCK_C * BLOCK_G)
@@ -466,20 +474,20 @@ def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G
 
 
 @triton.jit
-def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C, G, D, NPG, NS, sinks, window, scale,
+def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C, G, NPG, NS, sinks, window, scale,
                               sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s,
                               HAS_FLAG: tl.constexpr, F32: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                               BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
     """Split ``s`` of a tile: the log-normaliser of every query head from the block's partials (merged in split order,
     so the trailing empty splits of a longer key tensor change nothing), then the summed probabilities of the pool keys
     in ``[s * SPLIT, (s + 1) * SPLIT)`` written at their slots (0 at a listed page's other keys; split 0 also zeroes
     the slots past the block's listed pages)."""
     BM: tl.constexpr = BLOCK_C * BLOCK_G
     lo = tl.program_id(1) * SPLIT
-    b, h, rows, live, hi, top, ptr, nk, head, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, D, NPG, sq_b, sq_h,
+    b, h, rows, live, hi, top, ptr, nk, head, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h,
                                                                 sq_c, sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C,
-                                                                BLOCK_G, BLOCK_D, BLOCK_L)
+                                                                BLOCK_G, D, BLOCK_D, BLOCK_L)
     mr = tl.arange(0, BM)
     part = rows * NS * BLOCK_G + mr % BLOCK_G
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -506,7 +514,7 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
     while t0 < end:
         bits, count = _tile_pages(PAGES, rows, live, ptr, t0, NPG, PAGE, NP)
         pool = _tile_pool(bits, t0, hi, nk, sinks, live, PAGE, BLOCK_N)
-        logits = _page_logits(q, K_bh, t0, ks, nk, sk_s, d, D, pool, scale, F32, BLOCK_N)
+        logits = _page_logits(q, K_bh, t0, ks, nk, sk_s, d, pool, scale, F32, BLOCK_N, D, BLOCK_D)
         p = tl.where(live_lse[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
         prob = tl.sum(tl.reshape(p, (BLOCK_C, BLOCK_G, BLOCK_N)), 1)  # (BLOCK_C, BLOCK_N): summed over the heads
         # per block (its rows agree): the listed pages, their rank in the list, and the pool keys
@@ -807,10 +815,10 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
         pm, pl = (_empty((B * H * C, NS, block_g), torch.float32, q.device) for _ in range(2))
         f = _flag_arg(flag, pages)
         grid = (B * H * triton.cdiv(C, block_c), NS)
-        args = (H, C, G, D, NPG, NS, sinks, window, D ** -0.5, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        args = (H, C, G, NPG, NS, sinks, window, D ** -0.5, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                 key.stride(0), key.stride(1), key.stride(2))
         common = dict(HAS_FLAG=flag is not None, F32=q.dtype == torch.float32, PAGE=page, SPLIT=PAGE_REFINE_SPLIT,
-                      BLOCK_C=block_c, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                      BLOCK_C=block_c, BLOCK_G=block_g, BLOCK_N=block_n, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
                       BLOCK_L=min(128, max(16, triton.next_power_of_2(NPG))), NP=block_n // page, num_warps=4)
         _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args, **common)
         _refine_pages_prob_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, out, *args, **common)

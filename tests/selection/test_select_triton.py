@@ -255,14 +255,14 @@ def _packed(got, slot_ok):
 
 
 @KERNEL_TEST
-@pytest.mark.parametrize("split, page, G", [(4096, 16, 3), (64, 16, 4), (64, 8, 1), (128, 64, 2)])
-def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, monkeypatch):
+@pytest.mark.parametrize("split, page, G, D", [(4096, 16, 3, 24), (64, 16, 4, 32), (64, 8, 1, 24), (128, 64, 2, 16)])
+def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, D, monkeypatch):
     """Page-slot scores equal ``refine_probabilities`` of the packed keys (GQA, odd sizes, keys split over programs,
-    left padding, blocks before the sinks end, blocks with fewer pages), 0 at every other slot; float16
-    products; a strided key view; rows off the flag stay unwritten."""
+    left padding, blocks before the sinks end, blocks with fewer pages; head dimensions below and at the kernel's
+    power of two), 0 at every other slot; float16 products; a strided key view; rows off the flag stay unwritten."""
     monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
     monkeypatch.setattr(st, "PAGE_REFINE_SPLIT", split)
-    B, H, C, D, S, sinks, window = 2, 2, 37, 24, 203, 5, 20
+    B, H, C, S, sinks, window = 2, 2, 37, 203, 5, 20
     q, key, pages, bs, n_keys, k_start = _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, 5,
                                                              seed=int(torch.randint(0, 10**6, ())))
     bs[0, :2] = torch.tensor([1, 3])  # blocks before the sinks end (no pool)
@@ -342,13 +342,13 @@ refine_prob = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "FLAG": "
                **{n: "i32" for n in (*strides, "so_r")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
                "BLOCK_S": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
 page_refine = {"Q": "*bf16", "K": "*bf16", "PAGES": "*i32", "BS": "*i64", "NK": "*i64", "KST": "*i64", "FLAG": "*u8",
-               "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "NPG", "NS", "sinks", "window")},
+               "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "NPG", "NS", "sinks", "window")},
                "scale": "fp32", **{n: "i32" for n in ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s")},
-               **{n: "constexpr" for n in ("HAS_FLAG", "F32", "PAGE", "SPLIT", "BLOCK_C", "BLOCK_G", "BLOCK_N", "BLOCK_D",
-                                           "BLOCK_L", "NP")}}
+               **{n: "constexpr" for n in ("HAS_FLAG", "F32", "PAGE", "SPLIT", "BLOCK_C", "BLOCK_G", "BLOCK_N", "D",
+                                           "BLOCK_D", "BLOCK_L", "NP")}}
 page_refine_out = dict([*list(page_refine.items())[:9], ("OUT", "*fp32"), *list(page_refine.items())[9:]])  # OUT after PL
-page_const = {"HAS_FLAG": True, "PAGE": 16, "SPLIT": 4096, "BLOCK_C": 16, "BLOCK_G": 4, "BLOCK_N": 64, "BLOCK_D": 128,
-              "BLOCK_L": 128, "NP": 4}
+page_const = {"HAS_FLAG": True, "PAGE": 16, "SPLIT": 4096, "BLOCK_C": 16, "BLOCK_G": 4, "BLOCK_N": 64, "D": 128,
+              "BLOCK_D": 128, "BLOCK_L": 128, "NP": 4}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
