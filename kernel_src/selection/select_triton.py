@@ -327,13 +327,6 @@ def _refine_prob_kernel(Q, K, IDX, OK, FLAG, PM, PL, OUT, H, C, G, D, W, NS, sca
 
 
 @triton.jit
-def _rows_of_blocks(x, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
-    """A per-block vector ``(BLOCK_C,)`` repeated for the ``BLOCK_G`` MMA rows of each block ``(BLOCK_C * BLOCK_G,)``
-    (row ``c * BLOCK_G + g``)."""
-    return tl.reshape(tl.broadcast_to(x[:, None], (BLOCK_C, BLOCK_G)), (BLOCK_C * BLOCK_G,))
-
-
-@triton.jit
 def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
                HAS_FLAG: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
@@ -343,22 +336,27 @@ def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, win
     index into its ascending page list of its first page at or past the split's start ``lo`` (``ptr``), the key count
     of ``b``, whether the row is a real query head, and the block queries ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (zero past
     ``C`` and ``G``)."""
-    b, h, c0, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
+    BM: tl.constexpr = BLOCK_C * BLOCK_G
+    n_ct = tl.cdiv(C, BLOCK_C)
+    tile = tl.program_id(0).to(tl.int64)
+    b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
+    m = tl.arange(0, BM)  # the row vectors are made from the row index itself: no layout conversion in the loop
+    cc, mg = c0 + m // BLOCK_G, m % BLOCK_G
+    rows = (b * H + h) * C + cc
+    live = cc < C
+    if HAS_FLAG:
+        live = live & (tl.load(FLAG + rows, mask=live, other=0) != 0)
     bs = tl.load(BS + b * C + cc, mask=cc < C, other=0)
     nk = tl.load(NK + b)
     top = tl.where(live, tl.minimum(bs, nk - 1), -1)
-    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BLOCK_C, BLOCK_L)
-    m = tl.arange(0, BLOCK_C * BLOCK_G)
-    mc, mg = m // BLOCK_G, m % BLOCK_G
+    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BM, BLOCK_L)
     d = tl.arange(0, BLOCK_D)
-    q_ptr = Q + b * sq_b + h * sq_h + (c0 + mc)[:, None] * sq_c + mg[:, None] * sq_g + d[None, :]
+    q_ptr = Q + b * sq_b + h * sq_h + cc[:, None] * sq_c + mg[:, None] * sq_g + d[None, :]
     if D == BLOCK_D:  # a mask constant along the head dimension: vector loads
-        q = tl.load(q_ptr, mask=((c0 + mc < C) & (mg < G))[:, None], other=0.0)
+        q = tl.load(q_ptr, mask=((cc < C) & (mg < G))[:, None], other=0.0)
     else:
-        q = tl.load(q_ptr, mask=((c0 + mc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
-    return (b, h, _rows_of_blocks(rows, BLOCK_C, BLOCK_G), _rows_of_blocks(live, BLOCK_C, BLOCK_G),
-            _rows_of_blocks(bs - window, BLOCK_C, BLOCK_G), _rows_of_blocks(top, BLOCK_C, BLOCK_G),
-            _rows_of_blocks(ptr, BLOCK_C, BLOCK_G), nk, mg < G, q, d)
+        q = tl.load(q_ptr, mask=((cc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
+    return b, h, rows, live, bs - window, top, ptr, nk, mg < G, q, d
 
 
 @triton.jit
