@@ -9,8 +9,9 @@ of 16 keys, ``8 * 256 / 16`` = 128 preselected pages per query, sinks 4, window 
 
 Every configuration is checked first against the gather kernel (``refine_scores`` over the packed keys of
 ``page_selection.expand_pages``, float32 queries) on the first 64 queries, then timed with
-``triton.testing.do_bench``; "useful TFLOP/s" counts the products of each query with its own pool and static keys
-(two passes). Sweeps ``PAGE_REFINE_ROWS``, ``PAGE_REFINE_BLOCK_N`` and ``PAGE_REFINE_SPLIT`` (module constants).
+``triton.testing.do_bench`` (median; ``--cuda-graph``: replays of a captured graph, as compiled decode runs it);
+"useful TFLOP/s" counts the products of each query with its own pool and static keys (two passes). Sweeps
+``PAGE_REFINE_ROWS``, ``PAGE_REFINE_BLOCK_N`` and ``PAGE_REFINE_SPLIT`` (module constants).
 ``--device cpu`` (with ``TRITON_INTERPRET=1``, small sizes) runs the checks only: a smoke test of the script.
 
     python scripts/bench_page_refinement.py --context 32768 --queries 4096 --rows 16 64 --block-n 32 64
@@ -44,6 +45,24 @@ def _lists(kind: str, H: int, block_start: torch.Tensor, S: int, page: int, n_pa
     return torch.where(pages < P, pages, -1).to(torch.int32)[None]
 
 
+def _time(fn, cuda_graph: bool) -> float:
+    """Median milliseconds of ``fn`` on the GPU; with ``cuda_graph`` the replays of one captured call, so the host's
+    launch cost stays out (what a compiled decode step sees)."""
+    import triton
+
+    if cuda_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=32768)
@@ -55,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--pages-per-query", type=int, default=128, help="preselected pages of 16 keys per query")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: checks only, under TRITON_INTERPRET=1 (no timing)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of a captured CUDA graph (no host launch cost: a compiled decode step)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -65,8 +86,6 @@ def main(argv=None) -> int:
         raise ValueError(f"--queries must be in [1, --context ({args.context})], got {args.queries}")
     if args.pages_per_query < 1:
         raise ValueError(f"--pages-per-query must be >= 1, got {args.pages_per_query}")
-    import triton
-
     from sparse_k.selection import page_selection
     from sparse_k.selection import select_triton as st
 
@@ -111,11 +130,10 @@ def main(argv=None) -> int:
                 # the same float32 sums of the same half-precision products in another order, of probabilities <= 1:
                 # about 1e-7 apart (tests/selection/test_select_triton.py's 128K test: rtol 1e-4, atol 1e-6)
                 ok = err <= 1e-5
-                ms = triton.testing.do_bench(
-                    lambda: st.refine_page_scores(q, key, pages, page, bs, n_keys, k_start, sinks, window),
-                    warmup=5, rep=50) if ok and dev == "cuda" else float("nan")
+                ms = _time(lambda: st.refine_page_scores(q, key, pages, page, bs, n_keys, k_start, sinks, window),
+                           args.cuda_graph) if ok and dev == "cuda" else float("nan")
                 row = {"lists": kind, "distinct_pages_16_queries": distinct, "rows": rows, "block_n": block_n,
-                       "split": split, "context": S, "queries": C, "check_max_abs": err, "check_ok": ok, "ms": ms,
+                       "split": split, "context": S, "queries": C, "cuda_graph": args.cuda_graph, "check_max_abs": err, "check_ok": ok, "ms": ms,
                        "useful_tflops": flops / ms / 1e9 if ok and dev == "cuda" else None}
                 rows_out.append(row)
                 if not ok:

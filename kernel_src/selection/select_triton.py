@@ -70,7 +70,7 @@ REFINE_SPLIT = 512
 #: ``refine_page_scores``: key positions per program (a split; absolute ranges, so a block sums its keys in the same
 #: order in prefill and decode), keys per tile (at least a page), and MMA rows per tile (blocks x query heads).
 PAGE_REFINE_SPLIT = 2048
-PAGE_REFINE_BLOCK_N = 64
+PAGE_REFINE_BLOCK_N = 32
 PAGE_REFINE_ROWS = 64
 
 #: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it).
