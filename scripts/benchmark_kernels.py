@@ -298,10 +298,12 @@ def _is_cuda(label: str) -> bool:
 def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     q, k, v = _inputs(1, S, D, dtype, dev, S + D)
     geo = row_geometry(1, S, S, None, device=dev)
-    from sparse_k.attention.plan import plan_tiles
+    from sparse_k.attention.plan import bigbird_cuda, plan_tiles
 
+    bigbird = isinstance(p, sparse_k.BigBird)
     tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False, selection=False,
-                       bigbird_block=p.block if isinstance(p, sparse_k.BigBird) else None)  # the backend's tiles
+                       bigbird_block=p.block if bigbird else None,
+                       bigbird_cuda=bigbird and bigbird_cuda(p.block, p.causal, q, k, v, geo, False))  # the backend's
     bm, bn = tiles.block_q, tiles.block_k
     t0 = time.time()
     layout = build_block_layout(p, S, S, geo, block_q=bm, block_k=bn, num_kv_heads=HKV)
@@ -324,7 +326,13 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
     if ok and _is_cuda(row["kernel"]):  # the portable Triton kernel beside it, same inputs
         from sparse_k.attention import dispatch
 
-        triton_call = lambda: dispatch.attention_forward(q, k, v, layout, scale=scale, cuda=False)
+        lay_triton = layout
+        if bigbird:  # Triton's own tiles for bigbird (bigbird_tiles without the CUDA kernel)
+            t_tiles = plan_tiles(q_len=S, group=HQ // HKV, head_dim=D, device_type="cuda", need_grad=False,
+                                 selection=False, bigbird_block=p.block)
+            lay_triton = build_block_layout(p, S, S, geo, block_q=t_tiles.block_q, block_k=t_tiles.block_k,
+                                            num_kv_heads=HKV)
+        triton_call = lambda: dispatch.attention_forward(q, k, v, lay_triton, scale=scale, cuda=False)
         row["err_large_triton"] = large_check(q, k, v, layout, triton_call()[0])
         if row["err_large_triton"] < TOL:
             row["triton_ms"] = bench(triton_call)

@@ -1,7 +1,7 @@
 """Runs an attention launch on the kernel that ``plan`` names: the one module that reaches both the
 Triton launchers (``triton.fwd``, ``triton.structured``, ``triton.bwd``, ``triton.structured_bwd``)
-and the Hopper CUDA launchers (``cuda.structured``, ``cuda.token``, ``cuda.decode``,
-``cuda.structured_bwd``). It decides nothing itself: it describes the launch (``plan.Launch``), asks
+and the Hopper CUDA launchers (``cuda.structured`` and its listed bigbird forward, ``cuda.token``,
+``cuda.decode``, ``cuda.structured_bwd``). It decides nothing itself: it describes the launch (``plan.Launch``), asks
 the plan, builds a CUDA extension on first use (a build failure warns once, is remembered by the plan,
 and the launch is planned again), records the plan it runs (``plan.recording``) and launches.
 
@@ -47,6 +47,12 @@ def _cuda_forward(kernel: str, launch: Launch, params, scale: float):
             return None
         return cs.cuda_structured_forward(q, k, v, pattern_id=launch.pattern_id, window=window, sinks=sinks,
                                           scale=scale)
+    if kernel == "cuda_sm90_listed":
+        from .cuda import structured as cs
+
+        if not _built("forward", cs):
+            return None
+        return cs.cuda_listed_forward(q, k, v, launch.layout, scale=scale)
     if kernel == "cuda_sm90_token":
         from .cuda import token as ct
 
@@ -104,7 +110,7 @@ def attention_forward(
     geo = layout.geometry
     launch = Launch(q, k, v, geo, pid, is_causal, selection, pack, num_splits, softcap, sink_logits, key_mask, out,
                     structured, cuda, any(triton_options.get(n) is not None for n in _TUNING),
-                    triton_options.get("sel_fast"))
+                    triton_options.get("sel_fast"), layout)
     plan = plan_forward(launch)
     while plan.cuda:
         result = _cuda_forward(plan.kernel, launch, params, float(scale))

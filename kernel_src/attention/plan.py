@@ -26,6 +26,9 @@ Forward (``plan_forward``), in this order:
    ``Launch.structured`` forces it on / off). The Hopper CUDA kernel (``cuda_sm90_structured``) when
    CUDA may run (below), the output is the kernel's own (no caller view), the geometry is plain
    self-attention and ``cuda.contract.structured_call_ok`` holds; else ``triton_structured``.
+   A causal bigbird launch over a block layout of 128 x 128 tiles (``bigbird_tiles`` picks them where
+   ``bigbird_cuda`` holds), one query head per program and one split: the same CUDA kernel with the
+   layout's key tiles listed (``cuda_sm90_listed``, ``cuda.contract.listed_call_ok``); else as 4.
 2. a token-layout decode step (``Sq == 1``): the CUDA decode kernel (``cuda_sm90_decode``:
    ``decode_call_ok`` on a bottom-right geometry), else as 3 and 4. Every launch with ``Sq == 1`` is
    planned as a decode step (``plan_decode``, entry "decode") by these same rules.
@@ -56,15 +59,19 @@ import torch
 
 from ..layouts.geometry import decode_geometry, plain_geometry
 from .cuda.contract import (
+    LISTED_CUDA_PATTERNS,
     decode_call_ok,
+    listed_call_ok,
     structured_bwd_call_ok,
     structured_call_ok,
+    tensors_ok,
     token_call_ok,
 )
 from .pattern_codes import structured_pattern
 
 __all__ = [
-    "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "Tiles", "bigbird_tiles", "capability", "cuda_enabled",
+    "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "Tiles", "bigbird_cuda", "bigbird_tiles", "capability",
+    "cuda_enabled",
     "TOKEN_DECODE_BLOCK_N", "decode_config", "mark_build_failed", "plan_backend", "plan_backward", "plan_decode", "plan_forward", "plan_tiles",
     "record", "recording", "selection_prefill_config", "split_count", "structured_launch", "tile_config",
 ]
@@ -78,7 +85,10 @@ KERNELS = {
     "reference": ("exact dense-mask attention, float64 inside (reference)", None),
     "torch": ("the PyTorch path, block by block (torch_path)", None),
     "triton": ("the kernel backend: plan_forward / plan_backward name each launch's kernel (triton.backend)", None),
-    "cuda_sm90_structured": ("Hopper CUDA forward, dense / sliding_window / streaming (cuda.structured)", "forward"),
+    "cuda_sm90_structured": ("Hopper CUDA forward, dense / sliding_window / streaming / block_diagonal "
+                             "(cuda.structured)", "forward"),
+    "cuda_sm90_listed": ("Hopper CUDA forward over a block layout of 128x128 tiles, bigbird (cuda.structured)",
+                         "forward"),
     "cuda_sm90_token": ("Hopper CUDA forward, token layout + static part (cuda.token)", "token"),
     "cuda_sm90_decode": ("Hopper CUDA decode step, token layout + static part (cuda.decode)", "decode"),
     "cuda_sm90_structured_bwd": ("Hopper CUDA backward, dense / sliding_window / streaming (cuda.structured_bwd)",
@@ -177,7 +187,8 @@ class Launch(NamedTuple):
     ``structured``: force (True) or forbid (False) the arithmetic-tile kernels (None: where the rule
     allows). ``cuda``: False keeps the launch off the CUDA kernels. ``triton_tuned``: a Triton tuning
     argument was given (the Triton kernel runs, as tuned). ``sel_fast``: the Triton token loop's option,
-    given (not None) only to time that loop: the token and decode launches stay on Triton."""
+    given (not None) only to time that loop: the token and decode launches stay on Triton. ``layout``: the
+    launch's block layout (``BlockLayout`` or the custom op's namespace), read by the listed CUDA forward."""
 
     q: Any
     k: Any
@@ -196,6 +207,7 @@ class Launch(NamedTuple):
     cuda: bool | None = None
     triton_tuned: bool = False
     sel_fast: Any = None
+    layout: Any = None
 
 
 class _Cap:
@@ -232,6 +244,11 @@ _STRUCTURED_RULE = _CudaRule(
     f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
     "outside the CUDA kernel's contract (dense / sliding_window / streaming / block_diagonal, bf16 / fp16, D = 128, "
     "Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
+_LISTED_RULE = _CudaRule(
+    "forward", False, True, plain_geometry, "plain_geometry",
+    f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
+    "outside the CUDA listed kernel's contract (causal bigbird over a block layout of 128x128 tiles, bf16 / fp16, "
+    "D = 128, Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
 _DECODE_RULE = _CudaRule(
     "decode", True, True, decode_geometry, "decode_geometry",
     "not a plain decode step (query at key Skv - 1, every key valid, offsets known on the host)",
@@ -316,6 +333,12 @@ def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
             return _plan(entry, "cuda_sm90_structured", "plain causal self-attention inside the CUDA contract")
         return _plan(entry, "triton_structured", f"structured pattern; not the CUDA kernel: {why}")
     prior = None
+    if (launch.pattern_id in LISTED_CUDA_PATTERNS and launch.selection is None and launch.layout is not None
+            and launch.pack == 1 and launch.num_splits == 1 and launch.q.shape[2] > 1):
+        why = _cuda_refusal(launch, cap, _LISTED_RULE, listed_call_ok, launch.q, launch.k, launch.v, launch.layout)
+        if why is None:
+            return _plan(entry, "cuda_sm90_listed", "bigbird over 128x128 tiles, plain causal, inside the CUDA contract")
+        prior = f"not the CUDA listed kernel: {why}"
     if launch.selection is not None and launch.q.shape[2] == 1:
         why = _cuda_refusal(launch, cap, _DECODE_RULE, decode_call_ok, launch.q, launch.k, launch.v, launch.selection)
         if why is None:
@@ -396,13 +419,15 @@ class Tiles:
 
 
 def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_grad: bool, selection: bool,
-               bigbird_block: int | None = None) -> Tiles:
+               bigbird_block: int | None = None, bigbird_cuda: bool = False) -> Tiles:
     """The tiles of a call (module docstring): ``group = Hq // Hkv``, ``need_grad`` whether autograd will
     ask for a backward, ``selection`` whether a token layout is fused, ``bigbird_block`` bigbird's block
-    (None for other patterns)."""
+    (None for other patterns), ``bigbird_cuda`` whether the CUDA listed forward takes it (``bigbird_cuda``)."""
     if bigbird_block is not None:
-        bq, bk = bigbird_tiles(bigbird_block, head_dim, device_type, need_grad, q_len)
-        return Tiles(bq, bk, 1, False, "bigbird: tiles that divide its block")
+        bq, bk = bigbird_tiles(bigbird_block, head_dim, device_type, need_grad, q_len, cuda=bigbird_cuda)
+        why = "the CUDA listed forward's 128x128 tiles" if (bq, bk) == (128, 128) and bigbird_cuda else \
+            "tiles that divide its block"
+        return Tiles(bq, bk, 1, False, f"bigbird: {why}")
     if q_len <= 16 and not need_grad:
         rows, pack, bn = decode_config(q_len, group, device_type, head_dim, selection=selection)
         return Tiles(rows, bn, pack, True,
@@ -471,15 +496,30 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
     return 128 // pack, pack, 64
 
 
-def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int) -> tuple[int, int]:
+def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int,
+                  cuda: bool = False) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)`` of bigbird on the layout path: tiles that divide the block (a tile then
-    lies in one block pair, allowed or not as a whole). Prefill without gradients on the GPU with blocks
-    of 128 or more runs 64x64 tiles (two programs per SM; on the H100 at least as fast as 128x128 tiles
-    and faster than packing the query heads of a KV group in one program; docs/history.md); otherwise
-    the block itself."""
+    lies in one block pair, allowed or not as a whole). ``cuda`` (``bigbird_cuda`` holds): 128x128, the
+    tiles of the CUDA listed forward. Prefill without gradients on the GPU with blocks of 128 or more runs
+    64x64 tiles on Triton (two programs per SM; on the H100 at least as fast as 128x128 tiles and faster
+    than packing the query heads of a KV group in one program; docs/history.md); otherwise the block itself."""
+    if cuda and device_type == "cuda" and not need_grad and q_len > 16 and block % 128 == 0 and head_dim == 128:
+        return 128, 128
     if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
         return 64, 64
     return block, block
+
+
+def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, cap: Capability | None = None) -> bool:
+    """Whether a bigbird call (``block``, ``causal``) can run the CUDA listed forward, so its layout should
+    be built with 128x128 tiles: an inference prefill (no gradient, more than 16 queries), causal, blocks
+    a multiple of 128, the plain geometry, tensors inside the kernel's contract, CUDA allowed on the
+    device (``cap``, default read from q's device)."""
+    if need_grad or not causal or block % 128 or q.shape[2] <= 16:
+        return False
+    if not plain_geometry(geometry, q.shape[2], k.shape[2]) or not tensors_ok(q, k, v):
+        return False
+    return (cap if cap is not None else capability(q.device)).refusal("forward") is None
 
 
 def split_count(programs: int, max_tiles: int, device, gathered: bool = False) -> int:

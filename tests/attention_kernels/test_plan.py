@@ -3,6 +3,8 @@ explicit ``Capability`` (every branch of ``plan_forward`` / ``plan_decode`` / ``
 switch, the geometry rules; on an sm_90 GPU, that the kernels the plan names are the ones that run
 (``plan.recording``) and match the reference."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import needs_sm90, rel_err
@@ -54,8 +56,6 @@ def test_plain_geometry(q_len, kv_len, mask_row, expected):
 
 
 def test_custom_op_geometry_without_host_offsets_is_not_plain():
-    from types import SimpleNamespace
-
     z = torch.zeros(1, dtype=torch.long)
     assert not plain_geometry(SimpleNamespace(q_start=z, k_start=z, k_end=z + 8), 8, 8)
 
@@ -74,6 +74,15 @@ def _sel(B, Hkv, S, qb=128, K=64, idx_dtype=torch.int32):
     return TokenLayout(torch.zeros(B, Hkv, nb, K, dtype=idx_dtype, device="meta"),
                        torch.zeros(B, Hkv, nb, dtype=torch.int32, device="meta"), qb,
                        torch.zeros(B, dtype=torch.int64, device="meta"))
+
+
+def _tiles_ns(B, H, S, tile=128, dtype=torch.int32):
+    """A block layout's tile lists as the listed kernel reads them (meta tensors): ``(B, H, ceil(S / tile))``
+    counts and ``(..., 3)`` tiles, full and partial."""
+    nq = -(-S // tile)
+    num, idx = torch.zeros(B, H, nq, dtype=dtype, device="meta"), torch.zeros(B, H, nq, 3, dtype=dtype, device="meta")
+    return SimpleNamespace(block_q=tile, block_k=tile, full_kv_num_blocks=num, full_kv_indices=idx, kv_num_blocks=num,
+                           kv_indices=idx)
 
 
 def _launch(Sq=300, Skv=None, Hq=8, Hkv=2, B=2, D=128, dtype=BF16, pid=1, causal=True, order="bhsd", q_start=None,
@@ -106,7 +115,22 @@ def _forward_cases():
     yield "block_diagonal", _launch(pid=3), ON, "cuda_sm90_structured"
     yield "block_diagonal bidirectional", _launch(pid=3, causal=False), ON, "triton_structured"
     yield "dilated", _launch(pid=5), ON, "triton_layout"
-    yield "bigbird", _launch(pid=4), ON, "triton_layout"
+    yield "bigbird without a layout", _launch(pid=4), ON, "triton_layout"
+    yield "bigbird, 128x128 layout", _launch(pid=4, layout=_tiles_ns(2, 2, 300)), ON, "cuda_sm90_listed"
+    yield "bigbird, one layout row for all heads", _launch(pid=4, layout=_tiles_ns(1, 1, 300)), ON, "cuda_sm90_listed"
+    yield "bigbird, (B, S, H, D) views", _launch(pid=4, order="bshd", layout=_tiles_ns(2, 2, 300)), ON, \
+        "cuda_sm90_listed"
+    yield "bigbird, 64x64 layout", _launch(pid=4, layout=_tiles_ns(2, 2, 300, tile=64)), ON, "triton_layout"
+    yield "bigbird, int64 tile lists", _launch(pid=4, layout=_tiles_ns(2, 2, 300, dtype=torch.int64)), ON, \
+        "triton_layout"
+    yield "bigbird, lists of another length", _launch(pid=4, layout=_tiles_ns(2, 2, 600)), ON, "triton_layout"
+    yield "bigbird bidirectional", _launch(pid=4, causal=False, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, key mask", _launch(pid=4, mask=True, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, head dim 64", _launch(pid=4, D=64, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, packed heads", _launch(pid=4, pack=2, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, cuda=False", _launch(pid=4, cuda=False, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, forward failed to build", _launch(pid=4, layout=_tiles_ns(2, 2, 300)), \
+        Capability(True, failed=frozenset({"forward"})), "triton_layout"
     yield "pack 2", _launch(pack=2), ON, "triton_layout"
     yield "structured=False", _launch(structured=False), ON, "triton_layout"
     yield "split-KV", _launch(num_splits=3), ON, "triton_split_kv"
@@ -321,6 +345,16 @@ _CUDA = dict(device_type="cuda")
      (128, 128, 1, False)),
     (dict(q_len=1, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=32),
      (32, 32, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=128,
+          bigbird_cuda=True), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=256,
+          bigbird_cuda=True), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=192,
+          bigbird_cuda=True), (64, 64, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=64, **_CUDA, need_grad=False, selection=False, bigbird_block=128,
+          bigbird_cuda=True), (64, 64, 1, False)),
+    (dict(q_len=300, group=4, head_dim=128, device_type="cpu", need_grad=False, selection=False, bigbird_block=128,
+          bigbird_cuda=True), (128, 128, 1, False)),
 ])
 def test_tile_plan(kw, want):
     """The Triton backend's tiles per call (``plan_tiles``): prefill, gradients, token-layout prefill
@@ -329,6 +363,27 @@ def test_tile_plan(kw, want):
     t = plan.plan_tiles(**kw)
     assert (t.block_q, t.block_k, t.pack, t.decode) == want, t
     assert t.reason
+
+
+def test_bigbird_cuda_rule():
+    """Which bigbird calls get the listed kernel's 128x128 tiles (``plan.bigbird_cuda``): inference prefill,
+    causal, blocks of a multiple of 128, plain geometry, tensors inside the contract, CUDA allowed."""
+    q, k, v = _t(2, 8, 300), _t(2, 2, 300), _t(2, 2, 300)
+    geo = row_geometry(2, 300, 300, None)
+    assert plan.bigbird_cuda(128, True, q, k, v, geo, False, ON)
+    assert plan.bigbird_cuda(256, True, q, k, v, geo, False, ON)
+    assert not plan.bigbird_cuda(192, True, q, k, v, geo, False, ON)
+    assert not plan.bigbird_cuda(128, False, q, k, v, geo, False, ON)
+    assert not plan.bigbird_cuda(128, True, q, k, v, geo, True, ON)
+    assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, Capability(device_ok=False))
+    assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, Capability(True, failed=frozenset({"forward"})))
+    masked = row_geometry(2, 300, 300, torch.ones(2, 300, dtype=torch.bool))
+    assert not plan.bigbird_cuda(128, True, q, k, v, masked, False, ON)
+    assert not plan.bigbird_cuda(128, True, _t(2, 8, 300, D=64), _t(2, 2, 300, D=64), _t(2, 2, 300, D=64), geo, False,
+                                 ON)
+    assert not plan.bigbird_cuda(128, True, _t(2, 8, 16), _t(2, 2, 16), _t(2, 2, 16), row_geometry(2, 16, 16, None),
+                                 False, ON)
+    assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, plan.capability("cpu"))
 
 
 def test_recording_collects_what_dispatch_records():

@@ -13,13 +13,16 @@ __all__ = [
     "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_BWD_CUDA_PATTERNS", "STRUCTURED_CUDA_PATTERNS",
     "TOKEN_STATIC_PATTERNS",
     "check_pattern_args",
-    "decode_call_ok", "on_sm90", "plain_call_ok", "selection_ok", "structured_bwd_call_ok", "structured_call_ok",
+    "LISTED_CUDA_PATTERNS", "decode_call_ok", "listed_call_ok", "on_sm90", "plain_call_ok", "selection_ok",
+    "structured_bwd_call_ok", "structured_call_ok",
     "tensors_ok", "tma_view_ok", "token_call_ok",
 ]
 
 #: Pattern ids (``pattern_codes.PATTERN_IDS``) the structured forward computes (causal): dense, sliding_window,
 #: streaming, block_diagonal.
 STRUCTURED_CUDA_PATTERNS = (0, 1, 2, 3)
+#: Pattern ids the listed forward computes over a block layout of 128 x 128 tiles (causal): bigbird.
+LISTED_CUDA_PATTERNS = (4,)
 #: Pattern ids the structured backward computes (causal): dense, sliding_window, streaming.
 STRUCTURED_BWD_CUDA_PATTERNS = (0, 1, 2)
 #: Static-part pattern ids the token-layout kernels fuse: sliding_window, streaming.
@@ -128,6 +131,28 @@ def structured_call_ok(q, k, v, *, pattern_id: int, causal: bool = True, plain_g
     ``q_start == k_start == 0``, ``k_end == Skv``) without softcap, sink logits or key mask, on tensors
     ``tensors_ok`` accepts."""
     return plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask) and tensors_ok(q, k, v)
+
+
+def listed_call_ok(q, k, v, layout, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True, softcap=None,
+                   sink_logits=None, key_mask=None) -> bool:
+    """The listed forward's contract (``cuda.structured.cuda_listed_forward``) but the device: a causal bigbird
+    call over the plain geometry without softcap, sink logits or key mask, on tensors ``tensors_ok`` accepts,
+    and ``layout`` a block layout (``BlockLayout`` or the custom op's namespace) of 128 x 128 tiles whose int32
+    tile lists are ``(B', H', ceil(S / 128)[, W])`` on q's device with ``B'`` 1 or B and ``H'`` 1 or Hkv."""
+    if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask, LISTED_CUDA_PATTERNS):
+        return False
+    if not tensors_ok(q, k, v) or getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
+        return False
+    B, Hkv, S = q.shape[0], k.shape[1], q.shape[2]
+    nq = -(-S // 128)
+    for num, idx in ((layout.full_kv_num_blocks, layout.full_kv_indices), (layout.kv_num_blocks, layout.kv_indices)):
+        if not all(isinstance(t, torch.Tensor) and t.device == q.device and t.dtype == torch.int32 for t in (num, idx)):
+            return False
+        if num.dim() != 3 or idx.dim() != 4 or tuple(idx.shape[:3]) != tuple(num.shape):
+            return False
+        if num.shape[0] not in (1, B) or num.shape[1] not in (1, Hkv) or num.shape[2] != nq:
+            return False
+    return True
 
 
 def token_call_ok(q, k, v, selection, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True,

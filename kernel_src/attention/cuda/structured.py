@@ -1,4 +1,5 @@
-"""Hopper CUDA forward for the structured causal patterns (``csrc/structured_fwd_sm90.cu``).
+"""Hopper CUDA forward for the structured causal patterns (``csrc/structured_fwd_sm90.cu``), and for bigbird
+over its block layout (``cuda_listed_forward``: the same kernel with the key tiles listed).
 
 An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x128 tiles) for
 dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16, q/k/v contiguous or
@@ -21,11 +22,12 @@ from .build import load_sm90_extension
 from .contract import (
     STRUCTURED_CUDA_PATTERNS,
     check_pattern_args,
+    listed_call_ok,
     on_sm90,
     structured_call_ok,
 )
 
-__all__ = ["CUDA_PATTERNS", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
+__all__ = ["CUDA_PATTERNS", "cuda_listed_forward", "cuda_structured_forward", "cuda_structured_ok", "load_extension"]
 
 #: Pattern ids (``pattern_codes.PATTERN_IDS``) the kernel computes: dense, sliding_window, streaming, block_diagonal
 #: (causal).
@@ -82,6 +84,51 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
     lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
     _launch(q, k, v, out, lse, pattern_id, window, sinks, scale)
     return out, lse
+
+
+def cuda_listed_forward(q, k, v, layout, *, scale: float):
+    """Causal bigbird forward on an sm_90 GPU over ``layout``'s key tiles (the same kernel, its key tiles listed).
+
+    Args:
+        q, k, v: as ``cuda_structured_forward``.
+        layout: a ``BlockLayout`` (or the custom op's namespace) of 128 x 128 tiles of a bigbird pattern whose
+            block is a multiple of 128: each query tile's full key tiles (every row sees every key) and partial
+            ones (row ``i`` sees key ``j <= i`` of them), ``cuda.contract.listed_call_ok``.
+        scale: softmax scale (> 0).
+    Returns: ``out`` and ``lse`` as ``cuda_structured_forward``.
+    """
+    if not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r}: a positive float is required")
+    if not (on_sm90(q) and listed_call_ok(q, k, v, layout, pattern_id=4)):
+        raise ValueError(
+            "cuda_listed_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
+            "stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, a block layout of 128x128 tiles "
+            f"with int32 tile lists on q's device): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, layout tiles "
+            f"{getattr(layout, 'block_q', None)}x{getattr(layout, 'block_k', None)}"
+        )
+    B, Hq, S, _ = q.shape
+    out = new_output(q)
+    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
+    _launch_listed(q, k, v, layout, out, lse, scale)
+    return out, lse
+
+
+def _launch_listed(q, k, v, layout, out, lse, scale):
+    """Write ``out`` and ``lse`` (allocated by the caller, shapes as returned by ``cuda_listed_forward``)."""
+    B, Hkv = q.shape[0], k.shape[1]
+
+    def lists(num, idx):  # (B, Hkv, NQ) counts and (B, Hkv, NQ, W >= 1) tiles, contiguous
+        num = num.expand(B, Hkv, num.shape[2]).contiguous()
+        idx = idx.expand(B, Hkv, *idx.shape[2:])
+        idx = idx.contiguous() if idx.shape[3] else idx.new_zeros(B, Hkv, idx.shape[2], 1)
+        return num, idx
+
+    fnum, fidx = lists(layout.full_kv_num_blocks, layout.full_kv_indices)
+    pnum, pidx = lists(layout.kv_num_blocks, layout.kv_indices)
+    mod = load_extension()
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        mod.listed_fwd(q, k, v, out, lse, fnum, fidx, pnum, pidx, float(scale), int(stream))
 
 
 def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale):

@@ -36,7 +36,7 @@ from ...layouts.patterns import BigBird
 from ..backends import AttentionCall, register_backend
 from ..decode_layout import DecodeLayout, decode_layout
 from ..pattern_codes import PATTERN_IDS
-from ..plan import plan_tiles, split_count
+from ..plan import bigbird_cuda, plan_tiles, split_count
 
 __all__ = ["run", "why_unsupported"]
 
@@ -69,11 +69,15 @@ def _want_grad(call: AttentionCall) -> bool:
 
 
 def _tiles(call: AttentionCall):
-    """``plan.plan_tiles`` for this call."""
+    """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it)."""
     q = call.q
+    need_grad = _want_grad(call)
+    bigbird = isinstance(call.pattern, BigBird)
+    on_cuda = bigbird and q.device.type == "cuda" and bigbird_cuda(
+        call.pattern.block, call.pattern.causal, q, call.k, call.v, call.geometry, need_grad)
     return plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
-                      device_type=q.device.type, need_grad=_want_grad(call), selection=call.selection is not None,
-                      bigbird_block=call.pattern.block if isinstance(call.pattern, BigBird) else None)
+                      device_type=q.device.type, need_grad=need_grad, selection=call.selection is not None,
+                      bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
 
 
 def why_unsupported(call: AttentionCall) -> str | None:

@@ -26,7 +26,8 @@
 // stores), then the static tiles by arithmetic (the table of triton.structured's docstring): the
 // streaming sink tiles [s_lo, s_hi), then the window run [n_lo, n_hi) whose middle [f_lo, f_hi) is
 // full (every row sees every key: no element mask); every other static tile evaluates the element
-// rule per score.
+// rule per score. Listed patterns (bigbird, pattern 4) take their key tiles from a block layout of
+// 128 x 128 tiles instead: the full tiles, then the partial ones, which only the causal rule masks.
 
 #pragma once
 
@@ -57,25 +58,58 @@ struct FwdParams {
   int Hq;
   int Hkv;
   int num_q_tiles;
-  int pattern;  // 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal (all causal)
-  int window;   // W, or block_diagonal's block (dense: ignored)
+  int pattern;  // 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal, 4 listed (bigbird; all causal)
+  int window;   // W, or block_diagonal's block (dense, listed: ignored)
   int sinks;    // streaming only
   float scale_log2;
   int total_work;  // num_q_tiles * B * Hq
+  // listed only (else null): a block layout of 128 x 128 tiles, rows (b * Hkv + kv head) * num_q_tiles + m;
+  // fnum/pnum the full/partial key tile counts of a row, fidx/pidx its key tiles (fw/pw per row)
+  const int* fnum;
+  const int* fidx;
+  const int* pnum;
+  const int* pidx;
+  int fw, pw;
 };
 
-// The static key tiles of one query tile: `count` tiles, the sinks first.
+// The static key tiles of one query tile: `count` tiles, the sinks first; listed: the layout row's
+// n_sink full tiles (list `full`), then its partial ones (list `part`). A listed full tile past the
+// `whole` key tiles inside S is masked too: its keys past S (zeros from TMA) must not join the softmax.
 struct TileRange {
-  int s_lo, n_sink, n_lo, f_lo, f_hi, count;
-  __device__ __forceinline__ int tile(int it) const { return it < n_sink ? s_lo + it : n_lo + (it - n_sink); }
+  int s_lo, n_sink, n_lo, f_lo, f_hi, count, whole;
+  const int* full;
+  const int* part;
+  __device__ __forceinline__ int tile(int it) const {
+    if (full) return it < n_sink ? full[it] : part[it - n_sink];
+    return it < n_sink ? s_lo + it : n_lo + (it - n_sink);
+  }
   __device__ __forceinline__ bool masked(int it) const {
+    if (full) return it >= n_sink || full[it] >= whole;
     if (it < n_sink) return true;
     const int t = n_lo + (it - n_sink);
     return t < f_lo || t >= f_hi;
   }
 };
 
-__device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m) {
+// Work tile (query tile m, batch * Hq + head bh) -> its key tiles. LISTED: a kernel instantiated for
+// pattern 4 (the other instantiations keep `full` a null constant, so their tile arithmetic is unchanged).
+template <bool LISTED>
+__device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int bh) {
+  TileRange r;
+  r.full = nullptr;
+  r.part = nullptr;
+  r.whole = 0;
+  if constexpr (LISTED) {
+    const int kvh = (bh % p.Hq) / (p.Hq / p.Hkv);
+    const long long row = (static_cast<long long>(bh / p.Hq) * p.Hkv + kvh) * p.num_q_tiles + m;
+    r.full = p.fidx + row * p.fw;
+    r.part = p.pidx + row * p.pw;
+    r.n_sink = p.fnum[row];
+    r.count = r.n_sink + p.pnum[row];
+    r.whole = p.S / kBlockN;
+    r.s_lo = r.n_lo = r.f_lo = r.f_hi = 0;
+    return r;
+  }
   const int qlo = m * kBlockM;
   const int qhi = min(qlo + kBlockM, p.S) - 1;
   int a_lo = 0, w_lo = 0;
@@ -89,7 +123,6 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m) {
     w_lo = qhi - qhi % p.window;
   }
   a_hi = max(a_hi, a_lo);
-  TileRange r;
   r.n_lo = a_lo / kBlockN;
   const int n_hi = max(cdiv(a_hi, kBlockN), r.n_lo);
   r.f_lo = min(max(cdiv(w_lo, kBlockN), r.n_lo), n_hi);
@@ -166,7 +199,7 @@ struct FwdSmem {
 // (sbias[stage][128]) and first visible local rows (sthr[stage][128]) written with ordinary stores,
 // so the consumers fence the async proxy after waiting for them and release their K slot only after
 // the softmax has read the side data. Else every key tile is static (nsel = 0).
-template <bool BF16, bool GATHER, int kBarBytes, class NSel>
+template <bool BF16, bool GATHER, bool LISTED, int kBarBytes, class NSel>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<kBarBytes>& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
   const int lane = threadIdx.x % 32;
@@ -298,7 +331,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
   for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
     int m, bh;
     work_coords(p, w, m, bh);
-    tr = tile_range(p, m);
+    tr = tile_range<LISTED>(p, m, bh);
     if (GATHER) nsel = nsel_of(m, bh);
     const int ntiles = nsel + tr.count;
     row0 = m * kBlockM + lrow0;
@@ -451,6 +484,8 @@ inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensor
   p.pattern = pattern;
   p.window = window;
   p.sinks = sinks;
+  p.fnum = p.fidx = p.pnum = p.pidx = nullptr;
+  p.fw = p.pw = 0;
   p.scale_log2 = scale * 1.4426950408889634f;
   const long long total = static_cast<long long>(p.num_q_tiles) * B * Hq;
   if (total > 0x7fffffffLL) {

@@ -1,4 +1,5 @@
-// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming, block_diagonal.
+// Hopper (sm_90a) forward for the structured causal patterns: dense, sliding_window, streaming, block_diagonal,
+// and the listed one, bigbird (key tiles from a block layout of 128 x 128 tiles).
 //
 // Contract (the same as ``triton.structured.structured_forward`` with a plain self-attention
 // geometry, q_start = k_start = 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16,
@@ -9,6 +10,8 @@
 //   sliding_window  i - j < W
 //   streaming       i - j < W  or  j < sinks
 //   block_diagonal  i / W == j / W  (W: the block)
+//   listed          key tile j / 128 is one of query tile i / 128's full tiles, or one of its partial tiles
+//                   (then j <= i): bigbird with blocks of a multiple of 128 (sk90_listed_fwd)
 // Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit last),
 // lse (B, Hq, S) float32 contiguous, natural log.
 //
@@ -38,7 +41,7 @@ using Smem = FwdSmem<kBarBytes>;
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
 // on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
 // have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
-template <bool BF16>
+template <bool BF16, bool LISTED>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
@@ -60,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         work_coords(p, w, m, bh);
         const int b = bh / p.Hq, h = bh % p.Hq;
         const int kvh = h / (p.Hq / p.Hkv);
-        const TileRange tr = tile_range(p, m);
+        const TileRange tr = tile_range<LISTED>(p, m, bh);
         sm.load_q(&tm_q, local, m, h, b);
         for (int it = 0; it < tr.count; ++it, ++cnt) {
           const int s = cnt % kStages;
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  fwd_consumer<BF16, false>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
+  fwd_consumer<BF16, false, LISTED>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
 }
 
 }  // namespace sk90
@@ -102,6 +105,36 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale,
                    err, errlen))
     return 1;
-  return launch_kernel(bf16 ? structured_fwd_kernel<true> : structured_fwd_kernel<false>, grid, kThreads,
+  return launch_kernel(bf16 ? structured_fwd_kernel<true, false> : structured_fwd_kernel<false, false>, grid, kThreads,
+                       Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
+}
+
+// Host entry point of the listed forward (bigbird): the block layout's full / partial key tile counts
+// fnum, pnum (B, Hkv, num_q_tiles) and key tiles fidx (B, Hkv, num_q_tiles, fw), pidx (..., pw), int32
+// contiguous on q's device, tiles of 128 x 128 (the caller has checked them). Returns 0 on success.
+extern "C" int sk90_listed_fwd(const void* q, const void* k, const void* v, void* out, float* lse,
+                               const long long* strides, int B, int Hq, int Hkv, int S, int is_bf16, const int* fnum,
+                               const int* fidx, int fw, const int* pnum, const int* pidx, int pw, float scale,
+                               void* stream, char* err, int errlen) {
+  using namespace sk90;
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || fw < 1 || pw < 1 || !fnum || !fidx || !pnum || !pidx ||
+      !(scale > 0.f)) {
+    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d fw=%d pw=%d scale=%g", B, Hq, Hkv, S, fw, pw,
+             static_cast<double>(scale));
+    return 1;
+  }
+  FwdParams p;
+  CUtensorMap tq, tk, tv;
+  int grid = 0;
+  const bool bf16 = is_bf16 != 0;
+  if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, 4, 0, 0, scale, err, errlen))
+    return 1;
+  p.fnum = fnum;
+  p.fidx = fidx;
+  p.pnum = pnum;
+  p.pidx = pidx;
+  p.fw = fw;
+  p.pw = pw;
+  return launch_kernel(bf16 ? structured_fwd_kernel<true, true> : structured_fwd_kernel<false, true>, grid, kThreads,
                        Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
 }
