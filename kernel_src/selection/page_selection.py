@@ -399,14 +399,22 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     return most_probable(prob, pos, ok, top_k, width, rows)
 
 
-def _refine_pages(kern, qb, key, k_start, pages, page, lo, hi, n_keys, width, top_k, block_start, sinks, window, flag):
+def _refine_pages(kern, qb, key, k_start, pages, page, n_keys, width, top_k, block_start, sinks, window, flag):
     """``_refine`` through the kernels for pages from ``_kernel_pages`` (``pages (B, Hkv, NB, n)`` ascending, -1 after;
-    ``page`` a power of two): the scores come per tile of blocks from ``refine_page_scores`` in page-slot order, whose
-    positions are ascending like ``expand_pages``' packed ones, so ``most_probable`` chooses the same keys."""
+    ``page`` a power of two): the scores come per tile of blocks from ``refine_page_scores`` in page-slot order (-inf
+    at a slot that holds no candidate key), whose positions ascend like ``expand_pages``' packed ones, so the
+    ``top_k`` slots above -inf (``topk_rows``) are the keys ``most_probable`` chooses; only those slots become
+    positions (no ``(NB, n * page)`` position or mask tensor)."""
     rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
     prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
-    pos, ok = _page_keys(pages.clamp_min(0), pages >= 0, page, lo, hi, n_keys)
-    return most_probable(prob, torch.where(ok, pos, -1), ok, top_k, width, rows)
+    k = min(top_k, prob.shape[-1])
+    at = kern.topk_rows(prob, k, flag=rows).long()  # (B, Hkv, NB, k) slots, ascending, -1 after
+    if rows is not None:
+        at = torch.where(rows[..., None], at, -1)
+    slot = at.clamp_min(0)
+    pos = pages.gather(-1, slot // page).long() * page + slot % page
+    chosen = torch.nn.functional.pad(torch.where(at >= 0, pos, -1), (0, max(0, width - k)), value=-1)[..., :width]
+    return chosen, (at >= 0).sum(-1).clamp_max(width)
 
 
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
@@ -631,9 +639,8 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
                                           n_pre or pattern.top_k // page, flag)
             if n_pre and page & (page - 1) == 0:
                 qk = qb[:, :, c0:c1].to(query.dtype) if query.dtype == key.dtype else qb[:, :, c0:c1]  # exact: qb holds queries
-                pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, lo[:, c0:c1],
-                                             hi[:, c0:c1], n_keys, width, pattern.top_k, bs, pattern.sinks,
-                                             pattern.window, flag)
+                pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, n_keys, width, pattern.top_k, bs,
+                                             pattern.sinks, pattern.window, flag)
             elif n_pre:
                 pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
                                        n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window, flag)

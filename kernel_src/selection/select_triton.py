@@ -41,9 +41,10 @@ same kernels every time and they cost nothing inside a block. No host read.
   walks the split's key tiles that any of its blocks reads (sinks, window, or a listed page: a pointer per block into
   its ascending page list; from one such tile it jumps to the next), scoring each against all the tile's queries
   with one ``tl.dot`` (the keys are read once per tile of blocks instead of once per block); a first kernel keeps
-  the running max and sum, a second merges the splits in order and writes the probabilities. Products in the keys'
-  half precision when the queries have it (exact), else TF32x3 (about float32); sums in float32; a block's
-  arithmetic does not depend on the other blocks of its tile, so decode equals recompute.
+  the running max and sum, a second merges the splits in order and writes the probabilities (-inf at a slot that
+  holds no candidate key, so ``topk_rows`` needs no mask). Products in the keys' half precision when the queries
+  have it (exact), else TF32x3 (about float32); sums in float32; a block's arithmetic does not depend on the other
+  blocks of its tile, so decode equals recompute.
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
 ``sparse_k::index_scores``, ``sparse_k::refine_scores``, ``sparse_k::refine_page_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
@@ -479,8 +480,8 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
     """Split ``s`` of a tile: the log-normaliser of every query head from the block's partials (merged in split order,
     so the trailing empty splits of a longer key tensor change nothing), then the summed probabilities of the pool keys
-    in ``[s * SPLIT, (s + 1) * SPLIT)`` written at their slots (0 at a listed page's other keys; split 0 also zeroes
-    the slots past the block's listed pages)."""
+    in ``[s * SPLIT, (s + 1) * SPLIT)`` written at their slots (-inf at a listed page's other keys; split 0 also
+    writes -inf at the slots past the block's listed pages)."""
     BM: tl.constexpr = BLOCK_C * BLOCK_G
     lo = tl.program_id(1) * SPLIT
     b, h, rows, live, hi, top, ptr, nk, head, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h,
@@ -525,7 +526,7 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
         for j in tl.static_range(NP):
             rank += ((bits_c[:, None] >> j) & 1) * (j < page_of[None, :]).to(tl.int32)
         slot = (ptr_c[:, None] + rank) * PAGE + o[None, :]
-        tl.store(OUT + rows_b[:, None] * W + slot, tl.where(pool_c, prob, 0.0), mask=listed_c)
+        tl.store(OUT + rows_b[:, None] * W + slot, tl.where(pool_c, prob, float("-inf")), mask=listed_c)
         ptr += count
         t0 = _next_tile(PAGES, rows, live, ptr, t0 + BLOCK_N, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     if tl.program_id(1) == 0:  # the slots past each block's listed pages
@@ -533,7 +534,7 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
         w = tl.arange(0, BLOCK_L)
         for w0 in range(0, W, BLOCK_L):
             ww = w0 + w
-            tl.store(OUT + rows_b[:, None] * W + ww[None, :], tl.zeros([BLOCK_C, BLOCK_L], tl.float32),
+            tl.store(OUT + rows_b[:, None] * W + ww[None, :], tl.full([BLOCK_C, BLOCK_L], float("-inf"), tl.float32),
                      mask=live_b[:, None] & (ww[None, :] < W) & (ww[None, :] >= count_b[:, None]))
 
 
@@ -850,7 +851,7 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
     Returns:
         ``(B, H, C, n * page)`` float32: at slot ``j * page + o`` the summed probability of key ``pages[..., j] * page +
         o`` when it is a candidate below ``n_keys`` (as ``refine_scores`` of ``page_selection.expand_pages``' keys with
-        ``static_positions``' keys), else 0.
+        ``static_positions``' keys), else -inf (no key: ``topk_rows`` without a mask passes over it).
     """
     if q.dim() != 5 or key.dim() != 4 or key.shape[:2] != q.shape[:2] or key.shape[3] != q.shape[4]:
         raise ValueError(f"refine_page_scores: q (B, H, C, G, D) and key (B, H, S, D) do not match: {tuple(q.shape)}, "

@@ -259,7 +259,7 @@ def _packed(got, slot_ok):
 def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, D, monkeypatch):
     """Page-slot scores equal ``refine_probabilities`` of the packed keys (GQA, odd sizes, keys split over programs,
     left padding, blocks before the sinks end, blocks with fewer pages; head dimensions below and at the kernel's
-    power of two), 0 at every other slot; float16 products; a strided key view; rows off the flag stay unwritten."""
+    power of two), -inf at every other slot; float16 products; a strided key view; rows off the flag stay unwritten."""
     monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
     monkeypatch.setattr(st, "PAGE_REFINE_SPLIT", split)
     B, H, C, S, sinks, window = 2, 2, 37, 203, 5, 20
@@ -272,7 +272,7 @@ def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, pa
     run = lambda qq, kk, flag=None: st.refine_page_scores(qq.to(DEV), kk.to(DEV), pages.to(DEV), page, bs.to(DEV),  # noqa: E731
                                                          n_keys.to(DEV), k_start.to(DEV), sinks, window, flag).cpu()
     got = run(q, key)
-    assert bool((got[~slot_ok] == 0).all())
+    assert bool((got[~slot_ok] == float("-inf")).all())
     _within_float32_error(_packed(got, slot_ok), want32, want64, "float32")
     strided = key.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) tensor
     _within_float32_error(_packed(run(q, strided), slot_ok), want32, want64, "strided keys")
