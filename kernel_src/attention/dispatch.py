@@ -1,9 +1,10 @@
 """Runs an attention launch on the kernel that ``plan`` names: the one module that reaches both the
 Triton launchers (``triton.fwd``, ``triton.structured``, ``triton.bwd``, ``triton.structured_bwd``)
 and the Hopper CUDA launchers (``cuda.structured`` and its listed bigbird forward, ``cuda.token``,
-``cuda.decode``, ``cuda.structured_bwd``). It decides nothing itself: it describes the launch (``plan.Launch``), asks
-the plan, builds a CUDA extension on first use (a build failure warns once, is remembered by the plan,
-and the launch is planned again), records the plan it runs (``plan.recording``) and launches.
+``cuda.decode``, ``cuda.structured_bwd``). It decides nothing itself: it describes the launch
+(``plan.Launch``), asks the plan, builds a CUDA extension on first use (a build failure warns once, is
+remembered by the plan, and the launch is planned again), records the plan it runs (``plan.recording``)
+and launches.
 
 Kernel modules are imported on first use, so that ``TRITON_INTERPRET`` is read at that moment.
 """

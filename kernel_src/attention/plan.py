@@ -64,7 +64,6 @@ from .cuda.contract import (
     listed_call_ok,
     structured_bwd_call_ok,
     structured_call_ok,
-    tensors_ok,
     token_call_ok,
 )
 from .pattern_codes import structured_pattern
@@ -337,7 +336,7 @@ def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
             and launch.pack == 1 and launch.num_splits == 1 and launch.q.shape[2] > 1):
         why = _cuda_refusal(launch, cap, _LISTED_RULE, listed_call_ok, launch.q, launch.k, launch.v, launch.layout)
         if why is None:
-            return _plan(entry, "cuda_sm90_listed", "bigbird over 128x128 tiles, plain causal, inside the CUDA contract")
+            return _plan(entry, "cuda_sm90_listed", "bigbird over 128x128 tiles inside the CUDA contract")
         prior = f"not the CUDA listed kernel: {why}"
     if launch.selection is not None and launch.q.shape[2] == 1:
         why = _cuda_refusal(launch, cap, _DECODE_RULE, decode_call_ok, launch.q, launch.k, launch.v, launch.selection)
@@ -511,13 +510,19 @@ def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, 
 
 
 def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, cap: Capability | None = None) -> bool:
-    """Whether a bigbird call (``block``, ``causal``) can run the CUDA listed forward, so its layout should
-    be built with 128x128 tiles: an inference prefill (no gradient, more than 16 queries), causal, blocks
-    a multiple of 128, the plain geometry, tensors inside the kernel's contract, CUDA allowed on the
-    device (``cap``, default read from q's device)."""
-    if need_grad or not causal or block % 128 or q.shape[2] <= 16:
+    """Whether a bigbird call (``block``, ``causal``) should build its layout with the 128x128 tiles of the CUDA
+    listed forward: an eager inference prefill (no gradient, more than 16 queries, not inside a ``torch.compile``
+    trace), causal, blocks a multiple of 128, the plain geometry, bf16 / fp16 ``q, k, v`` alike with D = 128 and
+    ``Sq == Skv``, CUDA allowed on the device (``cap``, default read from q's device). Shapes and dtypes only (no
+    data pointer): the launch's plan checks the whole contract (``listed_call_ok``), and a launch it refuses runs
+    the Triton layout kernel on the same tiles."""
+    if need_grad or not causal or block % 128 or q.shape[2] <= 16 or torch.compiler.is_compiling():
         return False
-    if not plain_geometry(geometry, q.shape[2], k.shape[2]) or not tensors_ok(q, k, v):
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.shape[-1] != 128 or k.shape[-1] != 128 or v.shape != k.shape or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        return False
+    if not plain_geometry(geometry, q.shape[2], k.shape[2]):
         return False
     return (cap if cap is not None else capability(q.device)).refusal("forward") is None
 

@@ -365,9 +365,9 @@ def test_tile_plan(kw, want):
     assert t.reason
 
 
-def test_bigbird_cuda_rule():
-    """Which bigbird calls get the listed kernel's 128x128 tiles (``plan.bigbird_cuda``): inference prefill,
-    causal, blocks of a multiple of 128, plain geometry, tensors inside the contract, CUDA allowed."""
+def test_bigbird_cuda_rule(monkeypatch):
+    """Which bigbird calls get the listed kernel's 128x128 tiles (``plan.bigbird_cuda``): eager inference prefill,
+    causal, blocks of a multiple of 128, plain geometry, bf16/fp16 with D = 128, CUDA allowed."""
     q, k, v = _t(2, 8, 300), _t(2, 2, 300), _t(2, 2, 300)
     geo = row_geometry(2, 300, 300, None)
     assert plan.bigbird_cuda(128, True, q, k, v, geo, False, ON)
@@ -384,6 +384,10 @@ def test_bigbird_cuda_rule():
     assert not plan.bigbird_cuda(128, True, _t(2, 8, 16), _t(2, 2, 16), _t(2, 2, 16), row_geometry(2, 16, 16, None),
                                  False, ON)
     assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, plan.capability("cpu"))
+    f32 = [_t(2, h, 300, dtype=torch.float32) for h in (8, 2, 2)]
+    assert not plan.bigbird_cuda(128, True, *f32, geo, False, ON)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a torch.compile trace keeps Triton's tiles
+    assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, ON)
 
 
 def test_recording_collects_what_dispatch_records():
