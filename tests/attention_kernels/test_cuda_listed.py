@@ -122,3 +122,17 @@ def test_listed_argument_errors():
         cs.cuda_listed_forward(q, q, q, lay, scale=0)
     with pytest.raises(ValueError, match="outside the kernel's contract"):
         cs.cuda_listed_forward(q, q, q, lay, scale=1.0)  # CPU tensors
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_compiled_bigbird_matches_the_reference():
+    """Inside ``torch.compile`` bigbird keeps the Triton layout kernel's tiles (``plan.bigbird_cuda`` is False in a
+    trace) and computes the same attention as eager (which takes the listed kernel)."""
+    case = (1, 8, 2, 1024, torch.bfloat16, 128, 1, 1, 2, 2)
+    q, k, v, p, seed = _inputs(case)
+    geo = row_geometry(1, 1024, 1024, None, device="cuda")
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=128 ** -0.5, layer_idx=2)
+    compiled = torch.compile(lambda a, b, c: sparse_attention(a, b, c, p, layer_idx=2))
+    assert rel_err(compiled(q, k, v), ref) < TOL[torch.bfloat16], seed
+    assert rel_err(sparse_attention(q, k, v, p, layer_idx=2), ref) < TOL[torch.bfloat16], seed
