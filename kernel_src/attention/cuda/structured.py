@@ -79,11 +79,15 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
             f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} {k.dtype} strides {k.stride()}, "
             f"v {tuple(v.shape)} {v.dtype} strides {v.stride()}"
         )
-    B, Hq, S, _ = q.shape
-    out = new_output(q)
-    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
+    out, lse = _outputs(q)
     _launch(q, k, v, out, lse, pattern_id, window, sinks, scale)
     return out, lse
+
+
+def _outputs(q):
+    """``out`` shaped like q in its memory order (``memory_order.new_output``) and ``lse (B, Hq, S)`` float32."""
+    B, Hq, S, _ = q.shape
+    return new_output(q), torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
 
 
 def cuda_listed_forward(q, k, v, layout, *, scale: float):
@@ -106,9 +110,7 @@ def cuda_listed_forward(q, k, v, layout, *, scale: float):
             f"with int32 tile lists on q's device): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, layout tiles "
             f"{getattr(layout, 'block_q', None)}x{getattr(layout, 'block_k', None)}"
         )
-    B, Hq, S, _ = q.shape
-    out = new_output(q)
-    lse = torch.empty(B, Hq, S, device=q.device, dtype=torch.float32)
+    out, lse = _outputs(q)
     _launch_listed(q, k, v, layout, out, lse, scale)
     return out, lse
 
