@@ -157,14 +157,19 @@ def _row_bhc(row, H, C):
 
 
 @triton.jit
-def _block_tile(FLAG, H, C, HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr):
+def _block_tile(FLAG, H, C, HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
     """A program's tile of ``BLOCK_C`` consecutive blocks of one ``(b, h)`` (program id 0 over ``B * H *
-    cdiv(C, BLOCK_C)``): ``b, h``, the first block ``c0``, the blocks ``cc (BLOCK_C,)``, their rows ``(b * H + h) * C + c`` and which of them
-    are computed (inside ``C``, flag on)."""
+    cdiv(C, BLOCK_C)``): ``b, h``, the first block ``c0``, and per row ``c * BLOCK_G + g`` (``BLOCK_G`` rows a block,
+    vectors of ``BLOCK_C * BLOCK_G`` made from the row index itself: no layout conversion where they meet MMA rows)
+    its block ``cc``, the block's row ``(b * H + h) * C + cc`` and whether the block is computed (inside ``C``, flag
+    on)."""
     n_ct = tl.cdiv(C, BLOCK_C)
     tile = tl.program_id(0).to(tl.int64)
     b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
-    cc = c0 + tl.arange(0, BLOCK_C)
+    if BLOCK_G == 1:
+        cc = c0 + tl.arange(0, BLOCK_C)
+    else:
+        cc = c0 + tl.arange(0, BLOCK_C * BLOCK_G) // BLOCK_G
     rows = (b * H + h) * C + cc
     live = cc < C
     if HAS_FLAG:
@@ -176,7 +181,7 @@ def _block_tile(FLAG, H, C, HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr):
 def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
                        sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
                        HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, _, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)
+    b, h, _, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C, 1)
     if HAS_FLAG:
         if tl.max(live.to(tl.int32)) == 0:
             return
@@ -328,6 +333,15 @@ def _refine_prob_kernel(Q, K, IDX, OK, FLAG, PM, PL, OUT, H, C, G, D, W, NS, sca
 
 
 @triton.jit
+def _load_rows(ptr, row_ok, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile ``ptr (R, BLOCK_D)`` where ``row_ok (R,)`` and the column ``d < D``, else 0. When ``D == BLOCK_D`` the
+    mask is constant along the head dimension, so the loads vectorise (16 bytes a thread instead of one element)."""
+    if D == BLOCK_D:
+        return tl.load(ptr, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptr, mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
                HAS_FLAG: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
@@ -338,25 +352,15 @@ def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, win
     of ``b``, whether the row is a real query head, and the block queries ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (zero past
     ``C`` and ``G``)."""
     BM: tl.constexpr = BLOCK_C * BLOCK_G
-    n_ct = tl.cdiv(C, BLOCK_C)
-    tile = tl.program_id(0).to(tl.int64)
-    b, h, c0 = tile // n_ct // H, tile // n_ct % H, tile % n_ct * BLOCK_C
-    m = tl.arange(0, BM)  # the row vectors are made from the row index itself: no layout conversion in the loop
-    cc, mg = c0 + m // BLOCK_G, m % BLOCK_G
-    rows = (b * H + h) * C + cc
-    live = cc < C
-    if HAS_FLAG:
-        live = live & (tl.load(FLAG + rows, mask=live, other=0) != 0)
+    b, h, _, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C, BLOCK_G)
+    mg = tl.arange(0, BM) % BLOCK_G
     bs = tl.load(BS + b * C + cc, mask=cc < C, other=0)
     nk = tl.load(NK + b)
     top = tl.where(live, tl.minimum(bs, nk - 1), -1)
     ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BM, BLOCK_L)
     d = tl.arange(0, BLOCK_D)
-    q_ptr = Q + b * sq_b + h * sq_h + cc[:, None] * sq_c + mg[:, None] * sq_g + d[None, :]
-    if D == BLOCK_D:  # a mask constant along the head dimension: vector loads
-        q = tl.load(q_ptr, mask=((cc < C) & (mg < G))[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptr, mask=((cc < C) & (mg < G))[:, None] & (d < D)[None, :], other=0.0)
+    q = _load_rows(Q + b * sq_b + h * sq_h + cc[:, None] * sq_c + mg[:, None] * sq_g + d[None, :], (cc < C) & (mg < G),
+                   d, D, BLOCK_D)
     return b, h, rows, live, bs - window, top, ptr, nk, mg < G, q, d
 
 
@@ -428,11 +432,7 @@ def _page_logits(q, K_bh, t0, ks, nk, sk_s, d, member, scale, F32: tl.constexpr,
     """Logits ``(R, BLOCK_N)`` of the block queries ``q (R, BLOCK_D)`` with the keys at positions ``[t0, t0 +
     BLOCK_N)`` (tensor index ``+ ks``) on the tensor cores, ``-inf`` where ``member (R, BLOCK_N)`` is False."""
     p = t0 + tl.arange(0, BLOCK_N)
-    k_ptr = K_bh + (p + ks)[:, None] * sk_s + d[None, :]
-    if D == BLOCK_D:  # a mask constant along the head dimension: vector loads
-        k = tl.load(k_ptr, mask=(p < nk)[:, None], other=0.0).to(q.dtype)
-    else:
-        k = tl.load(k_ptr, mask=(p < nk)[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
+    k = _load_rows(K_bh + (p + ks)[:, None] * sk_s + d[None, :], p < nk, d, D, BLOCK_D).to(q.dtype)
     if F32:  # float32 queries: three TF32 products (about float32's rounding, on the tensor cores)
         s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
@@ -507,7 +507,7 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
     end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
     o = tl.arange(0, BLOCK_N) % PAGE
     page_of = tl.arange(0, BLOCK_N) // PAGE
-    _, _, _, _, rows_b, live_b = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C)  # per block: where its slots are written
+    _, _, _, _, rows_b, live_b = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C, 1)  # per block: where its slots are written
     hi_b = tl.max(tl.reshape(hi, (BLOCK_C, BLOCK_G)), 1)
     t0 = _next_tile(PAGES, rows, live, ptr, lo, hi, top, nk, sinks, NPG, False, PAGE, BLOCK_N)
     while t0 < end:
