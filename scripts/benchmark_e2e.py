@@ -37,7 +37,8 @@ Variants (``--variants``, comma list): ``sdpa``, ``flex_attention``, ``sliding_w
 ``SparseKScorer``: sinks 4, ``--learned-window`` 1024, ``--top-k`` 2048, ``--query-block`` 128), ``dsa``
 (random ``LightningIndexer``, same budget), ``default`` (the ``sparse_k`` defaults with the
 training-free selection), ``per_query`` (the same with ``query_block=1, refine=8``: the training-free selection
-per query, refined by exact attention probabilities; docs/selection.md).
+per query, refined by exact attention probabilities; docs/selection.md), ``block_diagonal`` (blocks of ``--window``
+keys), ``bigbird`` (blocks of ``--bigbird-block`` 128, 1 window block, 2 global, 3 random: the kernel benchmark's).
 
 Example (H100, 8 layers)::
 
@@ -61,7 +62,8 @@ from contextlib import contextmanager
 
 import torch
 
-VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default", "per_query")
+VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default", "per_query",
+            "block_diagonal", "bigbird")
 
 
 def variant_spec(name: str, args) -> dict:
@@ -76,6 +78,9 @@ def variant_spec(name: str, args) -> dict:
         "dsa": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "dsa", **learned}},
         "default": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k"}},
         "per_query": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k", "query_block": 1, "refine": 8}},
+        "block_diagonal": {"impl": "sparse_k", "sparse": {"pattern": "block_diagonal", "block": args.window}},
+        "bigbird": {"impl": "sparse_k", "sparse": {"pattern": "bigbird", "block": args.bigbird_block, "window_blocks": 1,
+                                                  "global_blocks": 2, "random_blocks": 3}},
     }[name]
 
 
@@ -119,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--window", type=int, default=4096, help="window of sliding_window / streaming")
     p.add_argument("--sinks", type=int, default=4, help="sink tokens of streaming and the learned variants")
+    p.add_argument("--bigbird-block", type=int, default=128,
+                   help="block of the bigbird variant (default 128: a multiple of 128 reaches the Hopper CUDA forward)")
     p.add_argument("--learned-window", type=int, default=1024, help="window of sparse_k / dsa")
     p.add_argument("--top-k", type=int, default=2048, help="selected keys per query block (sparse_k / dsa)")
     p.add_argument("--query-block", type=int, default=128, help="query block of the learned selection")

@@ -1,8 +1,9 @@
 """Decode layouts without index lists: the key tiles of a short query run, computed in the kernel.
 
 A decode step (``Sq <= 16``, queries bottom-right over the cache) of a causal ``dense``,
-``sliding_window`` or ``streaming`` pattern (or the static part of a learned one) visits the sink
-tiles, then one contiguous run of key tiles ending at the query's tile, whose middle is full. The
+``sliding_window``, ``streaming`` or ``block_diagonal`` pattern (or the static part of a learned one)
+visits the sink tiles, then one contiguous run of key tiles ending at the query's tile (block_diagonal:
+from the start of the first query's block), whose middle is full. The
 Triton decode kernel (``triton.fwd._attn_fwd`` with ``STRUCT``) computes these runs from the row
 geometry it already loads (``q_start``, ``k_start``, ``k_end``; ``triton.fwd._struct_runs``), so a
 step builds nothing on the host: no ``BlockLayout`` per ``kv_len`` (``block_layout._build`` cost
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layouts.geometry import RowGeometry
-from ..layouts.patterns import Dense, Pattern, SlidingWindow, Streaming
+from ..layouts.patterns import BlockDiagonal, Dense, Pattern, SlidingWindow, Streaming
 from .launch_buffers import placeholder
 
 __all__ = ["DecodeLayout", "decode_layout", "decode_tile_bound"]
@@ -41,7 +42,8 @@ def decode_tile_bound(pattern: Pattern, block_q: int, kv_len: int, block_k: int)
     all_tiles = _ceil_div(kv_len, block_k)
     if isinstance(pattern, Dense):
         return all_tiles
-    bound = _ceil_div(pattern.window + block_q - 1, block_k) + 1
+    span = pattern.block if isinstance(pattern, BlockDiagonal) else pattern.window  # keys a query sees, at most
+    bound = _ceil_div(span + block_q - 1, block_k) + 1
     if isinstance(pattern, Streaming) and pattern.sinks > 0:
         bound += _ceil_div(pattern.sinks, block_k) + 1
     return max(1, min(all_tiles, bound))
@@ -89,10 +91,10 @@ def _static(pattern: Pattern) -> Pattern:
 def decode_layout(pattern: Pattern, q_len: int, kv_len: int, geometry: RowGeometry, *, block_q: int, block_k: int,
                   layer_idx: int = 0, num_kv_heads: int = 1) -> DecodeLayout | None:
     """A ``DecodeLayout`` for a decode step of ``pattern`` (``q_len <= 16``; causal dense,
-    sliding_window or streaming, or a learned pattern's static part), else None (build a
+    sliding_window, streaming or block_diagonal, or a learned pattern's static part), else None (build a
     ``BlockLayout``). No host work beyond a few integer operations."""
     p = _static(pattern)
-    if q_len > MAX_DECODE_QUERIES or type(p) not in (Dense, SlidingWindow, Streaming) or not p.causal:
+    if q_len > MAX_DECODE_QUERIES or type(p) not in (Dense, SlidingWindow, Streaming, BlockDiagonal) or not p.causal:
         return None
     dev = geometry.q_start.device
     num, idx = placeholder(dev, torch.int32, 3), placeholder(dev, torch.int32, 4)

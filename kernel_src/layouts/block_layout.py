@@ -252,13 +252,14 @@ def build_block_layout(
 
     Learned patterns compile their static part (sinks + window). Results are cached by everything
     they depend on (pattern config, lengths, geometry, block sizes, device, and the layer index /
-    KV-head count where the pattern uses them).
+    KV-head count where the pattern uses them); not inside a ``torch.compile`` trace, where the
+    layout's tensors may live in a CUDA graph's memory pool that the next replay overwrites.
     """
     if pattern.learned:
         pattern = pattern.static_part()
     device = geometry.q_start.device
     key = None
-    if cache:
+    if cache and not torch.compiler.is_compiling():
         key = (
             pattern, q_len, kv_len, geometry.cache_key(), block_q, block_k, str(device),
             layer_idx if pattern.uses_layer else None, num_kv_heads if pattern.per_head else None,

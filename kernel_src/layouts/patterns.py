@@ -273,10 +273,14 @@ class BigBird(Pattern):
         Rows of different query blocks are drawn independently, so a table built for more query
         blocks holds this one as a prefix: tables are cached per (pattern, layer, heads, key blocks,
         device) with room for the next power of two of ``num_q_blocks`` and sliced (decoding asks
-        for one more query block at a time).
+        for one more query block at a time). Inside a ``torch.compile`` trace the table is computed
+        and not cached: a tensor made there may live in a CUDA graph's memory pool
+        (``mode="reduce-overhead"``), which the next replay overwrites.
         """
         if not self.causal and num_k_blocks is None:
             num_k_blocks = num_q_blocks
+        if torch.compiler.is_compiling():
+            return _bigbird_random_table(self, layer_idx, num_kv_heads, num_q_blocks, num_k_blocks, device)
         key = (self, layer_idx, num_kv_heads, num_k_blocks, str(torch.device(device) if device is not None else "cpu"))
         table = _RANDOM_TABLES.get(key)
         if table is None or table.shape[1] < num_q_blocks:

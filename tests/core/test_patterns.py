@@ -119,6 +119,21 @@ def test_bigbird_random_blocks_are_deterministic_distinct_and_outside_window_and
     assert torch.equal(b.random_table(3, 4, 40), _bigbird_random_table(b, 3, 4, 40, None, None))
 
 
+def test_bigbird_random_table_inside_a_compiled_graph_is_not_cached():
+    """A table made inside a torch.compile trace may live in a CUDA graph's pool (reduce-overhead), which
+    the next replay overwrites: it is computed there (the same values) and never enters the global cache."""
+    from sparse_k.layouts import patterns
+
+    p = sk.BigBird(block=16, window_blocks=1, global_blocks=2, random_blocks=3, seed=11)
+    patterns._RANDOM_TABLES.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: p.random_table(2, 4, 9) + x, backend="eager", fullgraph=True)
+    out = compiled(torch.zeros((), dtype=torch.int64))
+    assert patterns._RANDOM_TABLES == {}
+    assert torch.equal(out, p.random_table(2, 4, 9))  # eager: cached, same values
+    assert len(patterns._RANDOM_TABLES) == 1
+
+
 def test_l2_segment_is_resolved_once_and_stored():
     p = sk.get_pattern("l2_aligned")
     assert p.segment is None

@@ -53,6 +53,8 @@ PATTERNS = {
     "sliding_window": get_pattern("sliding_window", window=11),
     "streaming": get_pattern("streaming", sinks=3, window=10),
     "streaming_many_sinks": get_pattern("streaming", sinks=20, window=5),
+    "block_diagonal": get_pattern("block_diagonal", block=13),  # blocks across tile edges
+    "block_diagonal_16": get_pattern("block_diagonal", block=16),
 }
 
 
@@ -209,13 +211,14 @@ def test_static_cache_token_decode_tiles_and_prefetch(dtype):
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, key_mask=mask, pack=4, num_splits=splits,
                                                selection=sel, out=o, **opts)
                     assert not o.isnan().any(), (written, weights, block_k, splits, prefetch)
-                    assert rel(o, ref) < (1e-2 if dtype == torch.float16 else 1e-5), (written, weights, block_k, splits)
+                    # float32: exact sums under the interpreter; on a GPU Triton's float32 tl.dot runs TF32 (TOL)
+                    assert rel(o, ref) < (1e-2 if dtype == torch.float16 else TOL), (written, weights, block_k, splits)
 
 
 def test_decode_layout_declines_other_patterns():
     geo = row_geometry(1, 1, 50, None)
-    for p in (get_pattern("block_diagonal", block=8), get_pattern("dilated", window=3, scales=2),
-              get_pattern("sliding_window", window=5, causal=False)):
+    for p in (get_pattern("block_diagonal", block=8, causal=False), get_pattern("dilated", window=3, scales=2),
+              get_pattern("sliding_window", window=5, causal=False), get_pattern("bigbird", block=16)):
         assert decode_layout(p, 1, 50, geo, block_q=16, block_k=16) is None
     assert decode_layout(PATTERNS["dense"], 17, 50, geo, block_q=16, block_k=16) is None  # not a decode step
 
@@ -278,6 +281,7 @@ def _module(pattern: dict):
     {"pattern": "sliding_window", "window": 11},
     {"pattern": "streaming", "sinks": 3, "window": 10},
     {"pattern": "dense"},
+    {"pattern": "block_diagonal", "block": 13},
     {"pattern": "sparse_k", "sinks": 2, "window": 9, "top_k": 4, "query_block": 16},
 ])
 def test_adapter_decode_steps_read_nothing_on_the_host(pattern):
@@ -337,6 +341,7 @@ def _declared_runtime_args(kernel) -> set:
 
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("pattern", [PATTERNS["sliding_window"], PATTERNS["streaming"], PATTERNS["dense"],
+                                     PATTERNS["block_diagonal"],
                                      get_pattern("sparse_k", sinks=2, window=9, top_k=4, query_block=16)])
 def test_decode_launch_arguments_that_change_are_runtime_values(pattern, monkeypatch):
     """Over 40 consecutive decode steps (a growing cache read through views of one buffer, and a key mask)
@@ -386,7 +391,7 @@ def _variants(kernel, device) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (counts compiled Triton variants)")
-@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense"])
+@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense", "block_diagonal"])
 def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     """After a few warm-up steps, 200 decode steps over a growing cache (kv_len through every residue
     mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel."""
@@ -394,7 +399,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     from sparse_k.attention.triton import structured as triton_structured
 
     p = {"sliding_window": get_pattern("sliding_window", window=256), "streaming": get_pattern("streaming", sinks=4, window=256),
-         "dense": get_pattern("dense")}[name]
+         "dense": get_pattern("dense"), "block_diagonal": get_pattern("block_diagonal", block=1000)}[name]
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, D, S0 = 8, 32, 8, 128, 3000
     cache_k = rand(B, Hkv, S0 + 210, D, gen=g).to(torch.bfloat16)
@@ -426,6 +431,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
 @pytest.mark.parametrize("name, params", [
     ("sliding_window", {"window": 11}),
     ("streaming", {"sinks": 3, "window": 11}),
+    ("block_diagonal", {"block": 11}),
     ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
 ])
 def test_static_cache_decode_traces_as_one_graph(name, params):

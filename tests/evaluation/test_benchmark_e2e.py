@@ -49,6 +49,18 @@ def test_tiny_model_rows_are_checked_and_complete(tmp_path):
     assert data["environment"]["torch"] and "| variant | phase |" in proc.stdout
 
 
+def test_block_diagonal_and_bigbird_rows(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = _run([*TINY, "--variants", "block_diagonal,bigbird", "--bigbird-block", "16", "--phases", "prefill",
+                 "--prefill-lens", "150", "--no-profile", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["phase"]) for r in rows] == [("block_diagonal", "prefill"), ("bigbird", "prefill")]
+    for r in rows:
+        assert r["check_ok"] and r["check_rel_err"] <= r["check_bound"] and r["prefill_ms"] > 0, r
+        assert r["prefill_attention_kernel"] == "torch x2", r
+
+
 def test_batched_decode_rows(tmp_path):
     out = tmp_path / "e2e.json"
     proc = _run([*TINY, "--variants", "streaming,sparse_k", "--phases", "decode", "--decode-lens", "100",

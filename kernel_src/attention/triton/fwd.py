@@ -232,17 +232,23 @@ def _selection_loop(
 
 @triton.jit
 def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Causal dense (0) / sliding_window (1) / streaming (2) key-tile runs of the queries at key indices
-    ``qlo..qhi`` (``triton.structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with sink
-    tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` and its full (unmasked) middle ``[f_lo, f_hi)``,
-    every full tile inside ``[k_start, k_end)``. All from the row geometry: no layout."""
+    """Causal dense (0) / sliding_window (1) / streaming (2) / block_diagonal (3) key-tile runs of the queries
+    at key indices ``qlo..qhi`` (``triton.structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with
+    sink tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` (block_diagonal: from the block of ``qlo``
+    to ``qhi``) and its full (unmasked) middle ``[f_lo, f_hi)``, every full tile inside ``[k_start, k_end)``.
+    All from the row geometry: no layout."""
     a_lo = k_start
     w_lo = k_start
     a_hi = tl.minimum(k_end, qhi + 1)
     w_hi = tl.minimum(k_end, qlo + 1)
-    if PATTERN != 0:
+    if PATTERN == 1 or PATTERN == 2:
         a_lo = tl.maximum(k_start, qlo - P0 + 1)
         w_lo = tl.maximum(k_start, qhi - P0 + 1)
+    elif PATTERN == 3:  # positions are key indices minus k_start; blocks of P0 positions
+        b_lo = _floordiv(qlo - k_start, P0) * P0 + k_start
+        b_hi = _floordiv(qhi - k_start, P0) * P0 + k_start
+        a_lo = tl.maximum(k_start, b_lo)
+        w_lo = tl.maximum(k_start, b_hi)
     a_hi = tl.maximum(a_hi, a_lo)
     n_lo = a_lo // BLOCK_N
     n_hi = tl.maximum((a_hi + BLOCK_N - 1) // BLOCK_N, n_lo)
@@ -649,8 +655,9 @@ def layout_forward(
     kmask = mask_bytes(key_mask) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     struct = bool(getattr(layout, "structured_decode", False))
     if struct:  # a ``decode_layout.DecodeLayout``: the kernel computes the tile runs (no index lists)
-        if pid not in (0, 1, 2) or not is_causal:
-            raise ValueError(f"a DecodeLayout runs causal dense / sliding_window / streaming, got pattern id {pid}")
+        if pid not in (0, 1, 2, 3) or not is_causal:
+            raise ValueError(
+                f"a DecodeLayout runs causal dense / sliding_window / streaming / block_diagonal, got pattern id {pid}")
         max_tiles = int(layout.max_tiles)
         lay_b = lay_h = 0
     else:
