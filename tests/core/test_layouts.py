@@ -108,3 +108,19 @@ def test_block_mask_round_trip_and_flex_attention_agree_with_reference(name):
     ref = sk.sparse_attention(q, k, v, p, attention_mask=mask, backend="reference")
     rows = dense.any(-1).repeat_interleave(Hq // Hkv, 1)  # flex leaves fully-masked rows undefined
     assert torch.allclose(out[rows], ref[rows], atol=1e-5)
+
+
+def test_a_layout_built_inside_a_compiled_graph_is_not_cached():
+    """Its tensors may live in a CUDA graph's pool (mode="reduce-overhead") that the next replay overwrites: a layout
+    built while tracing stays out of the cache; the same call made eagerly is cached."""
+    from sparse_k.layouts import block_layout
+
+    p = sk.get_pattern("bigbird", block=16, random_blocks=2)
+    geo = sk.row_geometry(1, 70, 70, None)
+    block_layout.clear_layout_cache()
+    torch._dynamo.reset()
+    build = lambda: sk.build_block_layout(p, 70, 70, geo, block_q=16, block_k=16, num_kv_heads=2).kv_num_blocks + 0
+    out = torch.compile(build, backend="eager")()
+    assert len(block_layout._CACHE) == 0
+    assert torch.equal(out, build())
+    assert len(block_layout._CACHE) == 1  # the eager call's
