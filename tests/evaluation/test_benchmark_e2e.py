@@ -49,12 +49,17 @@ def test_tiny_model_rows_are_checked_and_complete(tmp_path):
     assert data["environment"]["torch"] and "| variant | phase |" in proc.stdout
 
 
-def test_block_diagonal_and_bigbird_rows(tmp_path):
+def _rows(args, tmp_path):
+    """Run the script with ``args`` (+ ``--json``): its stdout and the JSON rows; the run must succeed."""
     out = tmp_path / "e2e.json"
-    proc = _run([*TINY, "--variants", "block_diagonal,bigbird", "--bigbird-block", "16", "--phases", "prefill",
-                 "--prefill-lens", "150", "--no-profile", "--json", str(out)], tmp_path)
+    proc = _run([*args, "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    return proc.stdout, json.loads(out.read_text())["rows"]
+
+
+def test_block_diagonal_and_bigbird_rows(tmp_path):
+    _, rows = _rows([*TINY, "--variants", "block_diagonal,bigbird", "--bigbird-block", "16", "--phases", "prefill",
+                     "--prefill-lens", "150", "--no-profile"], tmp_path)
     assert [(r["variant"], r["phase"]) for r in rows] == [("block_diagonal", "prefill"), ("bigbird", "prefill")]
     for r in rows:
         assert r["check_ok"] and r["check_rel_err"] <= r["check_bound"] and r["prefill_ms"] > 0, r
@@ -62,15 +67,12 @@ def test_block_diagonal_and_bigbird_rows(tmp_path):
 
 
 def test_batched_decode_rows(tmp_path):
-    out = tmp_path / "e2e.json"
-    proc = _run([*TINY, "--variants", "streaming,sparse_k", "--phases", "decode", "--decode-lens", "100",
-                 "--decode-batch", "3", "--no-profile", "--json", str(out)], tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    stdout, rows = _rows([*TINY, "--variants", "streaming,sparse_k", "--phases", "decode", "--decode-lens", "100",
+                          "--decode-batch", "3", "--no-profile"], tmp_path)
     assert [(r["variant"], r["phase"], r["batch"]) for r in rows] == [("streaming", "decode", 3), ("sparse_k", "decode", 3)]
     assert all(r["check_ok"] and r["decode_ms_per_token"] > 0 and r["decode_ms_per_token_synced"] > 0 for r in rows)
-    assert "| 100 (B=3) |" in proc.stdout
-    assert "| streaming | 100 (3) |" in proc.stdout  # the decode table: pipelined and synced ms/token
+    assert "| 100 (B=3) |" in stdout
+    assert "| streaming | 100 (3) |" in stdout  # the decode table: pipelined and synced ms/token
 
 
 @pytest.mark.parametrize("bad, message", [
