@@ -21,8 +21,9 @@ import triton.language as tl
 from ...layouts.block_layout import full_tiles_contiguous
 from ..launch_buffers import placeholder, selection_args, split_counters
 from ..memory_order import new_output
+from ..pattern_codes import STRUCTURED_PATTERNS
 from .fitting import launch
-from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
+from .rules import LOG2E, _floordiv, _key_runs, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
 __all__ = ["check_sel_fast", "combine_splits", "layout_forward", "mask_bytes"]
@@ -236,20 +237,8 @@ def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN: tl.constexpr, BLOCK_
     at key indices ``qlo..qhi`` (``triton.structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with
     sink tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` (block_diagonal: from the block of ``qlo``
     to ``qhi``) and its full (unmasked) middle ``[f_lo, f_hi)``, every full tile inside ``[k_start, k_end)``.
-    All from the row geometry: no layout."""
-    a_lo = k_start
-    w_lo = k_start
-    a_hi = tl.minimum(k_end, qhi + 1)
-    w_hi = tl.minimum(k_end, qlo + 1)
-    if PATTERN == 1 or PATTERN == 2:
-        a_lo = tl.maximum(k_start, qlo - P0 + 1)
-        w_lo = tl.maximum(k_start, qhi - P0 + 1)
-    elif PATTERN == 3:  # positions are key indices minus k_start; blocks of P0 positions
-        b_lo = _floordiv(qlo - k_start, P0) * P0 + k_start
-        b_hi = _floordiv(qhi - k_start, P0) * P0 + k_start
-        a_lo = tl.maximum(k_start, b_lo)
-        w_lo = tl.maximum(k_start, b_hi)
-    a_hi = tl.maximum(a_hi, a_lo)
+    All from the row geometry: no layout; the key runs are the structured kernels' (``rules._key_runs``)."""
+    a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN, True)
     n_lo = a_lo // BLOCK_N
     n_hi = tl.maximum((a_hi + BLOCK_N - 1) // BLOCK_N, n_lo)
     f_lo = tl.minimum(tl.maximum((w_lo + BLOCK_N - 1) // BLOCK_N, n_lo), n_hi)
@@ -655,7 +644,7 @@ def layout_forward(
     kmask = mask_bytes(key_mask) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     struct = bool(getattr(layout, "structured_decode", False))
     if struct:  # a ``decode_layout.DecodeLayout``: the kernel computes the tile runs (no index lists)
-        if pid not in (0, 1, 2, 3) or not is_causal:
+        if pid not in STRUCTURED_PATTERNS or not is_causal:
             raise ValueError(
                 f"a DecodeLayout runs causal dense / sliding_window / streaming / block_diagonal, got pattern id {pid}")
         max_tiles = int(layout.max_tiles)
