@@ -38,7 +38,9 @@ Variants (``--variants``, comma list): ``sdpa``, ``flex_attention``, ``sliding_w
 (random ``LightningIndexer``, same budget), ``default`` (the ``sparse_k`` defaults with the
 training-free selection), ``per_query`` (the same with ``query_block=1, refine=8``: the training-free selection
 per query, refined by exact attention probabilities; docs/selection.md), ``block_diagonal`` (blocks of ``--window``
-keys), ``bigbird`` (blocks of ``--bigbird-block`` 128, 1 window block, 2 global, 3 random: the kernel benchmark's).
+keys), ``bigbird`` (blocks of ``--bigbird-block`` 128, 1 window block, 2 global, 3 random: the kernel benchmark's),
+``dilated`` (window ``--window`` / 4 over 3 scales: the same reach as the sliding window), ``l2_aligned`` (blocks of
+128, ``--window`` / 128 window blocks, anchors of 64 every 8,192 keys).
 
 Example (H100, 8 layers)::
 
@@ -63,7 +65,7 @@ from contextlib import contextmanager
 import torch
 
 VARIANTS = ("sdpa", "flex_attention", "sliding_window", "streaming", "sparse_k", "dsa", "default", "per_query",
-            "block_diagonal", "bigbird")
+            "block_diagonal", "bigbird", "dilated", "l2_aligned")
 
 
 def variant_spec(name: str, args) -> dict:
@@ -81,6 +83,10 @@ def variant_spec(name: str, args) -> dict:
         "block_diagonal": {"impl": "sparse_k", "sparse": {"pattern": "block_diagonal", "block": args.window}},
         "bigbird": {"impl": "sparse_k", "sparse": {"pattern": "bigbird", "block": args.bigbird_block, "window_blocks": 1,
                                                   "global_blocks": 2, "random_blocks": 3}},
+        "dilated": {"impl": "sparse_k", "sparse": {"pattern": "dilated", "window": max(1, args.window // 4), "scales": 3}},
+        "l2_aligned": {"impl": "sparse_k", "sparse": {"pattern": "l2_aligned", "block": 128,
+                                                     "window_blocks": max(1, args.window // 128), "segment": 8192,
+                                                     "anchor": 64}},
     }[name]
 
 

@@ -82,7 +82,7 @@ def attention_forward(
         q: ``(B, Hq, Sq, D)`` (any strides with unit last stride); k, v: ``(B, Hkv, Skv, D)`` likewise.
         layout: a ``BlockLayout`` (or ``decode_layout.DecodeLayout``, or the custom op's namespace) with
             ``block_q == BLOCK_M // pack`` and ``block_k == BLOCK_N``; its ``geometry`` and ``pattern``.
-        pattern, causal: override the layout's pattern (a ``Pattern`` or ``ops._PatternCode``) / causality.
+        pattern, causal: override the layout's pattern (a ``Pattern`` or ``pattern_codes.PatternCode``) / causality.
         pack: query heads per program (divides ``Hq // Hkv``); num_splits: split-KV factor (decode).
         out: optional ``(B, Hq, Sq, D)`` output view to write into (e.g. a ``(B, S, H, D)`` tensor's transpose).
         selection: an optional ``TokenLayout`` (or namespace with its fields) fused into the pass.

@@ -27,18 +27,9 @@ from ..layouts.geometry import bottom_right_geometry
 from . import dispatch
 from .launch_buffers import placeholder
 from .memory_order import new_output
-from .pattern_codes import pattern_code
+from .pattern_codes import PatternCode, pattern_code
 
 __all__ = ["block_attn", "layout_args"]
-
-
-class _PatternCode:
-    """Stands in for a ``Pattern`` inside the launchers: ``pattern_code`` reads ``name``/params from it."""
-
-    learned = False
-
-    def __init__(self, pid: int, causal: bool, params):
-        self.pid, self.causal, self.params = pid, causal, tuple(params)
 
 
 def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_len, pid, causal, params, plain=False,
@@ -52,7 +43,7 @@ def _layout_ns(fnum, fidx, pnum, pidx, qs, ks, ke, block_q, block_k, q_len, kv_l
     return SimpleNamespace(
         full_kv_num_blocks=fnum, full_kv_indices=fidx, kv_num_blocks=pnum, kv_indices=pidx,
         block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, geometry=geo,
-        pattern=_PatternCode(pid, causal, params),
+        pattern=PatternCode(pid, causal, params),
         num_q_blocks=-(-q_len // block_q), num_k_blocks=-(-kv_len // block_k),
         structured_decode=struct_tiles > 0, max_tiles=struct_tiles,
     )

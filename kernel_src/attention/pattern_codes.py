@@ -8,17 +8,26 @@
  1     sliding_window   P0 = window
  2     streaming        P0 = window, P1 = sinks
  3     block_diagonal   P0 = block
- 4     bigbird          — (aligned tiles only: a listed tile is allowed as a whole)
+ 4     bigbird          — (aligned tiles only: a listed tile is allowed as a whole); a decode step's
+                       launch (``decode_pattern_code``): P0 = block, P1 = window_blocks +
+                       65536 * random_blocks, P2 = global_blocks, P3 = the layer's hash seed
  5     dilated          P0 = window, P1 = scales
  6     l2_aligned       P0 = block, P1 = window_blocks, P2 = segment, P3 = anchor
 ====  ===============  =====================================================================
 
 Learned patterns (``sparse_k``, ``dsa``) run their static part (streaming) plus a token layout.
+
+A decode step (``decode_layout.DecodeLayout``) of any causal pattern computes its key tiles in the
+kernel (``DECODE_PATTERNS``), except bigbird with blocks under 16 or more than ``MAX_DECODE_RANDOM_BLOCKS``
+random blocks (``decode_pattern_code``).
 """
 
 from __future__ import annotations
 
-__all__ = ["PATTERN_IDS", "STRUCTURED_PATTERNS", "pattern_code", "structured_pattern"]
+__all__ = [
+    "BIGBIRD_RANDOM_SHIFT", "DECODE_PATTERNS", "MAX_DECODE_RANDOM_BLOCKS", "PATTERN_IDS", "PatternCode", "STRUCTURED_PATTERNS",
+    "decode_pattern_code", "pattern_code", "structured_pattern",
+]
 
 PATTERN_IDS = {
     "dense": 0, "sliding_window": 1, "streaming": 2, "block_diagonal": 3, "bigbird": 4, "dilated": 5,
@@ -29,10 +38,31 @@ PATTERN_IDS = {
 #: dense, sliding_window, streaming, block_diagonal (``triton_structured``, ``triton_structured_bwd``).
 STRUCTURED_PATTERNS = (0, 1, 2, 3)
 
+#: Pattern ids whose decode steps (causal, ``Sq <= 16``) compute their key tiles in the split-KV kernel
+#: (``triton.fwd._struct_runs``, ``_random_slot``, ``_anchor_slot``): the structured ones plus bigbird, dilated,
+#: l2_aligned.
+DECODE_PATTERNS = (0, 1, 2, 3, 4, 5, 6)
+
+#: Most random blocks of a bigbird decode step drawn in the kernel (its draws live in a vector this long).
+MAX_DECODE_RANDOM_BLOCKS = 16
+
+#: ``P1`` of a bigbird decode launch carries ``window_blocks + BIGBIRD_RANDOM_SHIFT * random_blocks``.
+BIGBIRD_RANDOM_SHIFT = 1 << 16
+
+
+class PatternCode:
+    """A pattern already encoded for the kernels (``pid``, ``causal``, ``params``): stands for a ``Pattern``
+    wherever ``pattern_code`` reads one (the custom op's layouts, a bigbird decode step's layer-specific code)."""
+
+    learned = False
+
+    def __init__(self, pid: int, causal: bool, params):
+        self.pid, self.causal, self.params = pid, causal, tuple(params)
+
 
 def pattern_code(pattern) -> tuple[int, tuple[int, int, int, int]]:
     """``(PATTERN id, (P0, P1, P2, P3))`` for the kernels; learned patterns use their static part."""
-    if hasattr(pattern, "pid"):  # already encoded (ops._PatternCode)
+    if hasattr(pattern, "pid"):  # already encoded (``PatternCode``)
         return pattern.pid, pattern.params
     p = pattern.static_part() if pattern.learned else pattern
     pid = PATTERN_IDS[p.name]
@@ -56,3 +86,20 @@ def structured_pattern(pattern_id: int, causal: bool, selection=None) -> bool:
     streaming (causal only) or block_diagonal without a token layout. The one statement of the rule; the
     forward also needs one query head per program and one split (``plan``)."""
     return pattern_id in STRUCTURED_PATTERNS and selection is None and (bool(causal) or pattern_id != 2)
+
+
+def decode_pattern_code(pattern, layer_idx: int) -> PatternCode | None:
+    """The kernels' code of a causal decode step of ``pattern`` whose tiles the kernel computes, or None
+    where it cannot: non-causal, a pattern outside ``DECODE_PATTERNS``, a bigbird with blocks under 16
+    (a step's rows would span more than two query blocks) or more than ``MAX_DECODE_RANDOM_BLOCKS`` random
+    blocks. bigbird's code carries ``layer_idx`` in its hash seed (the random blocks differ per layer)."""
+    p = pattern.static_part() if pattern.learned else pattern
+    if not p.causal or PATTERN_IDS.get(p.name) not in DECODE_PATTERNS:
+        return None
+    pid, params = pattern_code(p)
+    if pid == 4:
+        if p.block < 16 or p.random_blocks > MAX_DECODE_RANDOM_BLOCKS or p.window_blocks >= BIGBIRD_RANDOM_SHIFT:
+            return None
+        seed = (p.seed * 7919 + layer_idx * 104729 + 17) & ((1 << 31) - 1)  # patterns._bigbird_random_table's
+        params = (p.block, p.window_blocks + BIGBIRD_RANDOM_SHIFT * p.random_blocks, p.global_blocks, seed)
+    return PatternCode(pid, True, params)

@@ -333,6 +333,7 @@ def _forward(launch: Launch, cap: _Cap, entry: str) -> Plan:
         return _plan(entry, "triton_structured", f"structured pattern; not the CUDA kernel: {why}")
     prior = None
     if (launch.pattern_id in LISTED_CUDA_PATTERNS and launch.selection is None and launch.layout is not None
+            and not getattr(launch.layout, "structured_decode", False)
             and launch.pack == 1 and launch.num_splits == 1 and launch.q.shape[2] > 1):
         why = _cuda_refusal(launch, cap, _LISTED_RULE, listed_call_ok, launch.q, launch.k, launch.v, launch.layout)
         if why is None:

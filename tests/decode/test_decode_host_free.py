@@ -1,8 +1,9 @@
 """Decode without per-step host work: no layout builds, no host reads, no new Triton variants.
 
-A decode step (``Sq <= 16``) of a causal dense / sliding_window / streaming pattern (or a learned
-pattern's static part) runs on a ``DecodeLayout``: the kernel computes its key tiles from the row
-geometry (``triton_fwd._struct_runs``). These tests check it against the exact reference for plain,
+A decode step (``Sq <= 16``) of a causal pattern (or a learned pattern's static part) runs on a
+``DecodeLayout``: the kernel computes its key tiles from the row geometry (``triton_fwd._struct_runs``;
+bigbird's random and l2_aligned's anchor tiles as slots past the window run, bigbird's random blocks
+drawn in the kernel). These tests check it against the exact reference for plain,
 left-padded and static-cache geometries, that a run of decode steps builds no ``BlockLayout`` and
 reads nothing from the device on the host (a spy on ``Tensor.item`` & co. and ``torch.equal``), and
 that the integer launch arguments that change from step to step are all ``do_not_specialize``
@@ -27,8 +28,9 @@ if HAVE_TRITON:
 import sparse_k
 from sparse_k import TokenLayout, get_pattern, row_geometry
 from sparse_k.layouts import block_layout
-from sparse_k.attention import dispatch
-from sparse_k.attention.decode_layout import DecodeLayout, decode_layout, decode_tile_bound
+from sparse_k.attention import dispatch, plan
+from sparse_k.attention.pattern_codes import BIGBIRD_RANDOM_SHIFT, decode_pattern_code
+from sparse_k.attention.decode_layout import DecodeLayout, decode_block_k, decode_layout, decode_tile_bound
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 _SUBPROCESS_ONLY = KERNEL_TEST  # not collected where IN_PROCESS is False (conftest): the subprocess runs them
@@ -39,7 +41,7 @@ TOL = 2e-3 if ON_GPU else 1e-5
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_interpreter_suite_in_subprocess():
-    run_file_interpreted(__file__, 21)
+    run_file_interpreted(__file__, 38, timeout=1500)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +57,17 @@ PATTERNS = {
     "streaming_many_sinks": get_pattern("streaming", sinks=20, window=5),
     "block_diagonal": get_pattern("block_diagonal", block=13),  # blocks across tile edges
     "block_diagonal_16": get_pattern("block_diagonal", block=16),
+    # a step's rows across two query blocks; tiles across key blocks (24); no window or globals; layer seeds
+    "bigbird": get_pattern("bigbird", block=16, window_blocks=1, global_blocks=1, random_blocks=2),
+    "bigbird_24": get_pattern("bigbird", block=24, window_blocks=0, global_blocks=2, random_blocks=3, seed=5),
+    "dilated": get_pattern("dilated", window=5, scales=3),
+    "l2_aligned": get_pattern("l2_aligned", block=8, window_blocks=2, segment=24, anchor=5),
+    "l2_aligned_wide_anchor": get_pattern("l2_aligned", block=16, window_blocks=1, segment=40, anchor=20),
+    "l2_aligned_short_segments": get_pattern("l2_aligned", block=4, window_blocks=3, segment=12, anchor=3),  # shared tiles
 }
+
+
+_SLOT_PATTERNS = ("bigbird", "dilated", "l2_aligned")
 
 
 def rand(*shape, gen):
@@ -108,26 +120,62 @@ def test_decode_layout_matches_reference(name):
     p = PATTERNS[name]
     g = torch.Generator().manual_seed(len(name))
     B, Hq, Hkv, D = 2, 4, 2, 16
-    for S, q_len in ((70, 1), (23, 3), (61, 16)):
+    # a layer past 0 where the pattern's rule depends on it (bigbird's random blocks)
+    layer = 3 if p.uses_layer else 0
+    # bigbird, dilated, l2_aligned also over a longer cache (more random / anchor slots, wider reach)
+    shapes = ((70, 1), (23, 3), (61, 16)) + (((300, 5),) if PATTERNS[name].name in _SLOT_PATTERNS else ())
+    for S, q_len in shapes:
         if True:
             q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
             sink = rand(Hq, gen=g)
             for geo_name, mask, q_start in _geometries(B, q_len, S, g):
                 ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=mask, q_start=q_start,
-                                                sink_logits=sink)
-                with count_layout_builds() as builds:
+                                                sink_logits=sink, layer_idx=layer)
+                with count_layout_builds() as builds, plan.recording() as ran:
                     out = sparse_k.sparse_attention(q, k, v, p, backend="triton", attention_mask=mask, q_start=q_start,
-                                                    sink_logits=sink)
+                                                    sink_logits=sink, layer_idx=layer)
                 assert builds[0] == 0, (geo_name, q_len)
+                assert ran and all(r.kernel in ("triton_layout", "triton_split_kv") for r in ran), ran  # no fallback
                 assert rel(out, ref) < TOL, (geo_name, S, q_len)
                 geo = row_geometry(B, q_len, S, mask, q_start, device=DEV)
                 for pack, splits in ((1, 1), (2, 5)):
-                    lay = decode_layout(p, q_len, S, geo, block_q=16 // pack, block_k=16, num_kv_heads=Hkv)
+                    lay = decode_layout(p, q_len, S, geo, block_q=16 // pack, block_k=16, num_kv_heads=Hkv,
+                                        layer_idx=layer)
                     assert isinstance(lay, DecodeLayout)
                     o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
                     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, num_splits=splits,
                                                sink_logits=sink, key_mask=mask, out=o, structured=False)
                     assert not o.isnan().any() and rel(o, ref) < TOL, (geo_name, S, q_len, pack, splits)
+
+
+@_SUBPROCESS_ONLY
+def test_bigbird_decode_draws_the_random_blocks_of_every_layer_and_head():
+    """The kernel's random blocks (drawn from the layer's seed, per KV head and query block) are the
+    reference's for many layers and seeds, four KV heads, a step whose rows span two query blocks,
+    and 32-key tiles over blocks of 32 and 48; a launch with the wrong layer's code differs."""
+    g = torch.Generator().manual_seed(40)
+    B, Hq, Hkv, D, S = 1, 8, 4, 16, 400
+    for block, block_k in ((32, 32), (48, 32)):
+        p = get_pattern("bigbird", block=block, window_blocks=1, global_blocks=1, random_blocks=4, seed=block)
+        for layer in (0, 1, 7, 30):
+            q_len = 2 if layer % 2 else 1
+            q, k, v = rand(B, Hq, q_len, D, gen=g), rand(B, Hkv, S, D, gen=g), rand(B, Hkv, S, D, gen=g)
+            # rows at key indices 383.. (block 32: the step spans query blocks 11 and 12 when q_len is 2)
+            q_start = torch.tensor([S - 17 - q_len]).to(DEV)
+            ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", q_start=q_start, layer_idx=layer)
+            geo = row_geometry(B, q_len, S, None, q_start, device=DEV)
+            lay = decode_layout(p, q_len, S, geo, block_q=8, block_k=block_k, num_kv_heads=Hkv, layer_idx=layer)
+            o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
+            dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=3, out=o, structured=False)
+            assert not o.isnan().any() and rel(o, ref) < TOL, (block, layer)
+            # one slot per split: a live slot past the host bound would be dropped
+            o = torch.full((B, Hq, q_len, D), float("nan"), device=DEV)
+            dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=2, num_splits=lay.max_tiles, out=o,
+                                       structured=False)
+            assert not o.isnan().any() and rel(o, ref) < TOL, (block, layer, lay.max_tiles)
+            other = decode_layout(p, q_len, S, geo, block_q=8, block_k=block_k, num_kv_heads=Hkv, layer_idx=layer + 1)
+            wrong = dispatch.attention_forward(q, k, v, other, scale=D ** -0.5, pack=2, num_splits=3, structured=False)[0]
+            assert rel(wrong, ref) > 1e-2, (block, layer)
 
 
 @_SUBPROCESS_ONLY
@@ -215,24 +263,48 @@ def test_static_cache_token_decode_tiles_and_prefetch(dtype):
                     assert rel(o, ref) < (1e-2 if dtype == torch.float16 else TOL), (written, weights, block_k, splits)
 
 
+def test_decode_pattern_code_of_bigbird_carries_the_layer_seed():
+    """bigbird's decode code: block, window + random blocks, globals, and the seed of the layer's random table
+    (``patterns._bigbird_random_table``); other patterns keep ``pattern_code``; non-causal ones get None."""
+    p = get_pattern("bigbird", block=32, window_blocks=2, global_blocks=3, random_blocks=5, seed=9)
+    codes = [decode_pattern_code(p, layer) for layer in (0, 1, 2)]
+    assert [c.pid for c in codes] == [4, 4, 4] and all(c.causal for c in codes)
+    assert codes[0].params[:3] == (32, 2 + 5 * BIGBIRD_RANDOM_SHIFT, 3)
+    assert [c.params[3] for c in codes] == [(9 * 7919 + layer * 104729 + 17) & (2**31 - 1) for layer in (0, 1, 2)]
+    assert decode_pattern_code(PATTERNS["l2_aligned"], 4).params == (8, 2, 24, 5)
+    assert decode_pattern_code(PATTERNS["dilated"], 4).params == (5, 3, 0, 0)
+    assert decode_pattern_code(get_pattern("dilated", window=5, causal=False), 0) is None
+    assert decode_pattern_code(get_pattern("sparse_k", sinks=2, window=9, top_k=4), 0).params == (9, 2, 0, 0)
+
+
 def test_decode_layout_declines_other_patterns():
     geo = row_geometry(1, 1, 50, None)
-    for p in (get_pattern("block_diagonal", block=8, causal=False), get_pattern("dilated", window=3, scales=2),
-              get_pattern("sliding_window", window=5, causal=False), get_pattern("bigbird", block=16)):
+    for p in (get_pattern("block_diagonal", block=8, causal=False), get_pattern("dilated", window=3, scales=2, causal=False),
+              get_pattern("sliding_window", window=5, causal=False), get_pattern("bigbird", block=16, causal=False),
+              get_pattern("bigbird", block=8), get_pattern("bigbird", block=16, random_blocks=17)):
         assert decode_layout(p, 1, 50, geo, block_q=16, block_k=16) is None
     assert decode_layout(PATTERNS["dense"], 17, 50, geo, block_q=16, block_k=16) is None  # not a decode step
+    with pytest.raises(ValueError, match="block_k=32"):  # key tiles wider than bigbird's block
+        decode_layout(get_pattern("bigbird", block=16), 1, 50, geo, block_q=16, block_k=32)
 
 
 def test_decode_tile_bound_covers_every_query_tile():
-    """The host bound on tiles (it sizes the split ranges) holds for every query tile position."""
+    """The host bound on tile slots (it sizes the split ranges) holds for every query tile position and
+    row offset (tiles of bigbird no wider than its block)."""
     for p in PATTERNS.values():
         for S in (1, 9, 16, 33, 64, 90):
-            allowed = p.allowed(torch.arange(S)[:, None], torch.arange(S)[None], 0, 0, S)  # (query, key)
-            for bq, bk in ((1, 16), (4, 16), (16, 64)):
-                bound = decode_tile_bound(p, bq, S, bk)
-                for q0 in range(S):
-                    keys = allowed[q0 : q0 + bq].any(0).nonzero().flatten()
-                    assert torch.unique(keys // bk).numel() <= bound, (p, S, bq, bk, q0)
+            for k_start in (0, 5):
+                if k_start >= S:
+                    continue
+                n = S - k_start
+                for head in range(2 if p.per_head else 1):
+                    allowed = p.allowed(torch.arange(n)[:, None], torch.arange(n)[None], 3, head, n)  # (query, key)
+                    for bq, bk in ((1, 16), (4, 16), (16, 64)):
+                        bk = decode_block_k(p, bk)
+                        bound = decode_tile_bound(p, bq, S, bk)
+                        for q0 in range(n):
+                            keys = allowed[q0 : q0 + bq].any(0).nonzero().flatten() + k_start
+                            assert torch.unique(keys // bk).numel() <= bound, (p, S, bq, bk, q0)
 
 
 # ----- no host reads on the decode path ------------------------------------------------------------
@@ -282,6 +354,9 @@ def _module(pattern: dict):
     {"pattern": "streaming", "sinks": 3, "window": 10},
     {"pattern": "dense"},
     {"pattern": "block_diagonal", "block": 13},
+    {"pattern": "bigbird", "block": 16, "window_blocks": 1, "global_blocks": 1, "random_blocks": 2},
+    {"pattern": "dilated", "window": 5, "scales": 3},
+    {"pattern": "l2_aligned", "block": 8, "window_blocks": 2, "segment": 24, "anchor": 5},
     {"pattern": "sparse_k", "sinks": 2, "window": 9, "top_k": 4, "query_block": 16},
 ])
 def test_adapter_decode_steps_read_nothing_on_the_host(pattern):
@@ -341,7 +416,7 @@ def _declared_runtime_args(kernel) -> set:
 
 @_SUBPROCESS_ONLY
 @pytest.mark.parametrize("pattern", [PATTERNS["sliding_window"], PATTERNS["streaming"], PATTERNS["dense"],
-                                     PATTERNS["block_diagonal"],
+                                     PATTERNS["block_diagonal"], PATTERNS["bigbird"], PATTERNS["l2_aligned"],
                                      get_pattern("sparse_k", sinks=2, window=9, top_k=4, query_block=16)])
 def test_decode_launch_arguments_that_change_are_runtime_values(pattern, monkeypatch):
     """Over 40 consecutive decode steps (a growing cache read through views of one buffer, and a key mask)
@@ -391,7 +466,8 @@ def _variants(kernel, device) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (counts compiled Triton variants)")
-@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense", "block_diagonal"])
+@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense", "block_diagonal", "bigbird", "dilated",
+                                  "l2_aligned"])
 def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     """After a few warm-up steps, 200 decode steps over a growing cache (kv_len through every residue
     mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel."""
@@ -399,7 +475,10 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     from sparse_k.attention.triton import structured as triton_structured
 
     p = {"sliding_window": get_pattern("sliding_window", window=256), "streaming": get_pattern("streaming", sinks=4, window=256),
-         "dense": get_pattern("dense"), "block_diagonal": get_pattern("block_diagonal", block=1000)}[name]
+         "dense": get_pattern("dense"), "block_diagonal": get_pattern("block_diagonal", block=1000),
+         "bigbird": get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3),
+         "dilated": get_pattern("dilated", window=256, scales=3),
+         "l2_aligned": get_pattern("l2_aligned", block=128, window_blocks=4, segment=1024, anchor=64)}[name]
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, D, S0 = 8, 32, 8, 128, 3000
     cache_k = rand(B, Hkv, S0 + 210, D, gen=g).to(torch.bfloat16)
@@ -432,6 +511,7 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
     ("sliding_window", {"window": 11}),
     ("streaming", {"sinks": 3, "window": 11}),
     ("block_diagonal", {"block": 11}),
+    ("bigbird", {"block": 16, "window_blocks": 1, "global_blocks": 1, "random_blocks": 2}),
     ("sparse_k", {"sinks": 2, "window": 9, "top_k": 4, "query_block": 16}),
 ])
 def test_static_cache_decode_traces_as_one_graph(name, params):

@@ -57,10 +57,11 @@ def _rows(args, tmp_path):
     return proc.stdout, json.loads(out.read_text())["rows"]
 
 
-def test_block_diagonal_and_bigbird_rows(tmp_path):
-    _, rows = _rows([*TINY, "--variants", "block_diagonal,bigbird", "--bigbird-block", "16", "--phases", "prefill",
+def test_block_diagonal_bigbird_dilated_and_l2_aligned_rows(tmp_path):
+    names = ("block_diagonal", "bigbird", "dilated", "l2_aligned")
+    _, rows = _rows([*TINY, "--variants", ",".join(names), "--bigbird-block", "16", "--phases", "prefill",
                      "--prefill-lens", "150", "--no-profile"], tmp_path)
-    assert [(r["variant"], r["phase"]) for r in rows] == [("block_diagonal", "prefill"), ("bigbird", "prefill")]
+    assert [(r["variant"], r["phase"]) for r in rows] == [(n, "prefill") for n in names]
     for r in rows:
         assert r["check_ok"] and r["check_rel_err"] <= r["check_bound"] and r["prefill_ms"] > 0, r
         assert r["prefill_attention_kernel"] == "torch x2", r

@@ -12,9 +12,10 @@ picks:
 * prefill with a token layout and no gradient: the query heads of a KV group packed as in decode
   (``plan.selection_prefill_config``).
 
-A decode step of a causal dense / sliding_window / streaming pattern (or a learned pattern's static
-part) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout`` and the kernel computes
-its key tiles from the row geometry, so nothing on the host depends on ``kv_len`` but a few ints.
+A decode step of a causal pattern (or a learned pattern's static part; bigbird with blocks of 16 or
+more and at most 16 random blocks) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout``
+and the kernel computes its key tiles from the row geometry, so nothing on the host depends on
+``kv_len`` but a few ints, and bigbird needs no alignment of its blocks with the rows.
 
 Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
 tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
@@ -27,6 +28,7 @@ wave of programs takes, or than the window spans).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -34,8 +36,8 @@ import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
 from ...layouts.patterns import BigBird
 from ..backends import AttentionCall, register_backend
-from ..decode_layout import DecodeLayout, decode_layout
-from ..pattern_codes import PATTERN_IDS
+from ..decode_layout import MAX_DECODE_QUERIES, DecodeLayout, decode_block_k, decode_layout
+from ..pattern_codes import PATTERN_IDS, decode_pattern_code
 from ..plan import bigbird_cuda, plan_tiles, split_count
 
 __all__ = ["run", "why_unsupported"]
@@ -68,16 +70,29 @@ def _want_grad(call: AttentionCall) -> bool:
     )
 
 
+def _bigbird_decode(call: AttentionCall, need_grad: bool) -> bool:
+    """Whether a bigbird call is a decode step whose tiles the kernel computes (``decode_layout``)."""
+    return (call.q.shape[2] <= MAX_DECODE_QUERIES and not need_grad
+            and decode_pattern_code(call.pattern, call.layer_idx) is not None)
+
+
 def _tiles(call: AttentionCall):
-    """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it)."""
+    """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it; a
+    bigbird decode step: the decode tiles, keys no wider than its block)."""
     q = call.q
     need_grad = _want_grad(call)
     bigbird = isinstance(call.pattern, BigBird)
+    bigbird_decode = bigbird and _bigbird_decode(call, need_grad)
+    if bigbird_decode:
+        bigbird = False
     on_cuda = bigbird and q.device.type == "cuda" and bigbird_cuda(
         call.pattern.block, call.pattern.causal, q, call.k, call.v, call.geometry, need_grad)
-    return plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
-                      device_type=q.device.type, need_grad=need_grad, selection=call.selection is not None,
-                      bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
+    tiles = plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
+                       device_type=q.device.type, need_grad=need_grad, selection=call.selection is not None,
+                       bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
+    if bigbird_decode:
+        return dataclasses.replace(tiles, block_k=decode_block_k(call.pattern, tiles.block_k))
+    return tiles
 
 
 def why_unsupported(call: AttentionCall) -> str | None:
@@ -95,7 +110,7 @@ def why_unsupported(call: AttentionCall) -> str | None:
     rule = call.pattern.static_part() if call.pattern.learned else call.pattern
     if rule.name not in PATTERN_IDS:
         return f"pattern {rule.name!r} has no kernel rule (the kernels evaluate {', '.join(sorted(set(PATTERN_IDS)))})"
-    if isinstance(call.pattern, BigBird):
+    if isinstance(call.pattern, BigBird) and not _bigbird_decode(call, _want_grad(call)):
         tiles = _tiles(call)
         bq, bk = tiles.block_q, tiles.block_k
         if bq not in (16, 32, 64, 128):
@@ -112,7 +127,7 @@ def run(call: AttentionCall):
     tiles = _tiles(call)
     bq, bk, pack, decode = tiles.block_q, tiles.block_k, tiles.pack, tiles.decode
     layout = None
-    if decode:  # dense / sliding_window / streaming (or a learned static part): tiles computed in the kernel
+    if decode:  # a causal pattern (or a learned static part): tiles computed in the kernel
         layout = decode_layout(call.pattern, call.q.shape[2], call.k.shape[2], call.geometry, block_q=bq, block_k=bk,
                                layer_idx=call.layer_idx, num_kv_heads=call.k.shape[1])
     if layout is None:

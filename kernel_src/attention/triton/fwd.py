@@ -21,12 +21,15 @@ import triton.language as tl
 from ...layouts.block_layout import full_tiles_contiguous
 from ..launch_buffers import placeholder, selection_args, split_counters
 from ..memory_order import new_output
-from ..pattern_codes import STRUCTURED_PATTERNS
+from ..pattern_codes import BIGBIRD_RANDOM_SHIFT, DECODE_PATTERNS
 from .fitting import launch
 from .rules import LOG2E, _floordiv, _key_runs, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
 __all__ = ["check_sel_fast", "combine_splits", "layout_forward", "mask_bytes"]
+
+#: bigbird decode launches carry ``window_blocks + _BB_SHIFT * random_blocks`` in ``P1`` (``pattern_codes``).
+_BB_SHIFT = tl.constexpr(BIGBIRD_RANDOM_SHIFT)
 
 #: ``dilated`` with at most this many scales compiles its scale loop unrolled (one kernel variant per
 #: scale count); more scales loop at run time.
@@ -36,15 +39,16 @@ MAX_UNROLLED_SCALES = 8
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, K, V, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-    qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
+    qpos, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0, extra_ok,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, USE_TMA: tl.constexpr,
-    HEAD_DIM: tl.constexpr, SCALES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SCALES: tl.constexpr, HAS_EXTRA: tl.constexpr,
 ):
     """One key tile ``n`` of the online softmax: acc (BLOCK_M, D) fp32, l_i/m_i (BLOCK_M,) in log2 units.
 
     With ``USE_TMA`` K and V are 2-D tensor descriptors over ``(B * Hkv * Skv, D)``; rows past this
-    head's ``Skv`` (only in the last tile) are masked like any key past the end."""
+    head's ``Skv`` (only in the last tile) are masked like any key past the end. ``HAS_EXTRA``: a
+    partial tile's element rule is also ANDed with ``extra_ok (BLOCK_M, BLOCK_N)`` (bigbird's decode rule)."""
     kidx = n.to(tl.int64) * BLOCK_N + offs_n  # (BLOCK_N,)
     kin = kidx < Skv
     if USE_TMA:
@@ -69,6 +73,8 @@ def _fwd_tile(
         kpos = offs_n + (n * BLOCK_N - k_start).to(tl.int32)
         k_ok = (kpos >= 0) & (kidx < k_end) & kin
         ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL, SCALES) & k_ok[None, :]
+        if HAS_EXTRA:
+            ok = ok & extra_ok
         s = tl.where(ok, s, float("-inf"))
     if HAS_KMASK:
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
@@ -232,24 +238,148 @@ def _selection_loop(
 
 
 @triton.jit
-def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Causal dense (0) / sliding_window (1) / streaming (2) / block_diagonal (3) key-tile runs of the queries
-    at key indices ``qlo..qhi`` (``triton.structured``'s table): ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with
-    sink tiles ``[s_lo, s_hi)``, the window run ``[n_lo, n_hi)`` (block_diagonal: from the block of ``qlo``
-    to ``qhi``) and its full (unmasked) middle ``[f_lo, f_hi)``, every full tile inside ``[k_start, k_end)``.
-    All from the row geometry: no layout; the key runs are the structured kernels' (``rules._key_runs``)."""
-    a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN, True)
+def _struct_runs(qlo, qhi, k_start, k_end, P0, P1, P2, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Causal key-tile runs of the queries at key indices ``qlo..qhi`` of a decode step:
+    ``(s_lo, s_hi, n_lo, f_lo, f_hi, n_hi)`` with sink tiles ``[s_lo, s_hi)`` (streaming's sinks,
+    bigbird's global blocks), the window run ``[n_lo, n_hi)`` and its full (unmasked) middle ``[f_lo,
+    f_hi)``, every full tile inside ``[k_start, k_end)``. dense (0) / sliding_window (1) / streaming (2)
+    / block_diagonal (3) take the structured kernels' key runs (``rules._key_runs``; block_diagonal from
+    the block of ``qlo``); bigbird (4) runs from ``window_blocks`` blocks before the block of ``qlo``, full
+    from those before the block of ``qhi``; dilated (5) runs over its widest scale's reach, full over its
+    first scale (a window of ``P0``); l2_aligned (6) runs over the blocks of its window (anchors before the
+    run: ``_anchor_slot``). All from the row geometry: no layout."""
+    if PATTERN == 4:
+        a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, 0, True)
+        wb = P1 % _BB_SHIFT
+        a_lo = tl.maximum(k_start, k_start + (_floordiv(qlo - k_start, P0) - wb) * P0)
+        w_lo = tl.maximum(k_start, k_start + (_floordiv(qhi - k_start, P0) - wb) * P0)
+    elif PATTERN == 5:
+        a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, 1, True)
+        reach = (tl.zeros([], tl.int64) + P0) << (P1 - 1)  # int64: window * 2**(scales - 1)
+        a_lo = tl.maximum(k_start, qlo - reach + 1)
+    elif PATTERN == 6:
+        a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, 0, True)
+        a_lo = tl.maximum(k_start, k_start + (_floordiv(qlo - k_start, P0) - P1 + 1) * P0)
+        w_lo = tl.maximum(k_start, k_start + (_floordiv(qhi - k_start, P0) - P1 + 1) * P0)
+    else:
+        a_lo, a_hi, w_lo, w_hi = _key_runs(qlo, qhi, k_start, k_end, P0, PATTERN, True)
+    a_hi = tl.maximum(a_hi, a_lo)
     n_lo = a_lo // BLOCK_N
     n_hi = tl.maximum((a_hi + BLOCK_N - 1) // BLOCK_N, n_lo)
     f_lo = tl.minimum(tl.maximum((w_lo + BLOCK_N - 1) // BLOCK_N, n_lo), n_hi)
     f_hi = tl.minimum(tl.maximum(w_hi // BLOCK_N, f_lo), n_hi)
     s_lo = n_lo
     s_hi = n_lo
-    if PATTERN == 2:
-        s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)
+    if PATTERN == 2 or PATTERN == 4:
+        if PATTERN == 2:
+            s_end = tl.minimum(tl.minimum(k_start + P1, k_end), qhi + 1)
+        else:
+            s_end = tl.minimum(tl.minimum(k_start + P2 * P0, k_end), qhi + 1)
         s_lo = tl.minimum(k_start // BLOCK_N, n_lo)
         s_hi = tl.maximum(tl.minimum((tl.maximum(s_end, k_start) + BLOCK_N - 1) // BLOCK_N, n_lo), s_lo)
     return s_lo, s_hi, n_lo, f_lo, f_hi, n_hi
+
+
+@triton.jit
+def _mix31(x):
+    """``patterns._mix`` (a 31-bit integer hash) on an int64 scalar; intermediates stay below 2**62."""
+    x = x & 2147483647
+    x = (x * 1103515245 + 12345) & 2147483647
+    x = x ^ (x >> 13)
+    x = (x * 1664525 + 12345) & 2147483647
+    x = x ^ (x >> 13)
+    x = (x * 22695477 + 12345) & 2147483647
+    x = x ^ (x >> 13)
+    return x
+
+
+@triton.jit
+def _bigbird_draws(qb, hkv, seed, wb, g, R: tl.constexpr, RP: tl.constexpr):
+    """The random key blocks of causal bigbird's query block ``qb`` and KV head ``hkv``: ``(RP,)`` int64,
+    -1 past ``R`` or where there are fewer candidates; the draws of ``patterns._bigbird_random_table``
+    (Floyd's sampling of ``R`` of the candidates ``g .. qb - wb - 1`` from the hash of ``seed``, the
+    layer's seed of ``pattern_codes.decode_pattern_code``)."""
+    ar = tl.arange(0, RP)
+    count = tl.maximum(qb - wb - g, 0).to(tl.int64)
+    base = _mix31(_mix31(tl.zeros([], tl.int64) + seed) + hkv.to(tl.int64) * 1000003 + qb.to(tl.int64) * 9176)
+    table = tl.full([RP], -1, tl.int64)
+    for j in tl.static_range(R):
+        t = count - R + j
+        x = _mix31(base + (j + 1) * 7777) % tl.maximum(t + 1, 1)
+        seen = tl.sum(tl.where((ar < j) & (table == x), 1, 0), 0) > 0
+        table = tl.where(ar == j, tl.where(seen, t, x), table)
+    table = tl.where(count <= R, tl.where(ar < count, ar.to(tl.int64), -1), table)
+    table = tl.where(ar < R, table, -1)
+    return tl.where(table >= 0, table + g, -1)
+
+
+@triton.jit
+def _block_tiles(kb, k_start, kcap, P0, BLOCK_N: tl.constexpr):
+    """Key tiles ``[lo, hi)`` holding key block ``kb`` (blocks of ``P0`` from ``k_start``) below ``kcap``."""
+    lo = (k_start + kb * P0) // BLOCK_N
+    hi = (tl.minimum(k_start + (kb + 1) * P0, kcap) + BLOCK_N - 1) // BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _random_slot(e, tpb, draws_lo, draws_hi, two_blocks, k_start, kcap, P0, s_lo, s_hi, n_lo, n_hi,
+                 R: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slot ``e`` of bigbird's random tiles: ``tpb`` slots per drawn block, the first query block's ``R``
+    draws, then the second's (when the step's rows span two). ``(tile, live)``: a slot is dead past its
+    block's tiles, on a global or window-run tile, or on a tile of an earlier draw (each tile once)."""
+    ar = tl.arange(0, RP)
+    ent = e // tpb
+    j = e - ent * tpb
+    is_hi = ent >= R
+    jj = tl.where(is_hi, ent - R, ent)
+    kb_lo = tl.sum(tl.where(ar == jj, draws_lo, 0), 0)
+    kb_hi = tl.sum(tl.where(ar == jj, draws_hi, 0), 0)
+    kb = tl.where(is_hi, tl.where(two_blocks, kb_hi, -1), kb_lo)
+    lo, hi = _block_tiles(kb, k_start, kcap, P0, BLOCK_N)
+    tile = lo + j
+    live = (kb >= 0) & (tile < hi) & ((tile < s_lo) | (tile >= s_hi)) & ((tile < n_lo) | (tile >= n_hi))
+    lo_v, hi_v = _block_tiles(draws_lo, k_start, kcap, P0, BLOCK_N)
+    earlier = (draws_lo >= 0) & (ar < tl.where(is_hi, R, jj)) & (lo_v <= tile) & (tile < hi_v)
+    lo_v, hi_v = _block_tiles(draws_hi, k_start, kcap, P0, BLOCK_N)
+    earlier_hi = (draws_hi >= 0) & (ar < jj) & (lo_v <= tile) & (tile < hi_v) & is_hi & two_blocks
+    dup = tl.sum(tl.where(earlier | earlier_hi, 1, 0), 0) > 0
+    return tile, live & ~dup
+
+
+@triton.jit
+def _bigbird_ok(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, draws_lo, draws_hi, BLOCK_N: tl.constexpr):
+    """bigbird's rule on key tile ``n`` (``BLOCK_N <= P0``: it holds keys of at most two blocks) for rows at
+    positions ``qpos (BLOCK_M,)`` in query blocks ``qb_lo`` or ``qb_hi``: window, global or a drawn block of
+    the row's query block. ``(BLOCK_M, BLOCK_N)`` bool; causality and key validity are ``_fwd_tile``'s."""
+    kp0 = n * BLOCK_N - k_start
+    kb0 = _floordiv(kp0, P0)
+    kb = _floordiv(kp0 + offs_n, P0)  # (BLOCK_N,): kb0 or kb0 + 1
+    qb = _floordiv(qpos, P0)  # (BLOCK_M,)
+    win = (kb[None, :] >= qb[:, None] - wb) & (kb[None, :] <= qb[:, None])
+    lo0 = tl.sum(tl.where(draws_lo == kb0, 1, 0), 0) > 0
+    lo1 = tl.sum(tl.where(draws_lo == kb0 + 1, 1, 0), 0) > 0
+    hi0 = tl.sum(tl.where(draws_hi == kb0, 1, 0), 0) > 0
+    hi1 = tl.sum(tl.where(draws_hi == kb0 + 1, 1, 0), 0) > 0
+    second = kb == kb0 + 1
+    r_lo = tl.where(second, lo1, lo0)
+    r_hi = tl.where(second, hi1, hi0)
+    rnd = ((qb == qb_lo)[:, None] & r_lo[None, :]) | ((qb == qb_hi)[:, None] & r_hi[None, :])
+    return win | (kb < g)[None, :] | rnd
+
+
+@triton.jit
+def _anchor_slot(e, tps, k_start, kcap, P2, P3, n_lo, BLOCK_N: tl.constexpr):
+    """Slot ``e`` of l2_aligned's anchor tiles before the window run ``[n_lo, ...)``: ``tps`` slots per
+    segment of ``P2`` keys, whose first ``P3`` keys are anchors. ``(tile, live)``: a slot is dead past its
+    anchors' tiles, at or past ``n_lo``, or on the previous segment's last tile (each tile once)."""
+    i = e // tps
+    j = e - i * tps
+    seg_lo = k_start + i * P2
+    lo = seg_lo // BLOCK_N
+    hi = (tl.minimum(seg_lo + P3, kcap) + BLOCK_N - 1) // BLOCK_N
+    prev_hi = tl.where(i > 0, (tl.minimum(seg_lo - P2 + P3, kcap) + BLOCK_N - 1) // BLOCK_N, 0)
+    tile = lo + j
+    return tile, (tile < hi) & (tile >= prev_hi) & (tile < n_lo)
 
 
 #: Integer arguments of ``_attn_fwd`` that change from one decode step to the next (lengths, split
@@ -260,6 +390,7 @@ ATTN_FWD_RUNTIME_ARGS = (
     "stride_nb", "stride_nh", "stride_nm", "stride_fb", "stride_fh", "stride_fm", "stride_pb", "stride_ph", "stride_pm",
     "stride_kmb", "stride_sib", "stride_sih", "stride_sin", "stride_scb", "stride_sch", "stride_scn",
     "stride_swb", "stride_swh", "stride_swn", "NB", "QB", "SEL_K", "Sq", "Skv", "tiles_per_split",
+    "P3",  # a bigbird decode step's hash seed, which differs per layer
 )
 
 
@@ -283,8 +414,11 @@ def _attn_fwd(
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
     SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
     DIL_SCALES: tl.constexpr = 0, STRUCT: tl.constexpr = False, MERGE_ROWS: tl.constexpr = True,
+    BB_RANDOM: tl.constexpr = 0, BB_SLOTS: tl.constexpr = 1,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
+    # Decode tiles of bigbird / l2_aligned also walk slots past the window run (random / anchor tiles).
+    SLOTS: tl.constexpr = STRUCT and (PATTERN == 4 or PATTERN == 6)
     if HEADS_FIRST:  # heads fastest: the cache-unfriendly program order, kept for the L2 study
         pid_m = tl.program_id(1)
         pid_bh = tl.program_id(0)
@@ -333,11 +467,25 @@ def _attn_fwd(
         # [s_lo, s_hi), the left edge [n_lo, f_lo) and the right edge [f_hi, n_hi), in this order.
         qlo = q_start + pid_m * ROWS
         qhi = q_start + tl.minimum(pid_m * ROWS + ROWS, Sq) - 1
-        s_lo, s_hi, n_lo, f_lo_t, f_hi_t, n_hi = _struct_runs(qlo, qhi, k_start, k_end, P0, P1, PATTERN, BLOCK_N)
+        s_lo, s_hi, n_lo, f_lo_t, f_hi_t, n_hi = _struct_runs(qlo, qhi, k_start, k_end, P0, P1, P2, PATTERN, BLOCK_N)
         n_full = f_hi_t - f_lo_t
         n_sink = s_hi - s_lo
         n_left = f_lo_t - n_lo
-        n_part = n_sink + n_left + (n_hi - f_hi_t)
+        n_edge = n_sink + n_left + (n_hi - f_hi_t)
+        n_part = n_edge
+        kcap = tl.minimum(k_end, qhi + 1)
+        if PATTERN == 4:  # bigbird: the random blocks of the (at most two) query blocks of these rows
+            wb = P1 % _BB_SHIFT
+            qb_lo = _floordiv(qlo - k_start, P0)
+            qb_hi = _floordiv(qhi - k_start, P0)
+            draws_lo = _bigbird_draws(qb_lo, hkv, P3, wb, P2, BB_RANDOM, BB_SLOTS)
+            draws_hi = _bigbird_draws(qb_hi, hkv, P3, wb, P2, BB_RANDOM, BB_SLOTS)
+            tpb = (P0 + BLOCK_N - 1) // BLOCK_N + 1
+            n_part = n_edge + 2 * BB_RANDOM * tpb
+        if PATTERN == 6:  # l2_aligned: the anchors of the segments that start before the window run
+            tps = (P3 + BLOCK_N - 1) // BLOCK_N + 1
+            n_seg = tl.where(P3 > 0, tl.maximum(n_lo * BLOCK_N - k_start + P2 - 1, 0) // P2, 0)
+            n_part = n_edge + n_seg * tps
         fidx = FIDX
         pidx = PIDX
     else:
@@ -380,8 +528,8 @@ def _attn_fwd(
             n_next = tl.load(fidx + t + 1, mask=t + 1 < f_hi, other=0)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
-            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
+            qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0, q_ok,
+            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES, False,
         )
     if not STRUCT:
         n_next = tl.load(pidx + p_lo, mask=p_lo < p_hi, other=0)
@@ -391,11 +539,30 @@ def _attn_fwd(
         else:
             n = n_next
             n_next = tl.load(pidx + t + 1, mask=t + 1 < p_hi, other=0)
-        acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
-            qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0,
-            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
-        )
+        if SLOTS:
+            if PATTERN == 4:
+                n_x, live = _random_slot(t - n_edge, tpb, draws_lo, draws_hi, qb_hi != qb_lo, k_start, kcap, P0, s_lo,
+                                         s_hi, n_lo, n_hi, BB_RANDOM, BB_SLOTS, BLOCK_N)
+            else:
+                n_x, live = _anchor_slot(t - n_edge, tps, k_start, kcap, P2, P3, n_lo, BLOCK_N)
+            n = tl.where(t < n_edge, n, n_x)
+            if (t < n_edge) | live:
+                if PATTERN == 4:
+                    extra = _bigbird_ok(qpos32, n, offs_n, k_start, P0, wb, P2, qb_lo, qb_hi, draws_lo, draws_hi, BLOCK_N)
+                else:
+                    extra = q_ok
+                acc, l_i, m_i = _fwd_tile(
+                    acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+                    qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0, extra,
+                    PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
+                    PATTERN == 4,
+                )
+        else:
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+                qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0, q_ok,
+                PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES, False,
+            )
     if HAS_SEL:
         if SPLIT:
             c_lo = tl.maximum(t_lo - n_full - n_part, 0) * BLOCK_N
@@ -644,15 +811,16 @@ def layout_forward(
     kmask = mask_bytes(key_mask) if key_mask is not None else placeholder(dev, torch.uint8, 2)
     struct = bool(getattr(layout, "structured_decode", False))
     if struct:  # a ``decode_layout.DecodeLayout``: the kernel computes the tile runs (no index lists)
-        if pid not in STRUCTURED_PATTERNS or not is_causal:
-            raise ValueError(
-                f"a DecodeLayout runs causal dense / sliding_window / streaming / block_diagonal, got pattern id {pid}")
+        if pid not in DECODE_PATTERNS or not is_causal:
+            raise ValueError(f"a DecodeLayout runs a causal pattern with an id in {DECODE_PATTERNS}, got pattern id "
+                             f"{pid} (causal={bool(is_causal)})")
         max_tiles = int(layout.max_tiles)
         lay_b = lay_h = 0
     else:
         max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
         max_tiles += -(-selection.indices.shape[-1] // block_n)
+    bb_random = int(params[1]) // BIGBIRD_RANDOM_SHIFT if struct and pid == 4 else 0  # draws a decode step makes
     split = num_splits > 1
     tiles_per_split = -(-max_tiles // num_splits) if split else max_tiles
     if split:
@@ -713,6 +881,7 @@ def layout_forward(
         SEL_PREFETCH=bool(not split if sel_prefetch is None else sel_prefetch) and selection is not None,
         SEL_LEAN=bool(sel_lean) and selection is not None,
         DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0, STRUCT=struct,
+        BB_RANDOM=bb_random, BB_SLOTS=max(1, triton.next_power_of_2(bb_random)),
         MERGE_ROWS=bool(merge_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
