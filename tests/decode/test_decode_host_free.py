@@ -288,6 +288,16 @@ def test_decode_layout_declines_other_patterns():
         decode_layout(get_pattern("bigbird", block=16), 1, 50, geo, block_q=16, block_k=32)
 
 
+def test_bigbird_decode_layout_refuses_the_prefill_code():
+    """A bigbird ``DecodeLayout`` launched with the pattern itself (whose prefill code carries no block or
+    seed) is refused with the reason before any launch, not run with a block of 0."""
+    p = get_pattern("bigbird", block=16)
+    q, k = torch.randn(1, 2, 1, 16, device=DEV), torch.randn(1, 1, 40, 16, device=DEV)
+    lay = decode_layout(p, 1, 40, row_geometry(1, 1, 40, None, device=DEV), block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="decode_pattern_code"):
+        dispatch.attention_forward(q, k, k, lay, scale=0.25, pattern=p, structured=False)
+
+
 def test_decode_tile_bound_covers_every_query_tile():
     """The host bound on tile slots (it sizes the split ranges) holds for every query tile position and
     row offset (tiles of bigbird no wider than its block)."""

@@ -814,6 +814,9 @@ def layout_forward(
         if pid not in DECODE_PATTERNS or not is_causal:
             raise ValueError(f"a DecodeLayout runs a causal pattern with an id in {DECODE_PATTERNS}, got pattern id "
                              f"{pid} (causal={bool(is_causal)})")
+        if pid == 4 and params[0] < 16:
+            raise ValueError(f"a bigbird DecodeLayout runs on its decode code (block >= 16, the layer's seed: "
+                             f"pattern_codes.decode_pattern_code), got params {tuple(params)}")
         max_tiles = int(layout.max_tiles)
         lay_b = lay_h = 0
     else:
