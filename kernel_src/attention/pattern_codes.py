@@ -100,6 +100,6 @@ def decode_pattern_code(pattern, layer_idx: int) -> PatternCode | None:
     if pid == 4:
         if p.block < 16 or p.random_blocks > MAX_DECODE_RANDOM_BLOCKS or p.window_blocks >= BIGBIRD_RANDOM_SHIFT:
             return None
-        seed = (p.seed * 7919 + layer_idx * 104729 + 17) & ((1 << 31) - 1)  # patterns._bigbird_random_table's
-        params = (p.block, p.window_blocks + BIGBIRD_RANDOM_SHIFT * p.random_blocks, p.global_blocks, seed)
+        params = (p.block, p.window_blocks + BIGBIRD_RANDOM_SHIFT * p.random_blocks, p.global_blocks,
+                  p.layer_seed(layer_idx))
     return PatternCode(pid, True, params)

@@ -291,6 +291,11 @@ class BigBird(Pattern):
             _RANDOM_TABLES[key] = table
         return table[:, :num_q_blocks]
 
+    def layer_seed(self, layer_idx: int) -> int:
+        """The 31-bit seed of layer ``layer_idx``'s random-block hash (``random_table``; the decode kernel's
+        draws take it through ``pattern_codes.decode_pattern_code``)."""
+        return (self.seed * 7919 + layer_idx * 104729 + 17) & ((1 << 31) - 1)
+
     def _blocks(self, x):
         return torch.div(x, self.block, rounding_mode="floor")
 
@@ -394,7 +399,7 @@ def _bigbird_random_table(p: BigBird, layer_idx, num_kv_heads, num_q_blocks, num
         skip_lo = win_lo - g
         count = (nk - g - skip_len).clamp_min(0)
     count = count.expand(num_kv_heads, -1)
-    seed_mix = _mix(torch.tensor(p.seed * 7919 + layer_idx * 104729 + 17, device=device))
+    seed_mix = _mix(torch.tensor(p.layer_seed(layer_idx), device=device))
     base = _mix(seed_mix + heads * 1000003 + qb * 9176)  # (H, NQB)
     table = torch.full((num_kv_heads, num_q_blocks, r), -1, dtype=torch.int64, device=device)
     # Floyd's sampling of r distinct indices in [0, count): for t = count-r .. count-1.
