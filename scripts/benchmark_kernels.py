@@ -1,4 +1,4 @@
-"""Benchmark the sparse_k Triton kernels against FlexAttention, SDPA flash and SDPA cuDNN.
+"""Benchmark the sparse_k kernels against FlexAttention, FA4, SDPA flash and SDPA cuDNN.
 
 Same inputs, same process, same BlockMask: FlexAttention gets ``layout.to_block_mask(...)`` of the
 very layout our kernel runs (default ``kernel_options``, ``torch.compile``d). Every row is checked
@@ -57,6 +57,14 @@ Sections (each fits in a few minutes on an H100):
   times each; with ``--single-launch`` every configuration launches exactly once (after one
   compile launch), in the printed order, for ``ncu --metrics lts__t_sector_hit_rate.pct ...``.
 
+FA4 (``flash_attn.cute.flash_attn_func`` of the flash-attn-4 package, CuTe DSL) is timed beside the fwd and
+bwd rows it can express when it is importable: dense causal and sliding_window (``window_size=(window - 1, 0)``) on
+``(B, S, H, D)`` copies of the same inputs, its output checked like ours (forward) or its gradients against ours
+(backward) before it is timed; a streaming row times FA4's sliding window of the same window (FA4 has no sink
+tokens: the kernel a user would otherwise run for a window). Where it is not importable, each such row says why
+(``fa4_error``). It needs ``nvidia-cutlass-dsl`` and its libs wheels, and ``<site>/nvidia_cutlass_dsl/dsl_packages``
+on ``PYTHONPATH``.
+
 Effective TFLOP/s count only allowed (query, key) pairs: ``4 * Hq * D`` flops per pair (forward),
 ``10 * Hq * D`` (backward: 2.5x). Prints a table and writes JSON (``--json``).
 
@@ -79,6 +87,8 @@ import torch
 import sparse_k
 from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry, torch_sparse_attention
 from sparse_k.attention.ops import block_attn
+
+from hf_sparse_attention.evaluation.fa4_baseline import fa4_backward, fa4_counterpart, fa4_forward, load_fa4
 
 B_PREFILL, HQ, HKV = 1, 32, 8
 
@@ -174,7 +184,7 @@ def selected_pairs(sel, Sq: int, Skv: int) -> int:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -203,6 +213,47 @@ def sdpa(q, k, v, backend_name: str, causal=True):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
+    """FA4 beside a forward row: checked on the first and last query rows, then timed (``fa4_ms``)."""
+    fa4, counterpart = load_fa4(), fa4_counterpart(p)
+    if counterpart is None:
+        return
+    if isinstance(fa4, str):
+        row["fa4_error"] = fa4
+        return
+    window_size, fa4_pattern = counterpart
+    if fa4_pattern is not p:
+        row["fa4_runs"] = f"sliding_window {p.window} (no sinks)"
+    out, call = fa4_forward(fa4, q, k, v, scale=scale, window_size=window_size)
+    row["err_fa4"] = large_check(q, k, v, None, out, pattern=fa4_pattern)
+    if row["err_fa4"] >= TOL:
+        row["fa4_error"] = f"check failed ({row['err_fa4']:.2e})"
+        return
+    row["fa4_ms"] = bench(call)
+    row["ratio_vs_fa4"] = row["fa4_ms"] / ours_ms if ours_ms else None
+
+
+def _fa4_bwd(p, q, k, v, do, grads, scale, row):
+    """FA4's backward beside a bwd row (same pattern only): its gradients against ours, then timed."""
+    fa4, counterpart = load_fa4(), fa4_counterpart(p)
+    if counterpart is None:
+        return
+    if isinstance(fa4, str):
+        row["fa4_error"] = fa4
+        return
+    window_size, fa4_pattern = counterpart
+    if fa4_pattern is not p:
+        row["fa4_error"] = "FA4 has no sink tokens"
+        return
+    fa4_grads, call = fa4_backward(fa4, q, k, v, do, scale=scale, window_size=window_size)
+    row["err_fa4_grads"] = max(rel_err(a, b) for a, b in zip(fa4_grads, grads))
+    if row["err_fa4_grads"] >= TOL:
+        row["fa4_error"] = f"gradient check failed ({row['err_fa4_grads']:.2e})"
+        return
+    row["fa4_ms"] = bench(call)
+    row["ratio_vs_fa4"] = row["fa4_ms"] / row["ours_ms"] if row.get("ours_ms") else None
+
+
 # ---------------------------------------------------------------- checks
 def small_check(pattern, D: int, dtype, section: str) -> float:
     """Relative error of our kernel vs the exact float64 reference (and of the gradients for bwd)."""
@@ -229,15 +280,17 @@ def small_check(pattern, D: int, dtype, section: str) -> float:
     return err
 
 
-def large_check(q, k, v, layout, out, rows=256) -> float:
-    """Relative error of ``out`` on the first and last ``rows`` queries vs the PyTorch path."""
+def large_check(q, k, v, layout, out, rows=256, pattern=None) -> float:
+    """Relative error of ``out`` on the first and last ``rows`` queries vs the PyTorch path (of ``layout``'s
+    pattern, or of ``pattern``, layer 0, where given)."""
     S = q.shape[2]
     errs = []
+    pattern, layer_idx = (layout.pattern, layout.layer_idx) if pattern is None else (pattern, 0)
     for q0 in (0, max(0, S - rows)):
         n = min(rows, S - q0)
         geo = row_geometry(1, n, k.shape[2], None, q_start=q0, device=q.device)
-        lay = build_block_layout(layout.pattern, n, k.shape[2], geo, block_q=64, block_k=128,
-                                 layer_idx=layout.layer_idx, num_kv_heads=k.shape[1])
+        lay = build_block_layout(pattern, n, k.shape[2], geo, block_q=64, block_k=128,
+                                 layer_idx=layer_idx, num_kv_heads=k.shape[1])
         ref, _ = torch_sparse_attention(q[:, :, q0 : q0 + n], k, v, lay, scale=q.shape[-1] ** -0.5)
         errs.append(rel_err(out[:, :, q0 : q0 + n], ref))
     return max(errs)
@@ -337,6 +390,14 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
         if row["err_large_triton"] < TOL:
             row["triton_ms"] = bench(triton_call)
             row["tflops_triton"] = flops / row["triton_ms"] / 1e9
+    if ok:
+        try:
+            _fa4_fwd(p, q, k, v, row["ours_ms"], scale, row)
+            if row.get("fa4_ms") and "fa4_runs" not in row:
+                row["tflops_fa4"] = flops / row["fa4_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001 — a baseline failing is reported, not fatal
+            row["fa4_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        torch.cuda.empty_cache()
     if S <= args.flex_max:
         try:
             lay_flex = layout
@@ -490,6 +551,15 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
         row["ours_ms"] = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
         row["tflops_ours"] = flops / row["ours_ms"] / 1e9
         _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row)
+        try:
+            grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+            _fa4_bwd(p, q, k, v, do, grads, scale, row)
+            if row.get("fa4_ms"):
+                row["tflops_fa4"] = flops / row["fa4_ms"] / 1e9
+            del grads
+        except Exception as e:  # noqa: BLE001 — a baseline failing is reported, not fatal
+            row["fa4_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        torch.cuda.empty_cache()
     else:
         row["error"] = "correctness check failed: row void"
     if S <= args.flex_max:
@@ -1078,7 +1148,8 @@ def print_table(results):
         ("stages", "stages"), ("tma", "tma"), ("kernel", "kernel"), ("ours_ms", "ours ms"),
         ("out_order", "out order"), ("ms_rounds", "ms per round"), ("ratio_vs_contiguous", "x contiguous"),
         ("err_vs_contiguous", "grad err vs contiguous"),
-        ("tflops_ours", "TF/s"), ("triton_ms", "triton ms"), ("tflops_triton", "triton TF/s"), ("flex_ms", "flex ms"), ("ratio_triton_vs_flex", "triton x flex"), ("ratio_vs_flex", "x flex"), ("sdpa_cudnn_ms", "cudnn ms"),
+        ("tflops_ours", "TF/s"), ("triton_ms", "triton ms"), ("tflops_triton", "triton TF/s"), ("flex_ms", "flex ms"), ("ratio_triton_vs_flex", "triton x flex"), ("ratio_vs_flex", "x flex"),
+        ("fa4_ms", "fa4 ms"), ("tflops_fa4", "fa4 TF/s"), ("ratio_vs_fa4", "x fa4"), ("sdpa_cudnn_ms", "cudnn ms"),
         ("ratio_vs_cudnn", "x cudnn"), ("sdpa_flash_ms", "fa2 ms"), ("ours_us", "ours us"), ("gbps_ours", "GB/s"), ("graph_us", "graph us"), ("api_us", "api us"),
         ("sdpa_flash_us", "sdpa us"), ("sdpa_window_slice_us", "slice us"), ("gather_sdpa_us", "gather+sdpa us"),
         ("sdpa_window_slice_graph_us", "slice graph us"), ("gather_sdpa_graph_us", "gather+sdpa graph us"),
@@ -1089,7 +1160,8 @@ def print_table(results):
         ("torch_fwdbwd_ms", "torch fwd+bwd ms"), ("triton_fwdbwd_ms", "triton fwd+bwd ms"), ("ratio_fwdbwd", "x fwd+bwd"),
         ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("sw3072_triton_ms", "SW3072 triton ms"),
-        ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("error", "note"),
+        ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("fa4_runs", "fa4 runs"),
+        ("fa4_error", "fa4 note"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
     print("| " + " | ".join(h for _, h in used) + " |")
