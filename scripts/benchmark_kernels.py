@@ -52,6 +52,11 @@ Sections (each fits in a few minutes on an H100):
   median over rounds).
 * ``--section sparsek``: the SparseK operator, Triton kernel vs the PyTorch path (forward, forward +
   backward), after checking they agree; decides ``sparse_k.selection.sparsek.AUTO_TRITON_ON_CUDA``.
+* ``--section padded``: a left-padded batch (B=2, the second row's first ``--pad`` keys masked, as Transformers
+  pads a batch of prompts) through ``sparse_attention`` (``backend="auto"``) for each ``--patterns`` entry: the
+  kernel the call reaches (``kernel``; a fallback's warning in ``warning``), checked against the PyTorch path on the
+  first and last 256 queries, timed beside the same call without the mask (``unpadded_ms``) and, up to
+  ``--padded-torch-max``, on the PyTorch path (``torch_path_ms``: what a call the kernels refuse costs).
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -81,6 +86,7 @@ import platform
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -1031,6 +1037,58 @@ def section_l2(args, results):
             print(json.dumps(row), flush=True)
 
 
+def section_padded(args, results):
+    """A left-padded batch through ``sparse_attention`` (module docstring, ``--section padded``)."""
+    dev, dtype = "cuda", torch.bfloat16
+    pats = _patterns(args.window, args.sinks)
+    for D in args.head_dims:
+        for name in args.patterns:
+            p = pats[name]
+            for S in args.seqlens:
+                row = dict(section="padded", pattern=name, S=S, D=D, pad=args.pad)
+                try:
+                    _padded_row(p, S, D, dtype, dev, row, args)
+                except torch.OutOfMemoryError as e:
+                    row["error"] = f"OOM: {str(e)[:80]}"
+                except Exception as e:  # noqa: BLE001 — one failing row must not end the section
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                torch.cuda.empty_cache()
+                results.append(row)
+                print(json.dumps(row), flush=True)
+
+
+def _padded_row(p, S, D, dtype, dev, row, args):
+    q, k, v = _inputs(2, S, D, dtype, dev, S + D + 2)
+    mask = torch.ones(2, S, dtype=torch.bool, device=dev)
+    mask[1, : args.pad] = False
+    padded = lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, row["kernel"] = ran(padded)
+    if caught:
+        row["warning"] = str(caught[0].message)[:160]
+    errs = []
+    for q0 in (0, S - 256):
+        ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p, attention_mask=mask, q_start=q0,
+                                        backend="torch")
+        errs.append(rel_err(out[:, :, q0 : q0 + 256], ref))
+    row["err_large"] = max(errs)
+    if row["err_large"] >= TOL:
+        row["error"] = "correctness check failed: row void"
+        return
+    row["ours_ms"] = bench(padded)
+    _, row["unpadded_kernel"] = ran(lambda: sparse_k.sparse_attention(q, k, v, p))
+    row["unpadded_ms"] = bench(lambda: sparse_k.sparse_attention(q, k, v, p))
+    row["ratio_vs_unpadded"] = row["unpadded_ms"] / row["ours_ms"]
+    if S <= args.padded_torch_max:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row["torch_path_ms"] = bench(lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask,
+                                                                           backend="torch"))
+        row["ratio_vs_torch_path"] = row["torch_path_ms"] / row["ours_ms"]
+
+
 def _which_kernels(fn):
     """Run ``fn()`` once (then synchronise); return its result and the kernels ``plan`` named for it."""
     out, label = ran(fn)
@@ -1161,7 +1219,9 @@ def print_table(results):
         ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("sw3072_triton_ms", "SW3072 triton ms"),
         ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("fa4_runs", "fa4 runs"),
-        ("fa4_error", "fa4 note"), ("error", "note"),
+        ("fa4_error", "fa4 note"), ("unpadded_kernel", "unpadded kernel"), ("unpadded_ms", "unpadded ms"),
+        ("ratio_vs_unpadded", "x unpadded"), ("torch_path_ms", "torch path ms"), ("ratio_vs_torch_path", "x torch path"),
+        ("warning", "warning"), ("error", "note"),
     ]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in results)]
     print("| " + " | ".join(h for _, h in used) + " |")
@@ -1212,13 +1272,16 @@ def write_json(path, meta, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek", "layouts"), required=True)
+    ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek", "layouts", "padded"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
     ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
     ap.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
     ap.add_argument("--window", type=int, default=4096)
     ap.add_argument("--sinks", type=int, default=128)
+    ap.add_argument("--pad", type=int, default=77, help="padded: masked keys at the start of the second row")
+    ap.add_argument("--padded-torch-max", type=int, default=32768,
+                    help="padded: largest S also timed on the PyTorch path")
     ap.add_argument("--flex-max", type=int, default=131072, help="largest S given to the FlexAttention baseline")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--single-launch", action="store_true", help="l2: one timed-free launch per configuration (for ncu)")
@@ -1246,7 +1309,7 @@ def main(argv=None):
     results = []
     {"fwd": section_fwd, "bwd": section_bwd, "decode": section_decode, "tune": section_tune, "tune_bwd": section_tune_bwd,
      "tune_structured": section_tune_structured, "tune_structured_bwd": section_tune_structured_bwd, "l2": section_l2, "sparsek": section_sparsek,
-     "layouts": section_layouts}[args.section](args, results)
+     "layouts": section_layouts, "padded": section_padded}[args.section](args, results)
     print_table(results)
     if args.json:
         write_json(args.json, meta, results)

@@ -9,8 +9,9 @@
  2     streaming        P0 = window, P1 = sinks
  3     block_diagonal   P0 = block
  4     bigbird          — (aligned tiles only: a listed tile is allowed as a whole); a decode step's
-                       launch (``decode_pattern_code``): P0 = block, P1 = window_blocks +
-                       65536 * random_blocks, P2 = global_blocks, P3 = the layer's hash seed
+                       launch, or one over tiles that straddle its blocks (``decode_pattern_code``):
+                       P0 = block, P1 = window_blocks + 65536 * random_blocks, P2 = global_blocks,
+                       P3 = the layer's hash seed (the kernel then evaluates bigbird's rule)
  5     dilated          P0 = window, P1 = scales
  6     l2_aligned       P0 = block, P1 = window_blocks, P2 = segment, P3 = anchor
 ====  ===============  =====================================================================
@@ -24,9 +25,13 @@ random blocks (``decode_pattern_code``).
 
 from __future__ import annotations
 
+import torch
+
+from ..layouts.patterns import bigbird_draws
+
 __all__ = [
     "BIGBIRD_RANDOM_SHIFT", "DECODE_PATTERNS", "MAX_DECODE_RANDOM_BLOCKS", "PATTERN_IDS", "PatternCode", "STRUCTURED_PATTERNS",
-    "decode_pattern_code", "pattern_code", "structured_pattern",
+    "bigbird_code_draws", "decode_pattern_code", "pattern_code", "structured_pattern",
 ]
 
 PATTERN_IDS = {
@@ -103,3 +108,31 @@ def decode_pattern_code(pattern, layer_idx: int) -> PatternCode | None:
         params = (p.block, p.window_blocks + BIGBIRD_RANDOM_SHIFT * p.random_blocks, p.global_blocks,
                   p.layer_seed(layer_idx))
     return PatternCode(pid, True, params)
+
+
+#: Random tables of bigbird codes by (params, KV heads, device); see ``bigbird_code_draws``.
+_CODE_DRAWS: dict = {}
+_CODE_DRAWS_MAX = 256
+
+
+def bigbird_code_draws(params, num_kv_heads: int, num_q_blocks: int, device) -> torch.Tensor:
+    """The random key blocks of causal bigbird's code ``params`` (``decode_pattern_code``: block, window_blocks +
+    ``BIGBIRD_RANDOM_SHIFT`` * random_blocks, global_blocks, the layer's seed): ``(num_kv_heads, num_q_blocks, r)``
+    int32, -1 where none, the values of ``BigBird.random_table`` for that layer. Cached (room for the next power of
+    two of query blocks) except inside a ``torch.compile`` trace or a CUDA-graph capture, where a cached tensor could
+    live in a graph's memory pool that the next replay overwrites."""
+    _, p1, g, seed = (int(x) for x in params)
+    w, r = p1 % BIGBIRD_RANDOM_SHIFT, p1 // BIGBIRD_RANDOM_SHIFT
+    dev = torch.device(device)
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        return bigbird_draws(r, g, w, True, seed, num_kv_heads, num_q_blocks, None, dev).to(torch.int32)
+    key = (tuple(int(x) for x in params), num_kv_heads, str(dev))
+    table = _CODE_DRAWS.get(key)
+    if table is None or table.shape[1] < num_q_blocks:
+        if len(_CODE_DRAWS) >= _CODE_DRAWS_MAX:
+            _CODE_DRAWS.clear()
+        room = max(64, 1 << max(0, num_q_blocks - 1).bit_length())
+        table = bigbird_draws(r, g, w, True, seed, num_kv_heads, room, None, dev).to(torch.int32)
+        _CODE_DRAWS[key] = table
+    return table[:, :num_q_blocks]

@@ -409,13 +409,15 @@ class Tiles:
     """The tiles of the Triton backend's launch for a call: ``block_q`` query rows per head and
     ``block_k`` keys per tile (the layout's blocks), ``pack`` query heads per program (``BLOCK_M =
     block_q * pack``), ``decode`` a decode-style launch (split keys; a ``DecodeLayout`` where the
-    pattern allows), and ``reason``."""
+    pattern allows), ``bigbird_rule`` a bigbird launch over tiles that straddle its blocks (its rule
+    evaluated in the partial tiles: ``bigbird_rule_tiles``), and ``reason``."""
 
     block_q: int
     block_k: int
     pack: int
     decode: bool
     reason: str
+    bigbird_rule: bool = False
 
 
 def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_grad: bool, selection: bool,
@@ -508,6 +510,19 @@ def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, 
     if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
         return 64, 64
     return block, block
+
+
+def bigbird_rule_tiles(block: int, device_type: str) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of a bigbird call whose block tiles cannot serve it (rows off its blocks, e.g. a
+    left-padded batch, or a block that is no tile size; no gradient): powers of two no wider than the block (a
+    query tile then spans at most two query blocks, a key tile at most two key blocks: what the kernel's rule,
+    ``triton.fwd._bigbird_ok``, evaluates), at most 64 on a GPU (the layout path's bigbird prefill tiles) and 16
+    elsewhere (the interpreter's)."""
+    cap = min(block, 64 if device_type == "cuda" else 16)
+    tile = 16
+    while tile * 2 <= cap:
+        tile *= 2
+    return tile, tile
 
 
 def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, cap: Capability | None = None) -> bool:

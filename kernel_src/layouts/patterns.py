@@ -382,10 +382,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bigbird_random_table(p: BigBird, layer_idx, num_kv_heads, num_q_blocks, num_k_blocks, device):
-    r, g, w = p.random_blocks, p.global_blocks, p.window_blocks
+    return bigbird_draws(p.random_blocks, p.global_blocks, p.window_blocks, p.causal, p.layer_seed(layer_idx),
+                         num_kv_heads, num_q_blocks, num_k_blocks, device)
+
+
+def bigbird_draws(r: int, g: int, w: int, causal: bool, seed: int, num_kv_heads: int, num_q_blocks: int,
+                  num_k_blocks: int | None, device) -> torch.Tensor:
+    """bigbird's random key blocks, ``(num_kv_heads, num_q_blocks, r)`` int64, -1 where none: ``r`` random,
+    ``g`` global and ``w`` window blocks, ``seed`` the layer's seed (``BigBird.layer_seed``; ``BigBird.random_table``
+    is this with the pattern's fields, cached)."""
     qb = torch.arange(num_q_blocks, device=device, dtype=torch.int64)[None, :]  # (1, NQB)
     heads = torch.arange(num_kv_heads, device=device, dtype=torch.int64)[:, None]  # (H, 1)
-    if p.causal:
+    if causal:
         # Candidates g .. qb-w-1 (neither global nor in the window).
         first = torch.full_like(qb, g)
         count = (qb - w - g).clamp_min(0)
@@ -399,7 +407,7 @@ def _bigbird_random_table(p: BigBird, layer_idx, num_kv_heads, num_q_blocks, num
         skip_lo = win_lo - g
         count = (nk - g - skip_len).clamp_min(0)
     count = count.expand(num_kv_heads, -1)
-    seed_mix = _mix(torch.tensor(p.layer_seed(layer_idx), device=device))
+    seed_mix = _mix(torch.tensor(seed, device=device))
     base = _mix(seed_mix + heads * 1000003 + qb * 9176)  # (H, NQB)
     table = torch.full((num_kv_heads, num_q_blocks, r), -1, dtype=torch.int64, device=device)
     # Floyd's sampling of r distinct indices in [0, count): for t = count-r .. count-1.
@@ -414,7 +422,7 @@ def _bigbird_random_table(p: BigBird, layer_idx, num_kv_heads, num_q_blocks, num
     # Map candidate index -> key block (skipping the window for bidirectional).
     valid = table >= 0
     kb = table + first.unsqueeze(-1)
-    if not p.causal:
+    if not causal:
         kb = torch.where(table >= skip_lo.unsqueeze(-1), kb + skip_len.unsqueeze(-1), kb)
     return torch.where(valid, kb, torch.full_like(kb, -1))
 

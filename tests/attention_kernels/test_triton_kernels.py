@@ -340,20 +340,6 @@ def test_pattern_without_kernel_rule_falls_back():
 
 
 @_SUBPROCESS_ONLY
-def test_bigbird_misaligned_falls_back():
-    """Left padding moves bigbird blocks off the tiles: the backend refuses and the call still runs exactly."""
-    p = PATTERNS["bigbird"]
-    g = torch.Generator().manual_seed(8)
-    q, k, v = rand(1, 2, 32, 16, gen=g), rand(1, 1, 32, 16, gen=g), rand(1, 1, 32, 16, gen=g)
-    mask = torch.ones(1, 32, dtype=torch.bool, device=DEV)
-    mask[0, :5] = False
-    with pytest.warns(UserWarning, match="bigbird"):
-        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", attention_mask=mask)
-    ref = sparse_k.sparse_attention(q, k, v, p, backend="reference", attention_mask=mask)
-    assert rel(out, ref) < TOL32
-
-
-@_SUBPROCESS_ONLY
 def test_custom_op_registration():
     """``sparse_k::block_attn_fwd`` has a fake (meta) implementation and autograd: opcheck's schema, fake-tensor
     and autograd-registration tests (the last needs inputs that require grad)."""

@@ -141,6 +141,8 @@ def listed_call_ok(q, k, v, layout, *, pattern_id: int, causal: bool = True, pla
     tile lists are ``(B', H', ceil(S / 128)[, W])`` on q's device with ``B'`` 1 or B and ``H'`` 1 or Hkv."""
     if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask, LISTED_CUDA_PATTERNS):
         return False
+    if any(getattr(getattr(layout, "pattern", None), "params", ())):  # a code with bigbird's rule: tiles straddle
+        return False  # its blocks, and this kernel masks listed tiles by causality alone
     if not tensors_ok(q, k, v) or getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
         return False
     B, Hkv, S = q.shape[0], k.shape[1], q.shape[2]

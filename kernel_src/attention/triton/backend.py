@@ -15,7 +15,11 @@ picks:
 A decode step of a causal pattern (or a learned pattern's static part; bigbird with blocks of 16 or
 more and at most 16 random blocks) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout``
 and the kernel computes its key tiles from the row geometry, so nothing on the host depends on
-``kv_len`` but a few ints, and bigbird needs no alignment of its blocks with the rows.
+``kv_len`` but a few ints, and bigbird needs no alignment of its blocks with the rows. A bigbird call
+without gradients that block tiles cannot serve (a left-padded batch, a chunk starting inside a block, a
+block that is no tile size) runs the layout kernel over tiles no wider than its block, listed from its
+block layout, with its rule evaluated in the partial tiles (``plan.bigbird_rule_tiles``; the launch takes
+bigbird's ``decode_pattern_code``); with gradients it falls back to the PyTorch path.
 
 Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
 tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
@@ -34,11 +38,12 @@ import os
 import torch
 import triton  # noqa: F401  (ImportError here keeps the backend unregistered)
 
+from ...layouts.geometry import host_rows
 from ...layouts.patterns import BigBird
 from ..backends import AttentionCall, register_backend
 from ..decode_layout import MAX_DECODE_QUERIES, DecodeLayout, decode_block_k, decode_layout
 from ..pattern_codes import PATTERN_IDS, decode_pattern_code
-from ..plan import bigbird_cuda, plan_tiles, split_count
+from ..plan import bigbird_cuda, bigbird_rule_tiles, plan_tiles, split_count
 
 __all__ = ["run", "why_unsupported"]
 
@@ -50,14 +55,29 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int) -> str | None:
+def _bigbird_reason(call: AttentionCall, block_q: int, block_k: int, need_grad: bool) -> str | None:
+    """Why bigbird's block tiles (``block_q x block_k``) cannot serve ``call`` on the layout path, else None (one
+    host read of the row offsets, unless they are known on the host)."""
     p = call.pattern
+    if block_q not in (16, 32, 64, 128):
+        return f"bigbird block {block_q} (the kernels take blocks of 16, 32, 64 or 128)"
+    if block_q > 64 and need_grad:
+        return f"bigbird block {block_q} with gradients (the backward kernels take blocks up to 64)"
     if p.block % block_q or p.block % block_k:
         return f"bigbird needs tiles that divide its block ({p.block}); the kernels use {block_q}x{block_k}"
-    g = call.geometry
-    if bool(((g.k_start % p.block) != 0).any()) or bool((((g.q_start - g.k_start) % p.block) != 0).any()):
+    if _rows_off_blocks(call.geometry, p.block):
         return "bigbird blocks do not line up with the kernel tiles for these row offsets (padding or q_start)"
     return None
+
+
+def _rows_off_blocks(geometry, block: int) -> bool:
+    """Whether some row's first valid key or first query sits inside a block (``k_start`` or ``q_start - k_start``
+    not a multiple of ``block``): from the host offsets when known, else one read of the device."""
+    host = geometry.host_offsets()
+    if host is not None:
+        return any(k % block or (q - k) % block for q, k, _ in host_rows(host))
+    off = ((geometry.k_start % block) != 0) | (((geometry.q_start - geometry.k_start) % block) != 0)
+    return bool(off.any())
 
 
 def _want_grad(call: AttentionCall) -> bool:
@@ -78,7 +98,8 @@ def _bigbird_decode(call: AttentionCall, need_grad: bool) -> bool:
 
 def _tiles(call: AttentionCall):
     """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it; a
-    bigbird decode step: the decode tiles, keys no wider than its block)."""
+    bigbird decode step: the decode tiles, keys no wider than its block; a bigbird call without gradients
+    that block tiles cannot serve, e.g. a left-padded batch: ``plan.bigbird_rule_tiles``)."""
     q = call.q
     need_grad = _want_grad(call)
     bigbird = isinstance(call.pattern, BigBird)
@@ -92,6 +113,12 @@ def _tiles(call: AttentionCall):
                        bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
     if bigbird_decode:
         return dataclasses.replace(tiles, block_k=decode_block_k(call.pattern, tiles.block_k))
+    if (bigbird and not need_grad and decode_pattern_code(call.pattern, call.layer_idx) is not None
+            and _bigbird_reason(call, tiles.block_q, tiles.block_k, need_grad) is not None):
+        bq, bk = bigbird_rule_tiles(call.pattern.block, q.device.type)
+        return dataclasses.replace(tiles, block_q=bq, block_k=bk, bigbird_rule=True,
+                                   reason="bigbird without block tiles (rows off its blocks, or a block that is no "
+                                          "tile size): tiles no wider than its block, its rule in the kernel")
     return tiles
 
 
@@ -112,12 +139,10 @@ def why_unsupported(call: AttentionCall) -> str | None:
         return f"pattern {rule.name!r} has no kernel rule (the kernels evaluate {', '.join(sorted(set(PATTERN_IDS)))})"
     if isinstance(call.pattern, BigBird) and not _bigbird_decode(call, _want_grad(call)):
         tiles = _tiles(call)
-        bq, bk = tiles.block_q, tiles.block_k
-        if bq not in (16, 32, 64, 128):
-            return f"bigbird block {bq} (the kernels take blocks of 16, 32, 64 or 128)"
-        if bq > 64 and _want_grad(call):
-            return f"bigbird block {bq} with gradients (the backward kernels take blocks up to 64)"
-        return _bigbird_reason(call, bq, bk)
+        need_grad = _want_grad(call)
+        if tiles.bigbird_rule or (not need_grad and decode_pattern_code(call.pattern, call.layer_idx) is not None):
+            return None  # its rule in the kernel, or ``_tiles`` found that block tiles serve the call
+        return _bigbird_reason(call, tiles.block_q, tiles.block_k, need_grad)
     return None
 
 
@@ -127,7 +152,9 @@ def run(call: AttentionCall):
     tiles = _tiles(call)
     bq, bk, pack, decode = tiles.block_q, tiles.block_k, tiles.pack, tiles.decode
     layout = None
-    if decode:  # a causal pattern (or a learned static part): tiles computed in the kernel
+    if tiles.bigbird_rule:  # listed tiles that straddle bigbird's blocks: its code carries the rule's inputs
+        layout = dataclasses.replace(call.layout(bq, bk), pattern=decode_pattern_code(call.pattern, call.layer_idx))
+    elif decode:  # a causal pattern (or a learned static part): tiles computed in the kernel
         layout = decode_layout(call.pattern, call.q.shape[2], call.k.shape[2], call.geometry, block_q=bq, block_k=bk,
                                layer_idx=call.layer_idx, num_kv_heads=call.k.shape[1])
     if layout is None:

@@ -21,7 +21,7 @@ import triton.language as tl
 from ...layouts.block_layout import full_tiles_contiguous
 from ..launch_buffers import placeholder, selection_args, split_counters
 from ..memory_order import new_output
-from ..pattern_codes import BIGBIRD_RANDOM_SHIFT, DECODE_PATTERNS
+from ..pattern_codes import BIGBIRD_RANDOM_SHIFT, DECODE_PATTERNS, bigbird_code_draws
 from .fitting import launch
 from .rules import LOG2E, _floordiv, _key_runs, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
@@ -48,7 +48,7 @@ def _fwd_tile(
 
     With ``USE_TMA`` K and V are 2-D tensor descriptors over ``(B * Hkv * Skv, D)``; rows past this
     head's ``Skv`` (only in the last tile) are masked like any key past the end. ``HAS_EXTRA``: a
-    partial tile's element rule is also ANDed with ``extra_ok (BLOCK_M, BLOCK_N)`` (bigbird's decode rule)."""
+    partial tile's element rule is also ANDed with ``extra_ok (BLOCK_M, BLOCK_N)`` (bigbird's rule, ``_bigbird_ok``)."""
     kidx = n.to(tl.int64) * BLOCK_N + offs_n  # (BLOCK_N,)
     kin = kidx < Skv
     if USE_TMA:
@@ -350,17 +350,48 @@ def _random_slot(e, tpb, draws_lo, draws_hi, two_blocks, k_start, kcap, P0, s_lo
 def _bigbird_ok(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, draws_lo, draws_hi, BLOCK_N: tl.constexpr):
     """bigbird's rule on key tile ``n`` (``BLOCK_N <= P0``: it holds keys of at most two blocks) for rows at
     positions ``qpos (BLOCK_M,)`` in query blocks ``qb_lo`` or ``qb_hi``: window, global or a drawn block of
-    the row's query block. ``(BLOCK_M, BLOCK_N)`` bool; causality and key validity are ``_fwd_tile``'s."""
-    kp0 = n * BLOCK_N - k_start
-    kb0 = _floordiv(kp0, P0)
-    kb = _floordiv(kp0 + offs_n, P0)  # (BLOCK_N,): kb0 or kb0 + 1
-    qb = _floordiv(qpos, P0)  # (BLOCK_M,)
-    win = (kb[None, :] >= qb[:, None] - wb) & (kb[None, :] <= qb[:, None])
+    the row's query block (``draws_lo`` / ``draws_hi``, vectors of ``_bigbird_draws``). ``(BLOCK_M, BLOCK_N)``
+    bool; causality and key validity are ``_fwd_tile``'s."""
+    kb0 = _floordiv(n * BLOCK_N - k_start, P0)
     lo0 = tl.sum(tl.where(draws_lo == kb0, 1, 0), 0) > 0
     lo1 = tl.sum(tl.where(draws_lo == kb0 + 1, 1, 0), 0) > 0
     hi0 = tl.sum(tl.where(draws_hi == kb0, 1, 0), 0) > 0
     hi1 = tl.sum(tl.where(draws_hi == kb0 + 1, 1, 0), 0) > 0
-    second = kb == kb0 + 1
+    return _bigbird_tile_rule(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, lo0, lo1, hi0, hi1, BLOCK_N)
+
+
+@triton.jit
+def _bigbird_ok_table(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, row_lo, row_hi, BBT,
+                      R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_bigbird_ok`` with the draws read from the random table ``BBT`` (rows ``row_lo`` / ``row_hi`` of the two
+    query blocks, ``R`` entries each) as scalars: no cross-thread reduction inside the tile loop."""
+    kb0 = _floordiv(n * BLOCK_N - k_start, P0)
+    lo0 = kb0 != kb0
+    lo1 = lo0
+    hi0 = lo0
+    hi1 = lo0
+    for j in tl.static_range(R):
+        d_lo = tl.load(BBT + row_lo + j)
+        d_hi = tl.load(BBT + row_hi + j)
+        lo0 = lo0 | (d_lo == kb0)
+        lo1 = lo1 | (d_lo == kb0 + 1)
+        hi0 = hi0 | (d_hi == kb0)
+        hi1 = hi1 | (d_hi == kb0 + 1)
+    return _bigbird_tile_rule(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, lo0, lo1, hi0, hi1, BLOCK_N)
+
+
+@triton.jit
+def _bigbird_tile_rule(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, lo0, lo1, hi0, hi1, BLOCK_N: tl.constexpr):
+    """bigbird's rule on key tile ``n`` given whether its first key block ``kb0`` and ``kb0 + 1`` are drawn for
+    query block ``qb_lo`` (``lo0``, ``lo1``) and ``qb_hi`` (``hi0``, ``hi1``): window, global or drawn."""
+    # Block indices without a division per element (integer division is slow on the GPU): a tile's keys lie in
+    # kb0 or kb0 + 1, its rows in qb_lo or qb_hi (``BLOCK_N``, rows per tile <= ``P0``).
+    kp0 = n * BLOCK_N - k_start
+    kb0 = _floordiv(kp0, P0)
+    second = (kp0 - kb0 * P0).to(tl.int32) + offs_n >= P0  # (BLOCK_N,)
+    kb = kb0.to(tl.int32) + second.to(tl.int32)
+    qb = tl.where(qpos >= (qb_hi * P0).to(tl.int32), qb_hi.to(tl.int32), qb_lo.to(tl.int32))  # (BLOCK_M,)
+    win = (kb[None, :] >= qb[:, None] - wb) & (kb[None, :] <= qb[:, None])
     r_lo = tl.where(second, lo1, lo0)
     r_hi = tl.where(second, hi1, hi0)
     rnd = ((qb == qb_lo)[:, None] & r_lo[None, :]) | ((qb == qb_hi)[:, None] & r_hi[None, :])
@@ -391,6 +422,7 @@ ATTN_FWD_RUNTIME_ARGS = (
     "stride_kmb", "stride_sib", "stride_sih", "stride_sin", "stride_scb", "stride_sch", "stride_scn",
     "stride_swb", "stride_swh", "stride_swn", "NB", "QB", "SEL_K", "Sq", "Skv", "tiles_per_split",
     "P3",  # a bigbird decode step's hash seed, which differs per layer
+    "stride_bbh", "BB_NQB",  # bigbird's random table over straddling tiles: its width grows with the length
 )
 
 
@@ -404,7 +436,7 @@ def _attn_fwd(
     stride_kmb, geo_stride,
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB, SEL_K,
-    Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split,
+    Sq, Skv, Hkv, G, scale_log2, softcap, P0, P1, P2, P3, tiles_per_split, BBT, stride_bbh, BB_NQB,
     OUT_F, LSE_F, SEM, stride_fob, stride_foh, stride_fom, stride_flb, stride_flh, stride_flm,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -414,7 +446,7 @@ def _attn_fwd(
     FUSE_COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2, SEL_FAST: tl.constexpr = False,
     SEL_PREFETCH: tl.constexpr = False, SEL_LEAN: tl.constexpr = False, SEL_SCAN: tl.constexpr = 16,
     DIL_SCALES: tl.constexpr = 0, STRUCT: tl.constexpr = False, MERGE_ROWS: tl.constexpr = True,
-    BB_RANDOM: tl.constexpr = 0, BB_SLOTS: tl.constexpr = 1,
+    BB_RANDOM: tl.constexpr = 0, BB_SLOTS: tl.constexpr = 1, BB_RULE: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
     # Decode tiles of bigbird / l2_aligned also walk slots past the window run (random / anchor tiles).
@@ -489,6 +521,17 @@ def _attn_fwd(
         fidx = FIDX
         pidx = PIDX
     else:
+        if BB_RULE:  # bigbird over listed tiles that straddle its blocks: its rule in the partial tiles
+            qlo = q_start + pid_m * ROWS
+            qhi = q_start + tl.minimum(pid_m * ROWS + ROWS, Sq) - 1
+            wb = P1 % _BB_SHIFT
+            qb_lo = _floordiv(qlo - k_start, P0)
+            qb_hi = _floordiv(qhi - k_start, P0)
+            # rows of the random table (BB_NQB query blocks of BB_RANDOM draws per KV head); a query block
+            # before the row's first key (left padding) has no valid key: any row of the table serves it
+            bb_head = hkv.to(tl.int64) * stride_bbh
+            row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
+            row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
         lb = b64 * LAYOUT_B
         lh = hkv.to(tl.int64) * LAYOUT_H
         n_full = tl.load(FNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
@@ -557,6 +600,14 @@ def _attn_fwd(
                     PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES,
                     PATTERN == 4,
                 )
+        elif BB_RULE:
+            extra = _bigbird_ok_table(qpos32, n, offs_n, k_start, P0, wb, P2, qb_lo, qb_hi, row_lo, row_hi, BBT,
+                                      BB_RANDOM, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
+                qpos32, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3, kv_row0, extra,
+                PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, USE_TMA, HEAD_DIM, DIL_SCALES, True,
+            )
         else:
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, q, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
@@ -823,7 +874,19 @@ def layout_forward(
         max_tiles = fidx.shape[-1] + pidx.shape[-1]
     if selection is not None:
         max_tiles += -(-selection.indices.shape[-1] // block_n)
-    bb_random = int(params[1]) // BIGBIRD_RANDOM_SHIFT if struct and pid == 4 else 0  # draws a decode step makes
+    # bigbird with its code (``decode_pattern_code``: P0 its block) evaluates its rule in the kernel: over the
+    # computed tiles of a decode step, or over listed tiles no wider than its block that straddle its blocks
+    # (rows off the blocks, e.g. a left-padded batch); its prefill code (P0 = 0) runs aligned block tiles.
+    bb_rule = pid == 4 and int(params[0]) > 0
+    if bb_rule and not struct and (layout.block_q > params[0] or block_n > params[0]):
+        raise ValueError(f"bigbird's rule in the kernel needs tiles of at most its block ({params[0]}), got "
+                         f"{layout.block_q}x{block_n}")
+    bb_random = int(params[1]) // BIGBIRD_RANDOM_SHIFT if bb_rule else 0  # random blocks drawn per query block
+    bb_table, bb_stride, bb_nqb = lse, 0, 1  # (a placeholder: not read)
+    if bb_rule and not struct and bb_random:  # listed tiles read the draws from bigbird's random table
+        bb_nqb = -(-(Skv + Sq) // int(params[0])) + 1  # every query block a row may sit in
+        bb_table = bigbird_code_draws(params, Hkv, bb_nqb, dev)
+        bb_stride = bb_table.stride(0)
     split = num_splits > 1
     tiles_per_split = -(-max_tiles // num_splits) if split else max_tiles
     if split:
@@ -873,6 +936,7 @@ def layout_forward(
         pidx.stride(0), pidx.stride(1), pidx.stride(2),
         kmask.stride(0), int(geo.rows > 1), *sel_args, sel_k,
         Sq, Skv, Hkv, G, scale * LOG2E, float(softcap or 1.0), *params, tiles_per_split,
+        bb_table, bb_stride, bb_nqb,
         out, lse, sem, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         PATTERN=pid, CAUSAL=bool(is_causal), PACK=pack, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         EVEN_N=struct or (Skv % block_n == 0), HAS_SOFTCAP=softcap is not None, HAS_SINK=sink_logits is not None,
@@ -884,7 +948,7 @@ def layout_forward(
         SEL_PREFETCH=bool(not split if sel_prefetch is None else sel_prefetch) and selection is not None,
         SEL_LEAN=bool(sel_lean) and selection is not None,
         DIL_SCALES=int(params[1]) if pid == 5 and params[1] <= MAX_UNROLLED_SCALES else 0, STRUCT=struct,
-        BB_RANDOM=bb_random, BB_SLOTS=max(1, triton.next_power_of_2(bb_random)),
+        BB_RANDOM=bb_random, BB_SLOTS=max(1, triton.next_power_of_2(bb_random)), BB_RULE=bb_rule and not struct,
         MERGE_ROWS=bool(merge_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
