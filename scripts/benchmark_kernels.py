@@ -219,15 +219,24 @@ def sdpa(q, k, v, backend_name: str, causal=True):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
-    """FA4 beside a forward row: checked on the first and last query rows, then timed (``fa4_ms``)."""
+def _fa4_call(p, row):
+    """``(fa4, window_size, pattern FA4 computes)`` for a row of pattern ``p``, or None (``p`` has no FA4
+    counterpart, or FA4 is not importable: the row says so)."""
     fa4, counterpart = load_fa4(), fa4_counterpart(p)
     if counterpart is None:
-        return
+        return None
     if isinstance(fa4, str):
         row["fa4_error"] = fa4
+        return None
+    return (fa4, *counterpart)
+
+
+def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
+    """FA4 beside a forward row: checked on the first and last query rows, then timed (``fa4_ms``)."""
+    found = _fa4_call(p, row)
+    if found is None:
         return
-    window_size, fa4_pattern = counterpart
+    fa4, window_size, fa4_pattern = found
     if fa4_pattern is not p:
         row["fa4_runs"] = f"sliding_window {p.window} (no sinks)"
     out, call = fa4_forward(fa4, q, k, v, scale=scale, window_size=window_size)
@@ -241,13 +250,10 @@ def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
 
 def _fa4_bwd(p, q, k, v, do, grads, scale, row):
     """FA4's backward beside a bwd row (same pattern only): its gradients against ours, then timed."""
-    fa4, counterpart = load_fa4(), fa4_counterpart(p)
-    if counterpart is None:
+    found = _fa4_call(p, row)
+    if found is None:
         return
-    if isinstance(fa4, str):
-        row["fa4_error"] = fa4
-        return
-    window_size, fa4_pattern = counterpart
+    fa4, window_size, fa4_pattern = found
     if fa4_pattern is not p:
         row["fa4_error"] = "FA4 has no sink tokens"
         return
