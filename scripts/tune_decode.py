@@ -387,11 +387,14 @@ def part_sass(args, rows):
     ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*fp32", "LSE": "*fp32", "SINK": "*fp32", "KMASK": "*u8",
            "QSTART": "*i64", "KSTART": "*i64", "KEND": "*i64", "FNUM": "*i32", "FIDX": "*i32", "PNUM": "*i32",
            "PIDX": "*i32", "SEL_IDX": "*i32", "SEL_CNT": "*i32", "SEL_W": "*fp32", "FIRST_BLOCK": "*i64",
-           "OUT_F": "*bf16", "LSE_F": "*fp32", "SEM": "*i32", "scale_log2": "fp32", "softcap": "fp32"}
+           "OUT_F": "*bf16", "LSE_F": "*fp32", "SEM": "*i32", "scale_log2": "fp32", "softcap": "fp32", "BBT": "*i32"}
     tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     variants = SASS_VARIANTS[:1] if args.dry_run else SASS_VARIANTS
+    # constexpr parameters the launch leaves at their defaults stay compile-time constants here too (a name missing
+    # from the signature's constants would be compiled as a run-time integer, and branches on it would not fold)
+    defaults = {p.name: p.default for p in fwd._attn_fwd.params if p.is_constexpr and p.has_default}
     for label, over in variants:
-        consts = {**_SASS_BASE, **over}
+        consts = {**defaults, **_SASS_BASE, **over}
         sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in fwd._attn_fwd.arg_names}
         row = dict(part="sass", what=label, triton=triton.__version__, **{k_: consts[k_] for k_ in ("BLOCK_N", "SEL_PREFETCH", "HAS_SELW")})
         try:
