@@ -8,6 +8,7 @@ Without CUDA the kernels run under Triton's interpreter (``tests/triton_interp.p
 the same tests run compiled (fp32 ``tl.dot`` is TF32 there: ``TOL32``), plus a bf16 test at D=128 (``gpu``).
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -17,8 +18,6 @@ from triton_interp import KERNEL_TEST, ON_GPU, import_kernels, run_file_interpre
 HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd")
 
 import sparse_k
-import dataclasses
-
 from sparse_k import build_block_layout, get_pattern, reference_attention, row_geometry
 from sparse_k.attention import dispatch, plan
 from sparse_k.attention.pattern_codes import bigbird_code_draws, decode_pattern_code
@@ -47,7 +46,9 @@ def _rand(*shape, gen, dtype=torch.float32):
 
 
 def _rel(a, b):
-    a, b = a.detach().double().nan_to_num(), b.detach().double().nan_to_num()
+    """Relative error of ``a`` against the reference ``b`` (whose rows without a valid key, queries inside the left
+    padding, may hold NaN: compared as 0, what the kernel writes there); a NaN in ``a`` fails every bound."""
+    a, b = a.detach().double(), b.detach().double().nan_to_num()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
