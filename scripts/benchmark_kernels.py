@@ -241,7 +241,7 @@ def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
         row["fa4_runs"] = f"sliding_window {p.window} (no sinks)"
     out, call = fa4_forward(fa4, q, k, v, scale=scale, window_size=window_size)
     row["err_fa4"] = large_check(q, k, v, None, out, pattern=fa4_pattern)
-    if row["err_fa4"] >= TOL:
+    if not row["err_fa4"] < TOL:  # NaN fails too
         row["fa4_error"] = f"check failed ({row['err_fa4']:.2e})"
         return
     row["fa4_ms"] = bench(call)
@@ -259,7 +259,7 @@ def _fa4_bwd(p, q, k, v, do, grads, scale, row):
         return
     fa4_grads, call = fa4_backward(fa4, q, k, v, do, scale=scale, window_size=window_size)
     row["err_fa4_grads"] = max(rel_err(a, b) for a, b in zip(fa4_grads, grads))
-    if row["err_fa4_grads"] >= TOL:
+    if not row["err_fa4_grads"] < TOL:
         row["fa4_error"] = f"gradient check failed ({row['err_fa4_grads']:.2e})"
         return
     row["fa4_ms"] = bench(call)
@@ -1080,7 +1080,7 @@ def _padded_row(p, S, D, dtype, dev, row, args):
                                         backend="torch")
         errs.append(rel_err(out[:, :, q0 : q0 + 256], ref))
     row["err_large"] = max(errs)
-    if row["err_large"] >= TOL:
+    if not row["err_large"] < TOL:  # NaN fails too
         row["error"] = "correctness check failed: row void"
         return
     row["ours_ms"] = bench(padded)
