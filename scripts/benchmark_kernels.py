@@ -312,6 +312,21 @@ TOL = 2e-2  # bf16 operands: relative errors of 1e-3..1e-2 are rounding (design 
 
 
 # ---------------------------------------------------------------- sections
+def _record_row(results, row, fill):
+    """Run ``fill()`` (it writes into ``row``), then append ``row`` to ``results`` and print it; an OOM or any other
+    error is written into the row instead (one failing row must not end the section)."""
+    try:
+        fill()
+    except torch.OutOfMemoryError as e:
+        row["error"] = f"OOM: {str(e)[:80]}"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    torch.cuda.empty_cache()
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def section_fwd(args, results):
     dev = "cuda"
     dtype = torch.bfloat16
@@ -326,16 +341,7 @@ def section_fwd(args, results):
                 if S > 131072 and name in ("dense", "bigbird"):
                     continue
                 row = dict(section="fwd", pattern=name, S=S, D=D)
-                try:
-                    _fwd_row(p, S, D, dtype, dev, err_small, row, args)
-                except torch.OutOfMemoryError as e:
-                    row["error"] = f"OOM: {str(e)[:80]}"
-                except Exception as e:  # noqa: BLE001 — one failing row must not end the section
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                torch.cuda.empty_cache()
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                _record_row(results, row, lambda: _fwd_row(p, S, D, dtype, dev, err_small, row, args))
 
 
 def _inputs(B, S, D, dtype, dev, seed):
@@ -515,16 +521,7 @@ def section_bwd(args, results):
                 if S > 131072:
                     continue
                 row = dict(section="bwd", pattern=name, S=S, D=D, err_small=err_small)
-                try:
-                    _bwd_row(p, S, D, dtype, dev, err_small, row, args)
-                except torch.OutOfMemoryError as e:
-                    row["error"] = f"OOM: {str(e)[:80]}"
-                except Exception as e:  # noqa: BLE001 — one failing row must not end the section
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                torch.cuda.empty_cache()
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                _record_row(results, row, lambda: _bwd_row(p, S, D, dtype, dev, err_small, row, args))
 
 
 def _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row):
@@ -1052,16 +1049,7 @@ def section_padded(args, results):
             p = pats[name]
             for S in args.seqlens:
                 row = dict(section="padded", pattern=name, S=S, D=D, pad=args.pad)
-                try:
-                    _padded_row(p, S, D, dtype, dev, row, args)
-                except torch.OutOfMemoryError as e:
-                    row["error"] = f"OOM: {str(e)[:80]}"
-                except Exception as e:  # noqa: BLE001 — one failing row must not end the section
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                torch.cuda.empty_cache()
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                _record_row(results, row, lambda: _padded_row(p, S, D, dtype, dev, row, args))
 
 
 def _padded_row(p, S, D, dtype, dev, row, args):
