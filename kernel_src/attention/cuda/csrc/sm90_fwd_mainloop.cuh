@@ -2,10 +2,10 @@
 // structured block ranges) and token_fwd_sm90.cu (gathered tiles of selected keys in front of them).
 //
 // Work tile = 128 query rows of one (batch, query head); CTA = 3 warpgroups (384 threads):
-//   warpgroup 0  producer (in each kernel's file): loads the Q tile once and the K and V tiles into a
-//                kStages-deep ring, each slot guarded by a "full" mbarrier and an "empty" mbarrier
-//                (consumer release); K and V have separate barriers so a K slot is refilled as soon as
-//                Q K^T has read it.
+//   warpgroup 0  producer (in each kernel's file): loads the Q tile once (into one of FwdSmem's QBUFS
+//                buffers) and the K and V tiles into a ring of FwdSmem's STAGES slots, each slot guarded by a
+//                "full" mbarrier and an "empty" mbarrier (consumer release); K and V have separate barriers so
+//                a K slot is refilled as soon as Q K^T has read it.
 //   warpgroups 1, 2  consumers (fwd_consumer below), 64 query rows each: S = Q K^T with wgmma
 //                m64n128k16 (both operands in shared memory), online softmax in registers (log2
 //                domain, ex2.approx, row max over the 4 threads of a quad by shuffles, the row sum kept
@@ -46,7 +46,7 @@ constexpr int kHeadDim = 128;
 constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 columns x 2 bytes
 constexpr int kTileBytes = 2 * kHalfBytes;  // 128 rows x 128 columns
 constexpr int kThreads = 384;
-constexpr int kStages = 3;  // K/V ring depth (two stages measured slower on the H100: docs/history.md)
+constexpr int kStages = 3;  // K/V ring depth of the token forward (its side data sits in the barrier area)
 constexpr float kLn2 = 0.6931471805599453f;
 
 // What both forwards' kernels read; the token forward's Params extends it.
@@ -150,27 +150,33 @@ __device__ __forceinline__ void work_coords(const FwdParams& p, int lin, int& m,
 }
 
 // Shared-memory addresses: kBarBytes of barriers (and side data) at the 1024-byte aligned base, then
-// the Q tile and the K and V rings.
-template <int kBarBytes>
+// QBUFS Q tiles and the K and V rings of STAGES tiles each. With QBUFS = 2 the producer loads a work tile's Q
+// while the consumers still read the previous one's, so a work tile's first Q K^T does not wait for it.
+template <int kBarBytes, int STAGES, int QBUFS>
 struct FwdSmem {
+  static constexpr int kRing = STAGES;
+  static constexpr int kQBufs = QBUFS;
   uint32_t bar_q, bar_qempty, bar_kfull, bar_vfull, bar_kempty, bar_vempty, sq, sk, sv;
-  static constexpr int kBytes = 1024 + kBarBytes + kTileBytes * (1 + 2 * kStages);  // with alignment slack
+  static constexpr int kBytes = 1024 + kBarBytes + kTileBytes * (QBUFS + 2 * STAGES);  // with alignment slack
+  static_assert(16 * QBUFS + 32 * STAGES <= kBarBytes, "barrier area too small");
   __device__ __forceinline__ explicit FwdSmem(uint32_t base)
-      : bar_q(base),                            // Q loaded
-        bar_qempty(base + 8),                   // Q read by both consumers' last Q K^T
-        bar_kfull(base + 16),                   // [kStages]
-        bar_vfull(bar_kfull + 8 * kStages),     // [kStages]
-        bar_kempty(bar_vfull + 8 * kStages),    // [kStages]
-        bar_vempty(bar_kempty + 8 * kStages),   // [kStages]
-        sq(base + kBarBytes),
-        sk(sq + kTileBytes),                    // [kStages] tiles
-        sv(sk + kStages * kTileBytes) {}        // [kStages] tiles
+      : bar_q(base),                            // [QBUFS] Q loaded
+        bar_qempty(base + 8 * QBUFS),           // [QBUFS] Q read by both consumers' last Q K^T
+        bar_kfull(base + 16 * QBUFS),           // [STAGES]
+        bar_vfull(bar_kfull + 8 * STAGES),      // [STAGES]
+        bar_kempty(bar_vfull + 8 * STAGES),     // [STAGES]
+        bar_vempty(bar_kempty + 8 * STAGES),    // [STAGES]
+        sq(base + kBarBytes),                   // [QBUFS] tiles
+        sk(sq + QBUFS * kTileBytes),            // [STAGES] tiles
+        sv(sk + STAGES * kTileBytes) {}         // [STAGES] tiles
 
   // Thread 0: the barriers; `full_count` arrivals complete a K or V slot.
   __device__ __forceinline__ void init(uint32_t full_count) const {
-    mbar_init(bar_q, 1);
-    mbar_init(bar_qempty, 8);  // lane 0 of each of the 8 consumer warps
-    for (int s = 0; s < kStages; ++s) {
+    for (int i = 0; i < QBUFS; ++i) {
+      mbar_init(bar_q + 8 * i, 1);
+      mbar_init(bar_qempty + 8 * i, 8);  // lane 0 of each of the 8 consumer warps
+    }
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_kfull + 8 * s, full_count);
       mbar_init(bar_vfull + 8 * s, full_count);
       mbar_init(bar_kempty + 8 * s, 8);
@@ -179,10 +185,12 @@ struct FwdSmem {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
 
-  // One thread: Q tile m of (b, h), once both consumers released the previous work tile's Q.
+  // One thread: Q tile m of (b, h), the CTA's `local`-th work tile, into buffer local % QBUFS once both consumers
+  // released that buffer's previous tile.
   __device__ __forceinline__ void load_q(const CUtensorMap* tm_q, int local, int m, int h, int b) const {
-    if (local > 0) mbar_wait(bar_qempty, (local - 1) & 1);
-    load_tile(sq, tm_q, bar_q, m * kBlockM, h, b);
+    const int qb = local % QBUFS, use = local / QBUFS;
+    if (use > 0) mbar_wait(bar_qempty + 8 * qb, (use - 1) & 1);
+    load_tile(sq + qb * kTileBytes, tm_q, bar_q + 8 * qb, m * kBlockM, h, b);
   }
 
   // One thread: rows row .. row + 127 of (b, head) as a 128-byte-swizzled tile, completing on bar.
@@ -199,8 +207,8 @@ struct FwdSmem {
 // (sbias[stage][128]) and first visible local rows (sthr[stage][128]) written with ordinary stores,
 // so the consumers fence the async proxy after waiting for them and release their K slot only after
 // the softmax has read the side data. Else every key tile is static (nsel = 0).
-template <bool BF16, bool GATHER, bool LISTED, int kBarBytes, class NSel>
-__device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<kBarBytes>& sm, const float* sbias,
+template <bool BF16, bool GATHER, bool LISTED, class Smem, class NSel>
+__device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
   const int lane = threadIdx.x % 32;
   const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
@@ -212,7 +220,9 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
   const int sinks = p.pattern == 2 ? p.sinks : 0;
   const int block = p.pattern == 3 ? p.window : 0;  // block_diagonal: a row sees keys from its block's start
   const int bar_mine = 1 + cw, bar_other = 2 - cw;
-  const uint32_t q_base = sm.sq + cw * 64 * 128;  // this warpgroup's 64 rows inside each column half
+  constexpr int kS = Smem::kRing, kQB = Smem::kQBufs;
+  // this warpgroup's 64 rows inside each column half of the `local`-th work tile's Q buffer
+  auto q_rows = [&](int local) { return sm.sq + (local % kQB) * kTileBytes + cw * 64 * 128; };
   const int lrow0 = cw * 64 + wq * 16 + g;        // this thread's rows inside the tile: lrow0 and lrow0 + 8
   const uint32_t sk = sm.sk, sv = sm.sv;
 
@@ -286,13 +296,14 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
     m1 = mn1;
   };
 
-  auto issue_qk = [&](int st) {
+  // S = Q K^T of ring slot st, Q at qa (this warpgroup's rows of a Q buffer)
+  auto issue_qk = [&](int st, uint32_t qa) {
     const uint32_t kb = sk + st * kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
       const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
-      wgmma_ss<BF16>(s, make_desc(q_base + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
+      wgmma_ss<BF16>(s, make_desc(qa + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
     }
   };
   auto issue_pv = [&](int st) {
@@ -327,6 +338,24 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
   };
 
   if (cw == 1) named_arrive(bar_other, 256);  // consumer 0 issues first
+  // A work tile's first Q K^T goes out with the previous tile's last P V (the tail below); the first tile's
+  // here. Every CTA has a work tile (grid <= total_work), and no wgmma is issued under a branch (ptxas would
+  // serialize every wgmma of the kernel).
+  {
+    int m, bh;
+    work_coords(p, blockIdx.x, m, bh);
+    if (GATHER) nsel = nsel_of(m, bh);
+    mbar_wait(sm.bar_q, 0);
+    mbar_wait(sm.bar_kfull, 0);
+    fence_gathered(0);
+    named_sync(bar_mine, 256);
+    wg_fence();
+    issue_qk(0, q_rows(0));
+    wg_commit();
+    named_arrive(bar_other, 256);
+    wg_wait<0>();
+    reg_fence(s);
+  }
   int cnt = 0, local = 0;
   for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
     int m, bh;
@@ -355,44 +384,34 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
       }
     };
 
-    mbar_wait(sm.bar_q, local & 1);
-    // prologue: tile 0's scores
+    const uint32_t bar_qempty = sm.bar_qempty + 8 * (local % kQB);
+    // tile 0's scores (issued before the loop or in the previous tile's tail)
     float a0, a1;
     {
-      const int st = cnt % kStages;
-      mbar_wait(sm.bar_kfull + 8 * st, (cnt / kStages) & 1);
-      fence_gathered(0);
-      named_sync(bar_mine, 256);
-      reg_fence(o);
-      wg_fence();
-      issue_qk(st);
-      wg_commit();
-      named_arrive(bar_other, 256);
-      wg_wait<0>();
-      reg_fence(s);
+      const int st = cnt % kS;
       release_k_early(0, st);
-      if (ntiles == 1) release(sm.bar_qempty);
+      if (ntiles == 1) release(bar_qempty);
       softmax(0, st, a0, a1);
       release_k_late(0, st);
     }
     for (int it = 1; it < ntiles; ++it) {
       const int c = cnt + it;
-      const int st = c % kStages, pst = (c - 1) % kStages;
+      const int st = c % kS, pst = (c - 1) % kS;
       // the previous iteration's tail: P_{it-2} V_{it-2} ran during the softmax of tile it-1
       wg_wait<0>();
       reg_fence(o);
       reg_fence(pa);
-      if (it >= 2) release(sm.bar_vempty + 8 * ((c - 2) % kStages));
+      if (it >= 2) release(sm.bar_vempty + 8 * ((c - 2) % kS));
       rescale(a0, a1);
       convert_p();
-      mbar_wait(sm.bar_kfull + 8 * st, (c / kStages) & 1);
-      mbar_wait(sm.bar_vfull + 8 * pst, ((c - 1) / kStages) & 1);
+      mbar_wait(sm.bar_kfull + 8 * st, (c / kS) & 1);
+      mbar_wait(sm.bar_vfull + 8 * pst, ((c - 1) / kS) & 1);
       fence_gathered(it - 1);  // tile it is gathered only if tile it - 1 is
       named_sync(bar_mine, 256);
       reg_fence(o);
       reg_fence(pa);
       wg_fence();
-      issue_qk(st);
+      issue_qk(st, q_rows(local));
       wg_commit();
       issue_pv(pst);
       wg_commit();
@@ -400,58 +419,80 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const FwdSmem<k
       wg_wait<1>();
       reg_fence(s);
       release_k_early(it, st);
-      if (it == ntiles - 1) release(sm.bar_qempty);
+      if (it == ntiles - 1) release(bar_qempty);
       softmax(it, st, a0, a1);
       release_k_late(it, st);
     }
+    // ---------------- epilogue: O / l, lse of this work tile
+    auto epilogue = [&]() {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+      const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+      const size_t head_row = static_cast<size_t>(bh) * p.S;
+      const int row1 = row0 + 8;
+      // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
+      uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
+      if (row0 < p.S) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
+      }
+      if (row1 < p.S) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+        if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
+      }
+    };
+
+    // tail: the last P V, and with it the next work tile's first Q K^T (its Q sits in the other buffer), so
+    // the tensor cores have work while this tile's epilogue runs
+    const int w_next = w + gridDim.x;
+    const bool has_next = w_next < p.total_work;
     {
       const int c = cnt + ntiles - 1;
-      const int pst = c % kStages;
+      const int pst = c % kS;
+      const int c0 = c + 1, st0 = c0 % kS;  // the next tile's first key tile
       wg_wait<0>();
       reg_fence(o);
       reg_fence(pa);
-      if (ntiles >= 2) release(sm.bar_vempty + 8 * ((c - 1) % kStages));
+      if (ntiles >= 2) release(sm.bar_vempty + 8 * ((c - 1) % kS));
       rescale(a0, a1);
       convert_p();
-      mbar_wait(sm.bar_vfull + 8 * pst, (c / kStages) & 1);
+      mbar_wait(sm.bar_vfull + 8 * pst, (c / kS) & 1);
       fence_gathered(ntiles - 1);
+      if (has_next) {
+        mbar_wait(sm.bar_q + 8 * ((local + 1) % kQB), ((local + 1) / kQB) & 1);
+        mbar_wait(sm.bar_kfull + 8 * st0, (c0 / kS) & 1);
+        if (GATHER) {
+          int mn, bhn;
+          work_coords(p, w_next, mn, bhn);
+          if (nsel_of(mn, bhn) > 0) fence_proxy_async();
+        }
+      }
       named_sync(bar_mine, 256);
       reg_fence(o);
       reg_fence(pa);
       wg_fence();
       issue_pv(pst);
       wg_commit();
+      // after the last work tile: a product whose scores nobody reads (slot st0 and this Q hold stale tiles)
+      issue_qk(st0, q_rows(has_next ? local + 1 : local));
+      wg_commit();
       named_arrive(bar_other, 256);
-      wg_wait<0>();
+      wg_wait<1>();
       reg_fence(o);
       reg_fence(pa);
       release(sm.bar_vempty + 8 * pst);
+      epilogue();
+      wg_wait<0>();  // in the block that issued it: a wait past the loop edge serializes every wgmma
+      reg_fence(s);
     }
     cnt += ntiles;
-
-    // ---------------- epilogue: O / l, lse
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const size_t head_row = static_cast<size_t>(bh) * p.S;
-    const int row1 = row0 + 8;
-    // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
-    uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
-    if (row0 < p.S) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-      if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
-    }
-    if (row1 < p.S) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-      if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-    }
   }
   if (cw == 0) named_sync(bar_mine, 256);  // consumer 1's last arrive
 }

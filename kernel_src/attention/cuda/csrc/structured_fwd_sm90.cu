@@ -36,11 +36,14 @@ namespace sk90 {
 using namespace sk90f;
 
 constexpr int kBarBytes = 1024;  // mbarriers at the start of dynamic shared memory
-using Smem = FwdSmem<kBarBytes>;
+// Two Q buffers and a K/V ring of two stages: the shared memory's other fit, one Q buffer and three stages, ran
+// 1-3% slower for every pattern and length measured (docs/history.md).
+using Smem = FwdSmem<kBarBytes, 2, 2>;
 
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
-// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (once both consumers
-// have finished their last Q K^T) and first K/V tiles while the consumers finish the current one.
+// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (into the other Q buffer,
+// once both consumers have finished the last Q K^T of the tile before) and first K/V tiles while the consumers
+// work on the current one.
 template <bool BF16, bool LISTED>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -66,12 +69,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileRange tr = tile_range<LISTED>(p, m, bh);
         sm.load_q(&tm_q, local, m, h, b);
         for (int it = 0; it < tr.count; ++it, ++cnt) {
-          const int s = cnt % kStages;
-          const uint32_t ph = ((cnt / kStages) & 1) ^ 1;  // the release of the slot's previous tile
+          const int s = cnt % Smem::kRing;
+          const uint32_t ph = ((cnt / Smem::kRing) & 1) ^ 1;  // the release of the slot's previous tile
           const int row = tr.tile(it) * kBlockN;
-          if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
+          if (cnt >= Smem::kRing) mbar_wait(sm.bar_kempty + 8 * s, ph);
           Smem::load_tile(sm.sk + s * kTileBytes, &tm_k, sm.bar_kfull + 8 * s, row, kvh, b);
-          if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
+          if (cnt >= Smem::kRing) mbar_wait(sm.bar_vempty + 8 * s, ph);
           Smem::load_tile(sm.sv + s * kTileBytes, &tm_v, sm.bar_vfull + 8 * s, row, kvh, b);
         }
       }

@@ -48,7 +48,7 @@ constexpr int kBiasOff = 128;
 constexpr int kThrOff = kBiasOff + kStages * kBlockN * 4;
 constexpr int kBarBytes = 2048;
 static_assert(kThrOff + kStages * kBlockN <= kBarBytes, "barrier area too small");
-using Smem = FwdSmem<kBarBytes>;
+using Smem = FwdSmem<kBarBytes, kStages, 1>;
 
 struct Params : FwdParams {  // pattern: 1 sliding_window or 2 streaming
   const void* k;
