@@ -18,8 +18,10 @@
 // conversion of P_j open iteration j+1 (written in one block after the softmax, ptxas hoists the wait
 // above the softmax). The two consumer warpgroups take turns issuing their matrix products (ping-pong,
 // two named barriers), so one warpgroup's softmax also overlaps the other's tensor-core work. The grid
-// is persistent: one CTA per multiprocessor walks the work tiles (query tile, head), and the producer
-// loads the next tile's Q and first K/V tiles while the consumers finish the last.
+// is persistent: one CTA per multiprocessor walks the work tiles (query tile, head), the producer loads
+// the next tile's Q (into a second buffer where FwdSmem has one) and first K/V tiles while the consumers
+// work on the current one, and the consumers issue the next tile's first Q K^T together with the current
+// tile's last P V, so the tensor cores have work while the current tile's epilogue runs.
 //
 // Key tiles of a work tile, in order: GATHER only, `nsel` gathered tiles (each with per-slot logit
 // biases and first visible rows in the ring's side area, written by the producer with ordinary
