@@ -1,8 +1,8 @@
 """bigbird without block tiles: a left-padded batch, a chunk that starts inside a block, a block that is no tile
-size. Such calls (no gradient) run the Triton layout kernel over tiles no wider than the block, which straddle its
+size. Such calls run the Triton layout kernels over tiles no wider than the block, which straddle its
 blocks, with bigbird's rule evaluated in the partial tiles (``plan.bigbird_rule_tiles``, the launch on bigbird's
-``decode_pattern_code``), instead of the PyTorch path; each case is checked against the exact float64 reference, and
-a direct launch writes every element of a NaN-poisoned output.
+``decode_pattern_code``), instead of the PyTorch path, and so does their backward; each case is checked against the
+exact float64 reference (gradients too), and a direct launch writes every element of a NaN-poisoned output.
 
 Without CUDA the kernels run under Triton's interpreter (``tests/triton_interp.py``; fp32, 16x16 tiles); with CUDA
 the same tests run compiled (fp32 ``tl.dot`` is TF32 there: ``TOL32``), plus a bf16 test at D=128 (``gpu``).
@@ -128,20 +128,28 @@ def test_straddling_tiles_write_every_output_element():
 
 
 @_SUBPROCESS_ONLY
-def test_bigbird_with_gradients_still_falls_back_exactly():
-    """The backward kernels need block tiles: with gradients a left-padded bigbird call runs the PyTorch path,
-    says so once, and its gradients are exact."""
-    gen = torch.Generator().manual_seed(5)
-    p, q, k, v, kw = _inputs("left_padded", gen)
-    q.requires_grad_()
-    with pytest.warns(UserWarning, match="bigbird"):
-        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", **kw)
-    qd = q.detach().double().requires_grad_()
-    ref = sparse_k.sparse_attention(qd, k.double(), v.double(), p, backend="reference", **kw)
-    do = torch.randn_like(ref)
-    (g,) = torch.autograd.grad(out, q, do.to(out.dtype))
-    (gr,) = torch.autograd.grad(ref, qd, do)
-    assert _rel(out, ref) < 1e-5 and _rel(g, gr) < 1e-5
+@pytest.mark.parametrize("case", list(CASES))
+def test_bigbird_gradients_without_block_tiles_run_the_kernels(case):
+    """With gradients the same calls run the layout kernels both ways (no fallback: warnings are errors, the
+    recorded launches are the Triton layout forward and backward), the backward evaluating the rule in the partial
+    tiles too: gradients of q, k, v and the sink logits against the float64 reference."""
+    gen = torch.Generator().manual_seed(len(case) * 17)
+    p, q, k, v, kw = _inputs(case, gen)
+    sinks = _rand(q.shape[1], gen=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+    with warnings.catch_warnings(), plan.recording() as seen:
+        warnings.simplefilter("error", UserWarning)
+        out = sparse_k.sparse_attention(q, k, v, p, backend="triton", sink_logits=sinks, **kw)
+        do = torch.randn(out.shape, generator=gen).to(DEV)
+        grads = torch.autograd.grad(out, leaves, do)
+    assert [x.kernel for x in seen] == ["triton_layout", "triton_layout_bwd"], seen
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = sparse_k.sparse_attention(*ref_leaves[:3], p, backend="reference", sink_logits=ref_leaves[3], **kw)
+    # the reference's rows without a valid key (queries inside the left padding) are NaN: no gradient flows there
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double().masked_fill(ref.isnan(), 0.0))
+    assert _rel(out, ref) < TOL32
+    for name, g, gr in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
+        assert not g.isnan().any() and _rel(g, gr) < 2 * TOL32, (case, name, _rel(g, gr))
 
 
 def test_straddling_tiles_stay_inside_one_block_pair():
@@ -211,6 +219,36 @@ def test_padded_bigbird_prefill_on_the_gpu(dtype):
         assert [x.kernel for x in seen] == ["triton_layout"]
         ref = sparse_k.sparse_attention(qq.float(), k.float(), v.float(), p, backend="reference", **kw)
         assert _rel(out, ref) < (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_bigbird_gradients_on_the_gpu(dtype):
+    """Training on a left-padded batch, bf16 / fp16 at D=128 with the GPU's 64x64 tiles: the layout kernels both
+    ways, gradients of q, k, v and the sink logits against the float64 reference (twice the forward's tolerance,
+    as the other backward tests)."""
+    gen = torch.Generator().manual_seed(6)
+    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
+    B, Hq, Hkv, S, D = 2, 8, 2, 1000, 128
+    leaves = [_rand(B, h, S, D, gen=gen, dtype=dtype).requires_grad_() for h in (Hq, Hkv, Hkv)]
+    sinks = _rand(Hq, gen=gen).requires_grad_()
+    mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
+    mask[1, :77] = False
+    kw = dict(attention_mask=mask, layer_idx=2)
+    with warnings.catch_warnings(), plan.recording() as seen:
+        warnings.simplefilter("error", UserWarning)
+        out = sparse_k.sparse_attention(*leaves, p, backend="triton", sink_logits=sinks, **kw)
+        do = torch.randn(out.shape, generator=gen).to(DEV, dtype)
+        grads = torch.autograd.grad(out, [*leaves, sinks], do)
+    assert [x.kernel for x in seen] == ["triton_layout", "triton_layout_bwd"], seen
+    ref_leaves = [t.detach().double().requires_grad_() for t in (*leaves, sinks)]
+    ref = sparse_k.sparse_attention(*ref_leaves[:3], p, backend="reference", sink_logits=ref_leaves[3], **kw)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double().masked_fill(ref.isnan(), 0.0))
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert _rel(out, ref) < tol
+    for name, g, gr in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
+        assert not g.isnan().any() and _rel(g, gr) < 2 * tol, (name, _rel(g, gr))
 
 
 @pytest.mark.parametrize("layer", [0, 3, 29])

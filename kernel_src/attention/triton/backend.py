@@ -16,10 +16,10 @@ A decode step of a causal pattern (or a learned pattern's static part; bigbird w
 more and at most 16 random blocks) builds no ``BlockLayout``: it runs on a ``decode_layout.DecodeLayout``
 and the kernel computes its key tiles from the row geometry, so nothing on the host depends on
 ``kv_len`` but a few ints, and bigbird needs no alignment of its blocks with the rows. A bigbird call
-without gradients that block tiles cannot serve (a left-padded batch, a chunk starting inside a block, a
-block that is no tile size) runs the layout kernel over tiles no wider than its block, listed from its
-block layout, with its rule evaluated in the partial tiles (``plan.bigbird_rule_tiles``; the launch takes
-bigbird's ``decode_pattern_code``); with gradients it falls back to the PyTorch path.
+that block tiles cannot serve (a left-padded batch, a chunk starting inside a block, a block that is no
+tile size) runs the layout kernels over tiles no wider than its block, listed from its block layout, with
+its rule evaluated in the partial tiles, forward and backward (``plan.bigbird_rule_tiles``; the launch takes
+bigbird's ``decode_pattern_code``).
 
 Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
 tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
@@ -99,7 +99,7 @@ def _bigbird_decode(call: AttentionCall, need_grad: bool) -> bool:
 def _tiles(call: AttentionCall):
     """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it; a
     bigbird decode step: the decode tiles, keys no wider than its block; a bigbird call without gradients
-    that block tiles cannot serve, e.g. a left-padded batch: ``plan.bigbird_rule_tiles``)."""
+    that block tiles cannot serve, e.g. a left-padded batch, with or without gradients: ``plan.bigbird_rule_tiles``)."""
     q = call.q
     need_grad = _want_grad(call)
     bigbird = isinstance(call.pattern, BigBird)
@@ -113,7 +113,7 @@ def _tiles(call: AttentionCall):
                        bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
     if bigbird_decode:
         return dataclasses.replace(tiles, block_k=decode_block_k(call.pattern, tiles.block_k))
-    if (bigbird and not need_grad and decode_pattern_code(call.pattern, call.layer_idx) is not None
+    if (bigbird and decode_pattern_code(call.pattern, call.layer_idx) is not None
             and _bigbird_reason(call, tiles.block_q, tiles.block_k, need_grad) is not None):
         bq, bk = bigbird_rule_tiles(call.pattern.block, q.device.type)
         return dataclasses.replace(tiles, block_q=bq, block_k=bk, bigbird_rule=True,

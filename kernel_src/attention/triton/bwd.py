@@ -7,6 +7,9 @@ FlashAttention-2 scheme without atomics:
   query head of the KV group, so dK/dV of a GQA group are summed in registers.
 * ``_attn_bwd_dq``: one program per (query tile, batch row, query head) over the forward layout.
 
+A bigbird layout over tiles that straddle its blocks (``BB_RULE``: its code's parameters, e.g. a left-padded
+batch) evaluates bigbird's rule in the partial tiles, as the forward does (``fwd._bigbird_ok_table``).
+
 Both recompute ``P = exp(S - lse)`` from the forward's LSE (which includes the sink logit, so the
 sink's share of the denominator is already accounted for), with ``delta = rowsum(dO * O)``.
 The sink gradient is ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i`` (computed with torch).
@@ -20,7 +23,9 @@ import triton.language as tl
 
 from ...layouts.block_layout import transposed_layout
 from ..launch_buffers import selection_args
+from ..pattern_codes import BIGBIRD_RANDOM_SHIFT
 from .fitting import launch
+from .fwd import _BB_SHIFT, _bigbird_ok_table, bigbird_rule_table, check_bigbird_rule_tiles
 from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 
 __all__ = ["bwd_preprocess", "layout_backward"]
@@ -70,9 +75,13 @@ def bwd_preprocess(do, out, lse):
 def _dkdv_tile(
     dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
     kidx, kin, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1, P2, P3,
-    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, IS_FULL: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
+    n, offs_n, BBT, bb_head, BB_NQB,
+    PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, BB_RULE: tl.constexpr,
+    BB_RANDOM: tl.constexpr,
 ):
+    """dK, dV of key tile ``n`` (keys ``kidx``) from query tile ``m``; with ``BB_RULE`` the tile is a partial one
+    of a bigbird layout whose rule the kernel evaluates (the draws in ``BBT`` from row ``bb_head``)."""
     qi = m.to(tl.int64) * BLOCK_M + offs_m  # (BLOCK_M,)
     q_ok = qi < Sq
     q = tl.load(Qh + qi[:, None] * stride_qm + offs_d[None, :], mask=q_ok[:, None], other=0.0)
@@ -97,6 +106,16 @@ def _dkdv_tile(
         kpos = (kidx - k_start).to(tl.int32)
         k_ok = (kpos >= 0) & (kidx < k_end) & kin
         ok = _pattern_rule(qpos[None, :], kpos[:, None], P0, P1, P2, P3, PATTERN, CAUSAL) & k_ok[:, None]
+        if BB_RULE:
+            qlo = q_start + m * BLOCK_M
+            qhi = q_start + tl.minimum(m * BLOCK_M + BLOCK_M, Sq) - 1
+            qb_lo = _floordiv(qlo - k_start, P0)
+            qb_hi = _floordiv(qhi - k_start, P0)
+            row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
+            row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+            extra = _bigbird_ok_table(qpos, n, offs_n, k_start, P0, P1 % _BB_SHIFT, P2, qb_lo, qb_hi, row_lo, row_hi,
+                                      BBT, BB_RANDOM, BLOCK_N)  # (BLOCK_M, BLOCK_N)
+            ok = ok & (tl.trans(extra.to(tl.int8)) != 0)
         pT = tl.where(ok, pT, 0.0)
     if HAS_KMASK:
         pT = tl.where(keyok[:, None], pT, 0.0)
@@ -117,10 +136,10 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_nb, stride_nh, stride_nm, stride_fb, stride_fh, stride_fm, stride_pb, stride_ph, stride_pm,
     stride_kmb, geo_stride,
-    Sq, Skv, Hkv, G, scale, scale_log2, softcap, P0, P1, P2, P3,
+    Sq, Skv, Hkv, G, scale, scale_log2, softcap, P0, P1, P2, P3, BBT, stride_bbh, BB_NQB,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
-    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr,
+    LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, BB_RULE: tl.constexpr, BB_RANDOM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -149,6 +168,7 @@ def _attn_bwd_dkdv(
     fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_n.to(tl.int64) * stride_fm
     pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_n.to(tl.int64) * stride_pm
 
+    bb_head = hkv * stride_bbh
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for gi in range(0, G):
@@ -162,14 +182,16 @@ def _attn_bwd_dkdv(
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
                 kidx, kin, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1, P2, P3,
-                PATTERN, CAUSAL, BLOCK_M, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK,
+                pid_n, offs_n, BBT, bb_head, BB_NQB,
+                PATTERN, CAUSAL, BLOCK_M, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, False, BB_RANDOM,
             )
         for t in range(0, n_part):
             m = tl.load(pidx + t)
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, Qh, DOh, LSEh, DELTAh, m, offs_m, offs_d, stride_qm, stride_dom, stride_lm,
                 kidx, kin, keyok, q_start, k_start, k_end, Sq, scale_log2, softcap, P0, P1, P2, P3,
-                PATTERN, CAUSAL, BLOCK_M, False, False, HAS_SOFTCAP, HAS_KMASK,
+                pid_n, offs_n, BBT, bb_head, BB_NQB,
+                PATTERN, CAUSAL, BLOCK_M, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, BB_RULE, BB_RANDOM,
             )
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hkv * stride_dkh + kidx[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kin[:, None])
@@ -180,9 +202,13 @@ def _attn_bwd_dkdv(
 def _dq_tile(
     dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
     qidx, q_start, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
+    BBT, qb_lo, qb_hi, row_lo, row_hi,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, IS_FULL: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr, BB_RULE: tl.constexpr,
+    BB_RANDOM: tl.constexpr,
 ):
+    """dQ of the program's query rows from key tile ``n``; with ``BB_RULE`` the tile is a partial one of a bigbird
+    layout whose rule the kernel evaluates (the rows' query blocks ``qb_lo`` / ``qb_hi``, their draws in ``BBT``)."""
     kidx = n.to(tl.int64) * BLOCK_N + offs_n
     kin = kidx < Skv
     k = tl.load(Kb + kidx[:, None] * stride_kn + offs_d[None, :], mask=kin[:, None], other=0.0)
@@ -202,7 +228,11 @@ def _dq_tile(
         # int32 positions (lengths < 2**31): half the registers of int64 masks
         kpos = (kidx - k_start).to(tl.int32)
         k_ok = (kpos >= 0) & (kidx < k_end) & kin
-        ok = _pattern_rule((qidx - k_start).to(tl.int32)[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+        qpos = (qidx - k_start).to(tl.int32)
+        ok = _pattern_rule(qpos[:, None], kpos[None, :], P0, P1, P2, P3, PATTERN, CAUSAL)
+        if BB_RULE:
+            ok = ok & _bigbird_ok_table(qpos, n, offs_n, k_start, P0, P1 % _BB_SHIFT, P2, qb_lo, qb_hi, row_lo,
+                                        row_hi, BBT, BB_RANDOM, BLOCK_N)
         p = tl.where(ok & k_ok[None, :], p, 0.0)
     if HAS_KMASK:
         km = tl.load(kmask_row + kidx, mask=kin, other=0)
@@ -288,10 +318,11 @@ def _attn_bwd_dq(
     SEL_IDX, SEL_CNT, SEL_W, FIRST_BLOCK, stride_sib, stride_sih, stride_sin, stride_scb, stride_sch, stride_scn,
     stride_swb, stride_swh, stride_swn, NB, QB,
     DK32, DV32, DW32, stride_akb, stride_akh, stride_akn, stride_awb, stride_awh, stride_awn,
-    Sq, Skv, Hq, G, scale, scale_log2, softcap, P0, P1, P2, P3,
+    Sq, Skv, Hq, G, scale, scale_log2, softcap, P0, P1, P2, P3, BBT, stride_bbh, BB_NQB,
     PATTERN: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
     LAYOUT_B: tl.constexpr, LAYOUT_H: tl.constexpr, HAS_SEL: tl.constexpr, HAS_SELW: tl.constexpr,
+    BB_RULE: tl.constexpr, BB_RANDOM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -323,20 +354,28 @@ def _attn_bwd_dq(
     n_part = tl.load(PNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
     fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
     pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
+    # bigbird's rule (``BB_RULE``): the (at most two) query blocks of these rows and their rows of the random table
+    qb_lo = _floordiv(q_start + pid_m * BLOCK_M - k_start, P0)
+    qb_hi = _floordiv(q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1 - k_start, P0)
+    bb_head = hkv * stride_bbh
+    row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
+    row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for t in range(0, n_full):
         n = tl.load(fidx + t)
         dq = _dq_tile(
             dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qidx, q_start, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
-            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK,
+            BBT, qb_lo, qb_hi, row_lo, row_hi,
+            PATTERN, CAUSAL, BLOCK_N, True, EVEN_N, HAS_SOFTCAP, HAS_KMASK, False, BB_RANDOM,
         )
     for t in range(0, n_part):
         n = tl.load(pidx + t)
         dq = _dq_tile(
             dq, q, do, lse, delta, Kb, Vb, kmask_row, n, offs_n, offs_d, stride_kn, stride_vn,
             qidx, q_start, k_start, k_end, Skv, scale_log2, softcap, P0, P1, P2, P3,
-            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK,
+            BBT, qb_lo, qb_hi, row_lo, row_hi,
+            PATTERN, CAUSAL, BLOCK_N, False, False, HAS_SOFTCAP, HAS_KMASK, BB_RULE, BB_RANDOM,
         )
     if HAS_SEL:
         dq = _dq_selection(
@@ -389,6 +428,15 @@ def layout_backward(
         EVEN_N=(Skv % bn == 0), HAS_SOFTCAP=softcap is not None, HAS_KMASK=key_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
+    # bigbird with its code over tiles that straddle its blocks (e.g. a left-padded batch): its rule in the kernel
+    bb_rule = pattern_id == 4 and int(params[0]) > 0
+    bb_random = int(params[1]) // BIGBIRD_RANDOM_SHIFT if bb_rule else 0
+    bb_table, bb_stride, bb_nqb = delta, 0, 1  # (a placeholder: not read)
+    if bb_rule:
+        check_bigbird_rule_tiles(params, bm, bn)
+        if bb_random:
+            bb_table, bb_stride, bb_nqb = bigbird_rule_table(params, Hkv, Sq, Skv, dev)
+    common.update(BB_RULE=bb_rule, BB_RANDOM=bb_random)
     fnum, fidx, pnum, pidx = transposed_layout(layout)
     lay_b, lay_h = int(pnum.shape[0] > 1), int(pnum.shape[1] > 1)
     launch(
@@ -399,7 +447,7 @@ def layout_backward(
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
         pidx.stride(0), pidx.stride(1), pidx.stride(2), kmask.stride(0), int(geo.rows > 1),
-        Sq, Skv, Hkv, G, scale, scale * LOG2E, float(softcap or 1.0), *params,
+        Sq, Skv, Hkv, G, scale, scale * LOG2E, float(softcap or 1.0), *params, bb_table, bb_stride, bb_nqb,
         LAYOUT_B=lay_b, LAYOUT_H=lay_h, **common,
     )
     fnum, fidx, pnum, pidx = layout.full_kv_num_blocks, layout.full_kv_indices, layout.kv_num_blocks, layout.kv_indices
@@ -422,7 +470,7 @@ def layout_backward(
         pnum.stride(0), pnum.stride(1), pnum.stride(2), fidx.stride(0), fidx.stride(1), fidx.stride(2),
         pidx.stride(0), pidx.stride(1), pidx.stride(2), kmask.stride(0), int(geo.rows > 1), *sel_args,
         dk32, dv32, dw32, dk32.stride(0), dk32.stride(1), dk32.stride(2), dw32.stride(0), dw32.stride(1), dw32.stride(2),
-        Sq, Skv, Hq, G, scale, scale * LOG2E, float(softcap or 1.0), *params,
+        Sq, Skv, Hq, G, scale, scale * LOG2E, float(softcap or 1.0), *params, bb_table, bb_stride, bb_nqb,
         LAYOUT_B=lay_b, LAYOUT_H=lay_h, HAS_SEL=selection is not None,
         HAS_SELW=selection is not None and selection.weights is not None, **common,
     )

@@ -878,15 +878,12 @@ def layout_forward(
     # computed tiles of a decode step, or over listed tiles no wider than its block that straddle its blocks
     # (rows off the blocks, e.g. a left-padded batch); its prefill code (P0 = 0) runs aligned block tiles.
     bb_rule = pid == 4 and int(params[0]) > 0
-    if bb_rule and not struct and (layout.block_q > params[0] or block_n > params[0]):
-        raise ValueError(f"bigbird's rule in the kernel needs tiles of at most its block ({params[0]}), got "
-                         f"{layout.block_q}x{block_n}")
+    if bb_rule and not struct:
+        check_bigbird_rule_tiles(params, layout.block_q, block_n)
     bb_random = int(params[1]) // BIGBIRD_RANDOM_SHIFT if bb_rule else 0  # random blocks drawn per query block
     bb_table, bb_stride, bb_nqb = lse, 0, 1  # (a placeholder: not read)
     if bb_rule and not struct and bb_random:  # listed tiles read the draws from bigbird's random table
-        bb_nqb = -(-(Skv + Sq) // int(params[0])) + 1  # every query block a row may sit in
-        bb_table = bigbird_code_draws(params, Hkv, bb_nqb, dev)
-        bb_stride = bb_table.stride(0)
+        bb_table, bb_stride, bb_nqb = bigbird_rule_table(params, Hkv, Sq, Skv, dev)
     split = num_splits > 1
     tiles_per_split = -(-max_tiles // num_splits) if split else max_tiles
     if split:
@@ -955,6 +952,23 @@ def layout_forward(
     if split and not fuse:
         combine_splits(o_w, l_w, out, lse, sink_logits)
     return out, lse
+
+
+def check_bigbird_rule_tiles(params, block_q: int, block_k: int) -> None:
+    """ValueError unless ``block_q x block_k`` tiles can carry bigbird's rule (its code ``params``): a tile then
+    spans at most two of its blocks each way (``_bigbird_tile_rule``)."""
+    if block_q > params[0] or block_k > params[0]:
+        raise ValueError(f"bigbird's rule in the kernel needs tiles of at most its block ({params[0]}), got "
+                         f"{block_q}x{block_k}")
+
+
+def bigbird_rule_table(params, Hkv: int, Sq: int, Skv: int, device):
+    """``(table, row stride, query blocks)``: bigbird's random draws (its code ``params``) as the kernels over
+    listed tiles read them (``_bigbird_ok_table``), rows for every query block a row of ``Sq`` queries over ``Skv``
+    keys may sit in."""
+    nqb = -(-(Skv + Sq) // int(params[0])) + 1
+    table = bigbird_code_draws(params, Hkv, nqb, device)
+    return table, table.stride(0), nqb
 
 
 def combine_splits(o_part, lse_part, out, lse, sink_logits=None):
