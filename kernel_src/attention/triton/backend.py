@@ -98,8 +98,8 @@ def _bigbird_decode(call: AttentionCall, need_grad: bool) -> bool:
 
 def _tiles(call: AttentionCall):
     """``plan.plan_tiles`` for this call (bigbird: 128x128 tiles where the CUDA listed forward takes it; a
-    bigbird decode step: the decode tiles, keys no wider than its block; a bigbird call without gradients
-    that block tiles cannot serve, e.g. a left-padded batch, with or without gradients: ``plan.bigbird_rule_tiles``)."""
+    bigbird decode step: the decode tiles, keys no wider than its block; a bigbird call that block tiles cannot
+    serve, e.g. a left-padded batch, with or without gradients: ``plan.bigbird_rule_tiles``)."""
     q = call.q
     need_grad = _want_grad(call)
     bigbird = isinstance(call.pattern, BigBird)

@@ -354,12 +354,17 @@ def _attn_bwd_dq(
     n_part = tl.load(PNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
     fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
     pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
-    # bigbird's rule (``BB_RULE``): the (at most two) query blocks of these rows and their rows of the random table
-    qb_lo = _floordiv(q_start + pid_m * BLOCK_M - k_start, P0)
-    qb_hi = _floordiv(q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1 - k_start, P0)
-    bb_head = hkv * stride_bbh
-    row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
-    row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+    if BB_RULE:  # bigbird's rule: the (at most two) query blocks of these rows and their rows of the random table
+        qb_lo = _floordiv(q_start + pid_m * BLOCK_M - k_start, P0)
+        qb_hi = _floordiv(q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1 - k_start, P0)
+        bb_head = hkv * stride_bbh
+        row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
+        row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+    else:
+        qb_lo = 0
+        qb_hi = 0
+        row_lo = 0
+        row_hi = 0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for t in range(0, n_full):
         n = tl.load(fidx + t)
