@@ -56,7 +56,9 @@ Sections (each fits in a few minutes on an H100):
   pads a batch of prompts) through ``sparse_attention`` (``backend="auto"``) for each ``--patterns`` entry: the
   kernel the call reaches (``kernel``; a fallback's warning in ``warning``), checked against the PyTorch path on the
   first and last 256 queries, timed beside the same call without the mask (``unpadded_ms``) and, up to
-  ``--padded-torch-max``, on the PyTorch path (``torch_path_ms``: what a call the kernels refuse costs).
+  ``--padded-torch-max``, on the PyTorch path (``torch_path_ms``: what a call the kernels refuse costs). With
+  ``--padded-backward`` the rows time forward + backward (the gradients of q, k, v; ``bwd_kernel``) instead, and up
+  to ``--padded-torch-max`` check the gradients against the PyTorch path's (``err_grad``) before timing.
 * ``--section l2``: issue item 9 — dense, sliding_window and l2_aligned at the first ``--seqlens`` in
   each program order (``o0`` query tiles fastest, ``o2`` heads fastest, ``o3`` GQA group adjacent);
   times each; with ``--single-launch`` every configuration launches exactly once (after one
@@ -1056,6 +1058,9 @@ def _padded_row(p, S, D, dtype, dev, row, args):
     q, k, v = _inputs(2, S, D, dtype, dev, S + D + 2)
     mask = torch.ones(2, S, dtype=torch.bool, device=dev)
     mask[1, : args.pad] = False
+    if args.padded_backward:
+        _padded_backward_row(p, q, k, v, mask, S, row, args)
+        return
     padded = lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask)  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1080,6 +1085,41 @@ def _padded_row(p, S, D, dtype, dev, row, args):
             warnings.simplefilter("ignore")
             row["torch_path_ms"] = bench(lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask,
                                                                            backend="torch"))
+        row["ratio_vs_torch_path"] = row["torch_path_ms"] / row["ours_ms"]
+
+
+def _padded_backward_row(p, q, k, v, mask, S, row, args):
+    """``--padded-backward``: forward + backward of a left-padded batch (gradients of q, k, v), checked against the
+    PyTorch path's gradients up to ``--padded-torch-max``, timed beside the unpadded call and the PyTorch path."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    do = torch.randn_like(q)
+
+    def step(backend="auto", attention_mask=mask):
+        out = sparse_k.sparse_attention(*leaves, p, attention_mask=attention_mask, backend=backend)
+        return torch.autograd.grad(out, leaves, do)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads, label = ran(step)
+    row["kernel"], _, row["bwd_kernel"] = label.partition(" / ")
+    if caught:
+        row["warning"] = str(caught[0].message)[:160]
+    if S <= args.padded_torch_max:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = step(backend="torch")
+        # rows inside the padding see no key: both paths give them no gradient (the reference may hold NaN there)
+        row["err_grad"] = max(rel_err(g, r.nan_to_num()) for g, r in zip(grads, ref))
+        if not row["err_grad"] < 2 * TOL:  # NaN fails too
+            row["error"] = "gradient check failed: row void"
+            return
+    row["ours_ms"] = bench(step)
+    row["unpadded_ms"] = bench(lambda: step(attention_mask=None))
+    row["ratio_vs_unpadded"] = row["unpadded_ms"] / row["ours_ms"]
+    if S <= args.padded_torch_max:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row["torch_path_ms"] = bench(lambda: step(backend="torch"))
         row["ratio_vs_torch_path"] = row["torch_path_ms"] / row["ours_ms"]
 
 
@@ -1213,7 +1253,8 @@ def print_table(results):
         ("token_kernel", "token kernel"), ("token_triton_ms", "token triton ms"),
         ("sw3072_ms", "SW3072 ms"), ("tflops_ratio_vs_sw3072", "TF/s ratio"), ("sw3072_triton_ms", "SW3072 triton ms"),
         ("tflops_ratio_vs_sw3072_triton", "TF/s ratio vs triton"), ("kernels_ms", "kernels ms"), ("fa4_runs", "fa4 runs"),
-        ("fa4_error", "fa4 note"), ("unpadded_kernel", "unpadded kernel"), ("unpadded_ms", "unpadded ms"),
+        ("fa4_error", "fa4 note"), ("bwd_kernel", "bwd kernel"), ("err_grad", "grad err"),
+        ("unpadded_kernel", "unpadded kernel"), ("unpadded_ms", "unpadded ms"),
         ("ratio_vs_unpadded", "x unpadded"), ("torch_path_ms", "torch path ms"), ("ratio_vs_torch_path", "x torch path"),
         ("warning", "warning"), ("error", "note"),
     ]
@@ -1274,6 +1315,8 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=4096)
     ap.add_argument("--sinks", type=int, default=128)
     ap.add_argument("--pad", type=int, default=77, help="padded: masked keys at the start of the second row")
+    ap.add_argument("--padded-backward", action="store_true",
+                    help="padded: time forward + backward (gradients checked against the PyTorch path)")
     ap.add_argument("--padded-torch-max", type=int, default=32768,
                     help="padded: largest S also timed on the PyTorch path")
     ap.add_argument("--flex-max", type=int, default=131072, help="largest S given to the FlexAttention baseline")
