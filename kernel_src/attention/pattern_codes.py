@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts.patterns import bigbird_draws
+from ..layouts.patterns import bigbird_draws, cached_block_table
 
 __all__ = [
     "BIGBIRD_RANDOM_SHIFT", "DECODE_PATTERNS", "MAX_DECODE_RANDOM_BLOCKS", "PATTERN_IDS", "PatternCode", "STRUCTURED_PATTERNS",
@@ -128,11 +128,6 @@ def bigbird_code_draws(params, num_kv_heads: int, num_q_blocks: int, device) -> 
     if torch.compiler.is_compiling() or capturing:
         return bigbird_draws(r, g, w, True, seed, num_kv_heads, num_q_blocks, None, dev).to(torch.int32)
     key = (tuple(int(x) for x in params), num_kv_heads, str(dev))
-    table = _CODE_DRAWS.get(key)
-    if table is None or table.shape[1] < num_q_blocks:
-        if len(_CODE_DRAWS) >= _CODE_DRAWS_MAX:
-            _CODE_DRAWS.clear()
-        room = max(64, 1 << max(0, num_q_blocks - 1).bit_length())
-        table = bigbird_draws(r, g, w, True, seed, num_kv_heads, room, None, dev).to(torch.int32)
-        _CODE_DRAWS[key] = table
-    return table[:, :num_q_blocks]
+    return cached_block_table(
+        _CODE_DRAWS, _CODE_DRAWS_MAX, key, num_q_blocks,
+        lambda room: bigbird_draws(r, g, w, True, seed, num_kv_heads, room, None, dev).to(torch.int32))

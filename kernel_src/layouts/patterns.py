@@ -282,14 +282,9 @@ class BigBird(Pattern):
         if torch.compiler.is_compiling():
             return _bigbird_random_table(self, layer_idx, num_kv_heads, num_q_blocks, num_k_blocks, device)
         key = (self, layer_idx, num_kv_heads, num_k_blocks, str(torch.device(device) if device is not None else "cpu"))
-        table = _RANDOM_TABLES.get(key)
-        if table is None or table.shape[1] < num_q_blocks:
-            if len(_RANDOM_TABLES) >= _RANDOM_TABLES_MAX:
-                _RANDOM_TABLES.clear()
-            room = max(64, 1 << max(0, num_q_blocks - 1).bit_length())
-            table = _bigbird_random_table(self, layer_idx, num_kv_heads, room, num_k_blocks, device)
-            _RANDOM_TABLES[key] = table
-        return table[:, :num_q_blocks]
+        return cached_block_table(
+            _RANDOM_TABLES, _RANDOM_TABLES_MAX, key, num_q_blocks,
+            lambda room: _bigbird_random_table(self, layer_idx, num_kv_heads, room, num_k_blocks, device))
 
     def layer_seed(self, layer_idx: int) -> int:
         """The 31-bit seed of layer ``layer_idx``'s random-block hash (``random_table``; the decode kernel's
@@ -369,6 +364,20 @@ class BigBird(Pattern):
 #: BigBird random tables by (pattern, layer, heads, key blocks, device); see ``BigBird.random_table``.
 _RANDOM_TABLES: dict = {}
 _RANDOM_TABLES_MAX = 512
+
+
+def cached_block_table(cache: dict, max_entries: int, key, num_q_blocks: int, build) -> torch.Tensor:
+    """``(H, num_q_blocks, ...)`` rows of a table whose rows are drawn per query block independently (so a longer
+    table holds a shorter one as its prefix): ``build(room)`` for ``room`` query blocks, the next power of two (at
+    least 64), kept in ``cache`` under ``key`` and sliced (decoding asks for one query block more at a time); the
+    cache is emptied when it holds ``max_entries``."""
+    table = cache.get(key)
+    if table is None or table.shape[1] < num_q_blocks:
+        if len(cache) >= max_entries:
+            cache.clear()
+        table = build(max(64, 1 << max(0, num_q_blocks - 1).bit_length()))
+        cache[key] = table
+    return table[:, :num_q_blocks]
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
