@@ -2,6 +2,7 @@
 
     SPARSE_K_CUDA_CACHE=/tmp/empty python scripts/cuda_build_and_time.py build
     python scripts/cuda_build_and_time.py bench
+    python scripts/cuda_build_and_time.py ab before=/tmp/csrc_before [name=dir ...]
 
 ``build`` times each extension's first load (an empty ``SPARSE_K_CUDA_CACHE`` makes it a build);
 ``bench`` times the CUDA kernels through their wrappers, no dispatch, no Triton or Flex baselines:
@@ -11,6 +12,14 @@ of 128) at S=65536, backward sliding_window 4096 at S=65536, dense causal forwar
 S=32768; per call in a 20-call CUDA graph, us). The inputs are seeded, so two checkouts (before /
 after a change, ``PYTHONPATH`` pointing at each) time the same rows; run them in turn, twice. One JSON
 line per result, tagged with ``$TREE`` (default "?").
+
+``ab`` times the structured forward of other source trees in this process, beside this tree's: each
+``name=dir`` is a folder with another revision's ``csrc`` files (e.g. ``mkdir /tmp/csrc_before && git archive
+REV kernel_src/attention/cuda/csrc | tar -x -C /tmp/csrc_before --strip-components=4``), built as its own
+extension. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal; B=1, Hq=32, Hkv=8, D=128, bf16) the
+builds run in turn, back-to-back launches averaged over ~120 ms, 5 rounds; the median of each and its ratio
+to this tree's (> 1: this tree is faster), and the largest difference of its output from this tree's (0: bit
+for bit).
 """
 import json
 import os
@@ -115,5 +124,79 @@ def bench():
     emit(kind="decode", row="token_top2048_w1024_B8", S=S, us=round(us, 2))
 
 
+#: ``ab`` rows: (name, pattern id, window or block, sinks, S).
+AB_ROWS = (
+    ("dense", 0, 0, 0, 16384), ("dense", 0, 0, 0, 65536),
+    ("sliding_window_4096", 1, 4096, 0, 16384), ("sliding_window_4096", 1, 4096, 0, 65536),
+    ("sliding_window_4096", 1, 4096, 0, 131072),
+    ("streaming_4096_128", 2, 4096, 128, 65536), ("streaming_4096_128", 2, 4096, 128, 131072),
+    ("block_diagonal_4096", 3, 4096, 0, 16384), ("block_diagonal_4096", 3, 4096, 0, 65536),
+    ("block_diagonal_4096", 3, 4096, 0, 131072), ("block_diagonal_1024", 3, 1024, 0, 65536),
+    ("block_diagonal_512", 3, 512, 0, 65536),
+)
+
+
+def _mean_ms(fn, n):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def ab(specs):
+    """The ``ab`` command (module docstring): ``specs`` are ``name=dir`` strings."""
+    import pathlib
+    import statistics
+
+    from sparse_k.attention.cuda import build as cuda_build
+
+    folders = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        src = pathlib.Path(folder).resolve()
+        if not sep or not name or name in folders or name == "tree" or not (src / "structured_fwd_sm90.cu").is_file():
+            raise SystemExit(f"ab: {spec!r} is not name=dir with a new name (not 'tree') and a csrc folder "
+                             "(one holding structured_fwd_sm90.cu)")
+        folders[name] = src
+    mods = {"tree": cs.load_extension()}
+    here = cuda_build.CUDA_SRC_DIR
+    try:
+        for name, src in folders.items():
+            cuda_build.CUDA_SRC_DIR = src
+            mods[name] = cuda_build.load_sm90_extension(f"structured_ab_{name}", ("structured_fwd_sm90.cpp",
+                                                                                  "structured_fwd_sm90.cu"))
+    finally:
+        cuda_build.CUDA_SRC_DIR = here
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    for row, pid, W, sinks, S in AB_ROWS:
+        q = torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        outs = {m: (torch.full_like(q, float("nan")), torch.full((1, 32, S), float("nan"), device="cuda"))
+                for m in mods}
+        stream = torch.cuda.current_stream().cuda_stream
+        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, 128 ** -0.5, stream))
+                 for m in mods}
+        for call in calls.values():
+            call()
+        n = max(3, int(120 / _mean_ms(calls["tree"], 3)))
+        times = {m: [] for m in mods}
+        for _ in range(5):
+            for m, call in calls.items():
+                times[m].append(_mean_ms(call, n))
+        tree_ms = statistics.median(times["tree"])
+        for m in mods:
+            ms = statistics.median(times[m])
+            diff = (outs[m][0].float() - outs["tree"][0].float()).abs().max().item()
+            emit(kind="ab", build=m, row=row, S=S, ms=round(ms, 3), tree_speedup=round(ms / tree_ms, 3),
+                 max_diff=diff, nan=bool(outs[m][0].isnan().any()))
+        del q, k, v, outs
+
+
 if __name__ == "__main__":
-    {"build": build, "bench": bench}[sys.argv[1]]()
+    if sys.argv[1:2] == ["ab"]:
+        ab(sys.argv[2:])
+    else:
+        {"build": build, "bench": bench}[sys.argv[1]]()
