@@ -26,7 +26,9 @@ from .fitting import launch
 from .rules import LOG2E, _floordiv, _key_runs, _pattern_rule, _softcap
 from .tma import kv_descriptor, tma_ok
 
-__all__ = ["check_sel_fast", "combine_splits", "layout_forward", "mask_bytes"]
+__all__ = [
+    "bigbird_rule_table", "check_bigbird_rule_tiles", "check_sel_fast", "combine_splits", "layout_forward", "mask_bytes",
+]
 
 #: bigbird decode launches carry ``window_blocks + _BB_SHIFT * random_blocks`` in ``P1`` (``pattern_codes``).
 _BB_SHIFT = tl.constexpr(BIGBIRD_RANDOM_SHIFT)
