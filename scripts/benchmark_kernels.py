@@ -1058,68 +1058,56 @@ def _padded_row(p, S, D, dtype, dev, row, args):
     q, k, v = _inputs(2, S, D, dtype, dev, S + D + 2)
     mask = torch.ones(2, S, dtype=torch.bool, device=dev)
     mask[1, : args.pad] = False
+    if args.padded_backward:  # forward + backward (the gradients of q, k, v), checked up to --padded-torch-max
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        do = torch.randn_like(q)
+
+        def call(backend="auto", attention_mask=mask):
+            out = sparse_k.sparse_attention(*leaves, p, attention_mask=attention_mask, backend=backend)
+            return torch.autograd.grad(out, leaves, do)
+
+        def check(grads):
+            if S > args.padded_torch_max:
+                return True
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref = call(backend="torch")
+            # rows inside the padding see no key: both paths give them no gradient (the reference may hold NaN there)
+            row["err_grad"] = max(rel_err(g, r.nan_to_num()) for g, r in zip(grads, ref))
+            return row["err_grad"] < 2 * TOL  # NaN fails too
+    else:
+        def call(backend="auto", attention_mask=mask):
+            return sparse_k.sparse_attention(q, k, v, p, attention_mask=attention_mask, backend=backend)
+
+        def check(out):  # the first and last 256 queries against the PyTorch path
+            errs = []
+            for q0 in (0, S - 256):
+                ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p, attention_mask=mask, q_start=q0,
+                                                backend="torch")
+                errs.append(rel_err(out[:, :, q0 : q0 + 256], ref))
+            row["err_large"] = max(errs)
+            return row["err_large"] < TOL  # NaN fails too
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, label = ran(call)
     if args.padded_backward:
-        _padded_backward_row(p, q, k, v, mask, S, row, args)
-        return
-    padded = lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask)  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out, row["kernel"] = ran(padded)
+        row["kernel"], _, row["bwd_kernel"] = label.partition(" / ")
+    else:
+        row["kernel"] = label
     if caught:
         row["warning"] = str(caught[0].message)[:160]
-    errs = []
-    for q0 in (0, S - 256):
-        ref = sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p, attention_mask=mask, q_start=q0,
-                                        backend="torch")
-        errs.append(rel_err(out[:, :, q0 : q0 + 256], ref))
-    row["err_large"] = max(errs)
-    if not row["err_large"] < TOL:  # NaN fails too
-        row["error"] = "correctness check failed: row void"
+    if not check(result):
+        row["error"] = ("gradient" if args.padded_backward else "correctness") + " check failed: row void"
         return
-    row["ours_ms"] = bench(padded)
-    _, row["unpadded_kernel"] = ran(lambda: sparse_k.sparse_attention(q, k, v, p))
-    row["unpadded_ms"] = bench(lambda: sparse_k.sparse_attention(q, k, v, p))
+    row["ours_ms"] = bench(call)
+    _, row["unpadded_kernel"] = ran(lambda: call(attention_mask=None))
+    row["unpadded_ms"] = bench(lambda: call(attention_mask=None))
     row["ratio_vs_unpadded"] = row["unpadded_ms"] / row["ours_ms"]
     if S <= args.padded_torch_max:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            row["torch_path_ms"] = bench(lambda: sparse_k.sparse_attention(q, k, v, p, attention_mask=mask,
-                                                                           backend="torch"))
-        row["ratio_vs_torch_path"] = row["torch_path_ms"] / row["ours_ms"]
-
-
-def _padded_backward_row(p, q, k, v, mask, S, row, args):
-    """``--padded-backward``: forward + backward of a left-padded batch (gradients of q, k, v), checked against the
-    PyTorch path's gradients up to ``--padded-torch-max``, timed beside the unpadded call and the PyTorch path."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    do = torch.randn_like(q)
-
-    def step(backend="auto", attention_mask=mask):
-        out = sparse_k.sparse_attention(*leaves, p, attention_mask=attention_mask, backend=backend)
-        return torch.autograd.grad(out, leaves, do)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        grads, label = ran(step)
-    row["kernel"], _, row["bwd_kernel"] = label.partition(" / ")
-    if caught:
-        row["warning"] = str(caught[0].message)[:160]
-    if S <= args.padded_torch_max:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ref = step(backend="torch")
-        # rows inside the padding see no key: both paths give them no gradient (the reference may hold NaN there)
-        row["err_grad"] = max(rel_err(g, r.nan_to_num()) for g, r in zip(grads, ref))
-        if not row["err_grad"] < 2 * TOL:  # NaN fails too
-            row["error"] = "gradient check failed: row void"
-            return
-    row["ours_ms"] = bench(step)
-    row["unpadded_ms"] = bench(lambda: step(attention_mask=None))
-    row["ratio_vs_unpadded"] = row["unpadded_ms"] / row["ours_ms"]
-    if S <= args.padded_torch_max:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            row["torch_path_ms"] = bench(lambda: step(backend="torch"))
+            row["torch_path_ms"] = bench(lambda: call(backend="torch"))
         row["ratio_vs_torch_path"] = row["torch_path_ms"] / row["ours_ms"]
 
 
