@@ -25,7 +25,7 @@ from ...layouts.block_layout import transposed_layout
 from ..launch_buffers import selection_args
 from ..pattern_codes import BIGBIRD_RANDOM_SHIFT
 from .fitting import launch
-from .fwd import _BB_SHIFT, _bigbird_ok_table, bigbird_rule_table, check_bigbird_rule_tiles
+from .fwd import _BB_SHIFT, _bigbird_ok_table, _bigbird_tile_rows, bigbird_rule_table, check_bigbird_rule_tiles
 from .rules import LOG2E, _floordiv, _pattern_rule, _softcap
 
 __all__ = ["bwd_preprocess", "layout_backward"]
@@ -107,12 +107,9 @@ def _dkdv_tile(
         k_ok = (kpos >= 0) & (kidx < k_end) & kin
         ok = _pattern_rule(qpos[None, :], kpos[:, None], P0, P1, P2, P3, PATTERN, CAUSAL) & k_ok[:, None]
         if BB_RULE:
-            qlo = q_start + m * BLOCK_M
-            qhi = q_start + tl.minimum(m * BLOCK_M + BLOCK_M, Sq) - 1
-            qb_lo = _floordiv(qlo - k_start, P0)
-            qb_hi = _floordiv(qhi - k_start, P0)
-            row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
-            row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+            qb_lo, qb_hi, row_lo, row_hi = _bigbird_tile_rows(
+                q_start + m * BLOCK_M, q_start + tl.minimum(m * BLOCK_M + BLOCK_M, Sq) - 1, k_start, P0, bb_head,
+                BB_NQB, BB_RANDOM)
             extra = _bigbird_ok_table(qpos, n, offs_n, k_start, P0, P1 % _BB_SHIFT, P2, qb_lo, qb_hi, row_lo, row_hi,
                                       BBT, BB_RANDOM, BLOCK_N)  # (BLOCK_M, BLOCK_N)
             ok = ok & (tl.trans(extra.to(tl.int8)) != 0)
@@ -355,11 +352,9 @@ def _attn_bwd_dq(
     fidx = FIDX + lb * stride_fb + lh * stride_fh + pid_m.to(tl.int64) * stride_fm
     pidx = PIDX + lb * stride_pb + lh * stride_ph + pid_m.to(tl.int64) * stride_pm
     if BB_RULE:  # bigbird's rule: the (at most two) query blocks of these rows and their rows of the random table
-        qb_lo = _floordiv(q_start + pid_m * BLOCK_M - k_start, P0)
-        qb_hi = _floordiv(q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1 - k_start, P0)
-        bb_head = hkv * stride_bbh
-        row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
-        row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+        qb_lo, qb_hi, row_lo, row_hi = _bigbird_tile_rows(
+            q_start + pid_m * BLOCK_M, q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Sq) - 1, k_start, P0,
+            hkv * stride_bbh, BB_NQB, BB_RANDOM)
     else:
         qb_lo = 0
         qb_hi = 0

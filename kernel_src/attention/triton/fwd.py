@@ -363,6 +363,19 @@ def _bigbird_ok(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, draws_lo, dra
 
 
 @triton.jit
+def _bigbird_tile_rows(qlo, qhi, k_start, P0, bb_head, BB_NQB, BB_RANDOM: tl.constexpr):
+    """``(qb_lo, qb_hi, row_lo, row_hi)`` of a tile whose rows sit at positions ``qlo .. qhi``: their (at most two)
+    query blocks and those blocks' rows in bigbird's random table (``BB_NQB`` query blocks of ``BB_RANDOM`` draws
+    from ``bb_head``, the KV head's first; ``_bigbird_ok_table``). A query block before the row's first key (left
+    padding) has no valid key: any row of the table serves it."""
+    qb_lo = _floordiv(qlo - k_start, P0)
+    qb_hi = _floordiv(qhi - k_start, P0)
+    row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
+    row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+    return qb_lo, qb_hi, row_lo, row_hi
+
+
+@triton.jit
 def _bigbird_ok_table(qpos, n, offs_n, k_start, P0, wb, g, qb_lo, qb_hi, row_lo, row_hi, BBT,
                       R: tl.constexpr, BLOCK_N: tl.constexpr):
     """``_bigbird_ok`` with the draws read from the random table ``BBT`` (rows ``row_lo`` / ``row_hi`` of the two
@@ -524,16 +537,10 @@ def _attn_fwd(
         pidx = PIDX
     else:
         if BB_RULE:  # bigbird over listed tiles that straddle its blocks: its rule in the partial tiles
-            qlo = q_start + pid_m * ROWS
-            qhi = q_start + tl.minimum(pid_m * ROWS + ROWS, Sq) - 1
             wb = P1 % _BB_SHIFT
-            qb_lo = _floordiv(qlo - k_start, P0)
-            qb_hi = _floordiv(qhi - k_start, P0)
-            # rows of the random table (BB_NQB query blocks of BB_RANDOM draws per KV head); a query block
-            # before the row's first key (left padding) has no valid key: any row of the table serves it
-            bb_head = hkv.to(tl.int64) * stride_bbh
-            row_lo = bb_head + tl.minimum(tl.maximum(qb_lo, 0), BB_NQB - 1) * BB_RANDOM
-            row_hi = bb_head + tl.minimum(tl.maximum(qb_hi, 0), BB_NQB - 1) * BB_RANDOM
+            qb_lo, qb_hi, row_lo, row_hi = _bigbird_tile_rows(
+                q_start + pid_m * ROWS, q_start + tl.minimum(pid_m * ROWS + ROWS, Sq) - 1, k_start, P0,
+                hkv.to(tl.int64) * stride_bbh, BB_NQB, BB_RANDOM)
         lb = b64 * LAYOUT_B
         lh = hkv.to(tl.int64) * LAYOUT_H
         n_full = tl.load(FNUM + lb * stride_nb + lh * stride_nh + pid_m * stride_nm)
