@@ -135,21 +135,26 @@ def test_bigbird_gradients_without_block_tiles_run_the_kernels(case):
     tiles too: gradients of q, k, v and the sink logits against the float64 reference."""
     gen = torch.Generator().manual_seed(len(case) * 17)
     p, q, k, v, kw = _inputs(case, gen)
-    sinks = _rand(q.shape[1], gen=gen)
+    _assert_kernel_gradients(p, q, k, v, _rand(q.shape[1], gen=gen), kw, gen, TOL32, case)
+
+
+def _assert_kernel_gradients(p, q, k, v, sinks, kw, gen, tol, what):
+    """One forward + backward of bigbird ``p`` on the layout kernels (no fallback, no warning), its output within
+    ``tol`` and its gradients of ``q, k, v, sinks`` within ``2 * tol`` of the float64 reference, none NaN."""
     leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
     with warnings.catch_warnings(), plan.recording() as seen:
         warnings.simplefilter("error", UserWarning)
         out = sparse_k.sparse_attention(q, k, v, p, backend="triton", sink_logits=sinks, **kw)
-        do = torch.randn(out.shape, generator=gen).to(DEV)
+        do = torch.randn(out.shape, generator=gen).to(DEV, out.dtype)
         grads = torch.autograd.grad(out, leaves, do)
     assert [x.kernel for x in seen] == ["triton_layout", "triton_layout_bwd"], seen
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref = sparse_k.sparse_attention(*ref_leaves[:3], p, backend="reference", sink_logits=ref_leaves[3], **kw)
     # the reference's rows without a valid key (queries inside the left padding) are NaN: no gradient flows there
     ref_grads = torch.autograd.grad(ref, ref_leaves, do.double().masked_fill(ref.isnan(), 0.0))
-    assert _rel(out, ref) < TOL32
+    assert _rel(out, ref) < tol
     for name, g, gr in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
-        assert not g.isnan().any() and _rel(g, gr) < 2 * TOL32, (case, name, _rel(g, gr))
+        assert not g.isnan().any() and _rel(g, gr) < 2 * tol, (what, name, _rel(g, gr))
 
 
 def test_straddling_tiles_stay_inside_one_block_pair():
@@ -231,24 +236,11 @@ def test_padded_bigbird_gradients_on_the_gpu(dtype):
     gen = torch.Generator().manual_seed(6)
     p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
     B, Hq, Hkv, S, D = 2, 8, 2, 1000, 128
-    leaves = [_rand(B, h, S, D, gen=gen, dtype=dtype).requires_grad_() for h in (Hq, Hkv, Hkv)]
-    sinks = _rand(Hq, gen=gen).requires_grad_()
+    q, k, v = (_rand(B, h, S, D, gen=gen, dtype=dtype) for h in (Hq, Hkv, Hkv))
     mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
     mask[1, :77] = False
-    kw = dict(attention_mask=mask, layer_idx=2)
-    with warnings.catch_warnings(), plan.recording() as seen:
-        warnings.simplefilter("error", UserWarning)
-        out = sparse_k.sparse_attention(*leaves, p, backend="triton", sink_logits=sinks, **kw)
-        do = torch.randn(out.shape, generator=gen).to(DEV, dtype)
-        grads = torch.autograd.grad(out, [*leaves, sinks], do)
-    assert [x.kernel for x in seen] == ["triton_layout", "triton_layout_bwd"], seen
-    ref_leaves = [t.detach().double().requires_grad_() for t in (*leaves, sinks)]
-    ref = sparse_k.sparse_attention(*ref_leaves[:3], p, backend="reference", sink_logits=ref_leaves[3], **kw)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double().masked_fill(ref.isnan(), 0.0))
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert _rel(out, ref) < tol
-    for name, g, gr in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
-        assert not g.isnan().any() and _rel(g, gr) < 2 * tol, (name, _rel(g, gr))
+    _assert_kernel_gradients(p, q, k, v, _rand(Hq, gen=gen), dict(attention_mask=mask, layer_idx=2), gen, tol, dtype)
 
 
 @pytest.mark.parametrize("layer", [0, 3, 29])
