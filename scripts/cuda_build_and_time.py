@@ -13,13 +13,13 @@ S=32768; per call in a 20-call CUDA graph, us). The inputs are seeded, so two ch
 after a change, ``PYTHONPATH`` pointing at each) time the same rows; run them in turn, twice. One JSON
 line per result, tagged with ``$TREE`` (default "?").
 
-``ab`` times the structured forward of other source trees in this process, beside this tree's: each
-``name=dir`` is a folder with another revision's ``csrc`` files (e.g. ``mkdir /tmp/csrc_before && git archive
-REV kernel_src/attention/cuda/csrc | tar -x -C /tmp/csrc_before --strip-components=4``), built as its own
-extension. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal; B=1, Hq=32, Hkv=8, D=128, bf16) the
-builds run in turn, back-to-back launches averaged over ~120 ms, 5 rounds; the median of each and its ratio
-to this tree's (> 1: this tree is faster), and the largest difference of its output from this tree's (0: bit
-for bit).
+``ab`` times the structured forward and backward of other source trees in this process, beside this tree's:
+each ``name=dir`` is a folder with another revision's ``csrc`` files (e.g. ``mkdir /tmp/csrc_before && git
+archive REV kernel_src/attention/cuda/csrc | tar -x -C /tmp/csrc_before --strip-components=4``), built as its
+own extensions. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal forwards; ``AB_BWD_ROWS``:
+backwards; B=1, Hq=32, Hkv=8, D=128, bf16) the builds run in turn, back-to-back launches averaged over ~120 ms,
+5 rounds; the median of each and its ratio to this tree's (> 1: this tree is faster), and the largest difference
+of its outputs from this tree's (0: bit for bit; the backward: dK, dV and the float32 dQ accumulator of one call).
 """
 import json
 import os
@@ -136,6 +136,12 @@ AB_ROWS = (
 )
 
 
+#: ``ab`` backward rows: (name, pattern id, window, sinks, S).
+AB_BWD_ROWS = (
+    ("sliding_window_4096", 1, 4096, 0, 65536), ("streaming_4096_128", 2, 4096, 128, 65536), ("dense", 0, 0, 0, 16384),
+)
+
+
 def _mean_ms(fn, n):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -149,7 +155,6 @@ def _mean_ms(fn, n):
 def ab(specs):
     """The ``ab`` command (module docstring): ``specs`` are ``name=dir`` strings."""
     import pathlib
-    import statistics
 
     from sparse_k.attention.cuda import build as cuda_build
 
@@ -162,37 +167,68 @@ def ab(specs):
                              "(one holding structured_fwd_sm90.cu)")
         folders[name] = src
     mods = {"tree": cs.load_extension()}
+    bwd_mods = {"tree": cb.load_extension()}
     here = cuda_build.CUDA_SRC_DIR
     try:
         for name, src in folders.items():
             cuda_build.CUDA_SRC_DIR = src
             mods[name] = cuda_build.load_sm90_extension(f"structured_ab_{name}", ("structured_fwd_sm90.cpp",
                                                                                   "structured_fwd_sm90.cu"))
+            if (src / "structured_bwd_sm90.cu").is_file():
+                bwd_mods[name] = cuda_build.load_sm90_extension(f"structured_bwd_ab_{name}",
+                                                                ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu"))
     finally:
         cuda_build.CUDA_SRC_DIR = here
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    for row, pid, W, sinks, S in AB_ROWS:
+    stream = torch.cuda.current_stream().cuda_stream
+    scale = 128 ** -0.5
+
+    def qkv(S):
         q = torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
         k, v = (torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        return q, k, v
+
+    for row, pid, W, sinks, S in AB_ROWS:
+        q, k, v = qkv(S)
         outs = {m: (torch.full_like(q, float("nan")), torch.full((1, 32, S), float("nan"), device="cuda"))
                 for m in mods}
-        stream = torch.cuda.current_stream().cuda_stream
-        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, 128 ** -0.5, stream))
+        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, scale, stream))
                  for m in mods}
-        for call in calls.values():
-            call()
-        n = max(3, int(120 / _mean_ms(calls["tree"], 3)))
-        times = {m: [] for m in mods}
-        for _ in range(5):
-            for m, call in calls.items():
-                times[m].append(_mean_ms(call, n))
-        tree_ms = statistics.median(times["tree"])
-        for m in mods:
-            ms = statistics.median(times[m])
-            diff = (outs[m][0].float() - outs["tree"][0].float()).abs().max().item()
-            emit(kind="ab", build=m, row=row, S=S, ms=round(ms, 3), tree_speedup=round(ms / tree_ms, 3),
-                 max_diff=diff, nan=bool(outs[m][0].isnan().any()))
+        _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
         del q, k, v, outs
+    for row, pid, W, sinks, S in AB_BWD_ROWS:
+        q, k, v = qkv(S)
+        do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W, sinks=sinks, scale=scale)
+        delta = (do.float() * out.float()).sum(-1)
+        lse2, delta = cb.padded_stats((delta, lse * 1.4426950408889634))
+        grads = {m: (torch.zeros(1, 32, lse2.shape[2], 128, device="cuda"), torch.full_like(k, float("nan")),
+                     torch.full_like(v, float("nan"))) for m in bwd_mods}
+        calls = {m: (lambda m=m: bwd_mods[m].structured_bwd(q, k, v, do, lse2, delta, *grads[m], pid, W, sinks, scale,
+                                                             stream)) for m in bwd_mods}
+        _ab_rounds("ab_bwd", row, S, calls, lambda m: list(grads[m]))
+        del q, k, v, do, out, lse, grads
+
+
+def _ab_rounds(kind, row, S, calls, outputs):
+    """One ``ab`` row: each build's call once (its outputs compared with this tree's), then 5 interleaved rounds of
+    back-to-back calls; one JSON line per build. ``outputs(build)``: the tensors its first call wrote."""
+    import statistics
+
+    for call in calls.values():
+        call()
+    first = {m: [t.float().clone() for t in outputs(m)] for m in calls}
+    n = max(3, int(120 / _mean_ms(calls["tree"], 3)))
+    times = {m: [] for m in calls}
+    for _ in range(5):
+        for m, call in calls.items():
+            times[m].append(_mean_ms(call, n))
+    tree_ms = statistics.median(times["tree"])
+    for m in calls:
+        ms = statistics.median(times[m])
+        diff = max((a - b).abs().max().item() for a, b in zip(first[m], first["tree"]))
+        emit(kind=kind, build=m, row=row, S=S, ms=round(ms, 3), tree_speedup=round(ms / tree_ms, 3), max_diff=diff,
+             nan=any(bool(t.isnan().any()) for t in first[m]))
 
 
 if __name__ == "__main__":

@@ -209,11 +209,18 @@ struct FwdSmem {
 // (sbias[stage][128]) and first visible local rows (sthr[stage][128]) written with ordinary stores,
 // so the consumers fence the async proxy after waiting for them and release their K slot only after
 // the softmax has read the side data. Else every key tile is static (nsel = 0).
-template <bool BF16, bool GATHER, bool LISTED, class Smem, class NSel>
+// WG_UNIFORM: the warpgroup index is read through a shuffle from lane 0, so the compiler knows it is warp-uniform
+// and keeps every wgmma descriptor in uniform registers (else the Q descriptors are built in vector registers and
+// moved over, R2UR, at each wgmma). Faster on long rows (dense 64K 2%, windows of 4096 1%), slower on short ones
+// (block_diagonal 512 6%; ptxas schedules the work tile's edges differently), so the launcher picks it by the
+// mean row length (docs/history.md).
+template <bool BF16, bool GATHER, bool LISTED, bool WG_UNIFORM, class Smem, class NSel>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
   const int lane = threadIdx.x % 32;
-  const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
+  // consumer warpgroup 0/1: query rows cw*64 .. cw*64+63 of the tile
+  const int cw = (WG_UNIFORM ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
+                             : static_cast<int>(threadIdx.x / 128)) - 1;
   const int wq = (threadIdx.x % 128) / 32;
   const int g = lane / 4;
   const int qd = lane % 4;
@@ -266,12 +273,16 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
         }
       }
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    // row maxima as four independent chains per row (a chain of 16 dependent fmaxf is latency-bound)
+    float c0[4], c1[4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      const float a = fmaxf(s[4 * j], s[4 * j + 1]), b = fmaxf(s[4 * j + 2], s[4 * j + 3]);
+      c0[j % 4] = j < 4 ? a : fmaxf(c0[j % 4], a);
+      c1[j % 4] = j < 4 ? b : fmaxf(c1[j % 4], b);
     }
+    float mx0 = fmaxf(fmaxf(c0[0], c0[1]), fmaxf(c0[2], c0[3]));
+    float mx1 = fmaxf(fmaxf(c1[0], c1[1]), fmaxf(c1[2], c1[3]));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
@@ -300,21 +311,20 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
 
   // S = Q K^T of ring slot st, Q at qa (this warpgroup's rows of a Q buffer)
   auto issue_qk = [&](int st, uint32_t qa) {
-    const uint32_t kb = sk + st * kTileBytes;
+    const uint64_t qd0 = make_desc(qa, 16, 1024), kd0 = make_desc(sk + st * kTileBytes, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
       const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
-      wgmma_ss<BF16>(s, make_desc(qa + off, 16, 1024), make_desc(kb + off, 16, 1024), kk > 0);
+      wgmma_ss<BF16>(s, desc_advance(qd0, off), desc_advance(kd0, off), kk > 0);
     }
   };
   auto issue_pv = [&](int st) {
-    const uint32_t vb = sv + st * kTileBytes;
+    const uint64_t vd0 = make_desc(sv + st * kTileBytes, kHalfBytes, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
-      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                     make_desc(vb + kk * 2048, kHalfBytes, 1024));
+      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
     }
   };
   auto convert_p = [&]() {

@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wg = threadIdx.x / 128;
+  // warp-uniform through a shuffle from lane 0: the wgmma descriptors built from it stay in uniform registers
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const int bkv = blockIdx.x;  // b * Hkv + kv head
   const int n = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -234,26 +235,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t pa[16], da[16];
   auto issue_s = [&](int st) {  // S^T = K_c Q^T
     const uint32_t qs = sq + st * kQTile;
+    const uint64_t ka = make_desc(sk + cw * 64 * 128, 16, 1024), qb = make_desc(qs, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      const uint32_t ka = sk + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
-      const uint32_t qb = qs + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      const uint64_t a = desc_advance(ka, (kk >> 2) * kKVHalf + (kk & 3) * 32);
+      const uint64_t b = desc_advance(qb, (kk >> 2) * kQHalf + (kk & 3) * 32);
       if (kk == 0)
-        wgmma_ss64_first<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024));
+        wgmma_ss64_first<BF16, 0, 0>(sacc, a, b);
       else
-        wgmma_ss64<BF16, 0, 0>(sacc, make_desc(ka, 16, 1024), make_desc(qb, 16, 1024), 1);
+        wgmma_ss64<BF16, 0, 0>(sacc, a, b, 1);
     }
   };
   auto issue_dp = [&](int st) {  // dP^T = V_c dO^T
     const uint32_t dos = sdo + st * kQTile;
+    const uint64_t va = make_desc(sv + cw * 64 * 128, 16, 1024), ob = make_desc(dos, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      const uint32_t va = sv + (kk >> 2) * kKVHalf + cw * 64 * 128 + (kk & 3) * 32;
-      const uint32_t ob = dos + (kk >> 2) * kQHalf + (kk & 3) * 32;
+      const uint64_t a = desc_advance(va, (kk >> 2) * kKVHalf + (kk & 3) * 32);
+      const uint64_t b = desc_advance(ob, (kk >> 2) * kQHalf + (kk & 3) * 32);
       if (kk == 0)
-        wgmma_ss64_first<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024));
+        wgmma_ss64_first<BF16, 0, 0>(dpacc, a, b);
       else
-        wgmma_ss64<BF16, 0, 0>(dpacc, make_desc(va, 16, 1024), make_desc(ob, 16, 1024), 1);
+        wgmma_ss64<BF16, 0, 0>(dpacc, a, b, 1);
     }
   };
   if (count > 0) {
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // dV += P^T dO (dO MN-major: 16 query rows per k-step)
       wgmma_rs<BF16>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                     make_desc(dos + kk * 2048, kQHalf, 1024));
+                     desc_advance(make_desc(dos, kQHalf, 1024), kk * 2048));
     wg_commit();
 
     wg_wait<1>();
@@ -339,15 +342,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // dK += dS^T Q
       wgmma_rs<BF16>(dk, da[4 * kk], da[4 * kk + 1], da[4 * kk + 2], da[4 * kk + 3],
-                     make_desc(qs + kk * 2048, kQHalf, 1024));
+                     desc_advance(make_desc(qs, kQHalf, 1024), kk * 2048));
     wg_commit();
 
     named_sync(1, 256);  // both halves of dS^T stored
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {  // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys
-      const uint64_t a = make_desc(dsb + kk * 2048, kQHalf, 1024);
-      const uint64_t bd = make_desc(sk + cw * kKVHalf + kk * 2048, kKVHalf, 1024);
+      const uint64_t a = desc_advance(make_desc(dsb, kQHalf, 1024), kk * 2048);
+      const uint64_t bd = desc_advance(make_desc(sk + cw * kKVHalf, kKVHalf, 1024), kk * 2048);
       if (kk == 0)
         wgmma_ss64_first<BF16, 1, 1>(dq, a, bd);
       else

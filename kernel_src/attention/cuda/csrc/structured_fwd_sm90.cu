@@ -39,12 +39,15 @@ constexpr int kBarBytes = 1024;  // mbarriers at the start of dynamic shared mem
 // Two Q buffers and a K/V ring of two stages: the shared memory's other fit, one Q buffer and three stages, ran
 // 1-3% slower for every pattern and length measured (docs/history.md).
 using Smem = FwdSmem<kBarBytes, 2, 2>;
+// The mean keys per query row from which the kernel takes fwd_consumer's WG_UNIFORM variant: measured faster at
+// 4,096-key windows (33 key tiles a row) and dense 16K, slower at block_diagonal 512-4096 (2-16 tiles).
+constexpr long long kLongRowKeys = 3072;
 
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
 // on across work tiles (counter `cnt`), and the producer loads the next tile's Q (into the other Q buffer,
 // once both consumers have finished the last Q K^T of the tile before) and first K/V tiles while the consumers
 // work on the current one.
-template <bool BF16, bool LISTED>
+template <bool BF16, bool LISTED, bool WG_UNIFORM>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
@@ -84,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  fwd_consumer<BF16, false, LISTED>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
+  fwd_consumer<BF16, false, LISTED, WG_UNIFORM>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
 }
 
 }  // namespace sk90
@@ -108,8 +111,14 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale,
                    err, errlen))
     return 1;
-  return launch_kernel(bf16 ? structured_fwd_kernel<true, false> : structured_fwd_kernel<false, false>, grid, kThreads,
-                       Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
+  // rows of kLongRowKeys keys or more on average: fwd_consumer's WG_UNIFORM variant (sm90_fwd_mainloop.cuh)
+  const long long span = window < S ? window : S;
+  const long long row_keys = pattern == 0 ? S / 2 : pattern == 3 ? span / 2 : span;
+  const auto kernel = row_keys >= kLongRowKeys ? (bf16 ? structured_fwd_kernel<true, false, true>
+                                                       : structured_fwd_kernel<false, false, true>)
+                                               : (bf16 ? structured_fwd_kernel<true, false, false>
+                                                       : structured_fwd_kernel<false, false, false>);
+  return launch_kernel(kernel, grid, kThreads, Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
 }
 
 // Host entry point of the listed forward (bigbird): the block layout's full / partial key tile counts
@@ -138,6 +147,6 @@ extern "C" int sk90_listed_fwd(const void* q, const void* k, const void* v, void
   p.pidx = pidx;
   p.fw = fw;
   p.pw = pw;
-  return launch_kernel(bf16 ? structured_fwd_kernel<true, true> : structured_fwd_kernel<false, true>, grid, kThreads,
-                       Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
+  return launch_kernel(bf16 ? structured_fwd_kernel<true, true, false> : structured_fwd_kernel<false, true, false>, grid,
+                       kThreads, Smem::kBytes, stream, err, errlen, tq, tk, tv, p);
 }
