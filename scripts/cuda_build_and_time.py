@@ -17,10 +17,12 @@ line per result, tagged with ``$TREE`` (default "?").
 each ``name=dir`` is a folder with another revision's ``csrc`` files (e.g. ``mkdir /tmp/csrc_before && git
 archive REV kernel_src/attention/cuda/csrc | tar -x -C /tmp/csrc_before --strip-components=4``), built as its
 own extensions. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal forwards; ``AB_BWD_ROWS``:
-backwards; B=1, Hq=32, Hkv=8, D=128, bf16) the builds run in turn, back-to-back launches averaged over ~120 ms,
-5 rounds; the median of each and its ratio to this tree's (> 1: this tree is faster), and the largest difference
-of its outputs from this tree's (0: bit for bit; the backward: dK, dV and the float32 dQ accumulator of one call).
+backwards; ``AB_TOKEN_SEQLENS``: the token forward of learned selection; B=1, Hq=32, Hkv=8, D=128, bf16) the
+builds run in turn, back-to-back launches averaged over ~120 ms, 5 rounds; the median of each and its ratio to this
+tree's (> 1: this tree is faster), and the largest difference of its outputs from this tree's (0: bit for bit; the
+backward: dK, dV and the float32 dQ accumulator of one call, whose reduce-adds run in no fixed order).
 """
+import contextlib
 import json
 import os
 import sys
@@ -90,17 +92,8 @@ def bench():
         ms = bench_ms(lambda pid=pid, W=W, sinks=sinks: cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W,
                                                                                   sinks=sinks, scale=scale))
         emit(kind="fwd", row=name, S=S, ms=round(ms, 3))
-    # token layout: top-2048 spread over [0, block_start - 1024], window 1024, query_block 128
-    QB, K, W = 128, 2048, 1024
-    NB = S // QB
-    b0 = torch.arange(NB, device=dev) * QB
-    cand = (b0 - W + 1).clamp_min(0)
-    j = torch.arange(K, device=dev)
-    idx = torch.where(cand[:, None] >= K, torch.div(j[None] * cand[:, None], K, rounding_mode="floor"), j[None])
-    sel = sparse_k.TokenLayout(idx.to(torch.int32)[None, None].expand(B, Hkv, NB, K),
-                               cand.clamp_max(K).to(torch.int32)[None, None].expand(B, Hkv, NB), QB,
-                               torch.zeros(B, dtype=torch.int64, device=dev))
-    ms = bench_ms(lambda: ct.cuda_token_forward(q, k, v, sel, pattern_id=1, window=W, scale=scale))
+    sel = _token_layout(S, B, Hkv, dev)
+    ms = bench_ms(lambda: ct.cuda_token_forward(q, k, v, sel, pattern_id=1, window=1024, scale=scale))
     emit(kind="fwd", row="token_top2048_w1024", S=S, ms=round(ms, 3))
     bench_backward(q, k, v, scale)
     del q, k, v
@@ -114,14 +107,21 @@ def bench():
     k = torch.randn(Bd, Hkv, S, D, device=dev, dtype=dt, generator=gen)
     v = torch.randn(Bd, Hkv, S, D, device=dev, dtype=dt, generator=gen)
     q = torch.randn(Bd, Hq, 1, D, device=dev, dtype=dt, generator=gen)
+    sel = _token_layout(S, Bd, Hkv, dev)
+    us = graph_us(lambda: cd.cuda_decode_forward(q, k, v, sel, pattern_id=1, window=1024, scale=scale))
+    emit(kind="decode", row="token_top2048_w1024_B8", S=S, us=round(us, 2))
+
+
+def _token_layout(S, B, Hkv, dev, QB=128, K=2048, W=1024):
+    """The token layout of the ``bench`` / ``ab`` token rows: per query block of ``QB``, ``K`` keys spread evenly
+    over ``[0, block_start - W]`` (all of them while fewer), for a window of ``W`` beside it."""
     NB = S // QB
     cand = (torch.arange(NB, device=dev) * QB - W + 1).clamp_min(0)
+    j = torch.arange(K, device=dev)
     idx = torch.where(cand[:, None] >= K, torch.div(j[None] * cand[:, None], K, rounding_mode="floor"), j[None])
-    sel = sparse_k.TokenLayout(idx.to(torch.int32)[None, None].expand(Bd, Hkv, NB, K),
-                               cand.clamp_max(K).to(torch.int32)[None, None].expand(Bd, Hkv, NB), QB,
-                               torch.zeros(Bd, dtype=torch.int64, device=dev))
-    us = graph_us(lambda: cd.cuda_decode_forward(q, k, v, sel, pattern_id=1, window=W, scale=scale))
-    emit(kind="decode", row="token_top2048_w1024_B8", S=S, us=round(us, 2))
+    return sparse_k.TokenLayout(idx.to(torch.int32)[None, None].expand(B, Hkv, NB, K),
+                                cand.clamp_max(K).to(torch.int32)[None, None].expand(B, Hkv, NB), QB,
+                                torch.zeros(B, dtype=torch.int64, device=dev))
 
 
 #: ``ab`` rows: (name, pattern id, window or block, sinks, S).
@@ -140,6 +140,10 @@ AB_ROWS = (
 AB_BWD_ROWS = (
     ("sliding_window_4096", 1, 4096, 0, 65536), ("streaming_4096_128", 2, 4096, 128, 65536), ("dense", 0, 0, 0, 16384),
 )
+
+
+#: ``ab`` token forward rows (``_token_layout``: top-2048 + window 1024, query blocks of 128): S.
+AB_TOKEN_SEQLENS = (16384, 65536)
 
 
 def _mean_ms(fn, n):
@@ -168,6 +172,7 @@ def ab(specs):
         folders[name] = src
     mods = {"tree": cs.load_extension()}
     bwd_mods = {"tree": cb.load_extension()}
+    token_mods = {"tree": ct.load_extension()}
     here = cuda_build.CUDA_SRC_DIR
     try:
         for name, src in folders.items():
@@ -177,6 +182,9 @@ def ab(specs):
             if (src / "structured_bwd_sm90.cu").is_file():
                 bwd_mods[name] = cuda_build.load_sm90_extension(f"structured_bwd_ab_{name}",
                                                                 ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu"))
+            if (src / "token_fwd_sm90.cu").is_file():
+                token_mods[name] = cuda_build.load_sm90_extension(f"token_ab_{name}",
+                                                                  ("token_fwd_sm90.cpp", "token_fwd_sm90.cu"))
     finally:
         cuda_build.CUDA_SRC_DIR = here
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -208,6 +216,30 @@ def ab(specs):
                                                              stream)) for m in bwd_mods}
         _ab_rounds("ab_bwd", row, S, calls, lambda m: list(grads[m]))
         del q, k, v, do, out, lse, grads
+    for S in AB_TOKEN_SEQLENS:
+        q, k, v = qkv(S)
+        sel = _token_layout(S, q.shape[0], k.shape[1], "cuda")
+        outs = {m: (torch.full_like(q, float("nan")), torch.full((1, 32, S), float("nan"), device="cuda"))
+                for m in token_mods}
+
+        def call(m):
+            with _token_extension(token_mods[m]):
+                ct._launch(q, k, v, *outs[m], sel, 1, 1024, 0, scale)
+
+        _ab_rounds("ab_token", "token_top2048_w1024", S, {m: (lambda m=m: call(m)) for m in token_mods},
+                   lambda m: [outs[m][0]])
+        del q, k, v, sel, outs
+
+
+@contextlib.contextmanager
+def _token_extension(mod):
+    """``cuda.token``'s launches call ``mod`` (another build's token extension) inside the block."""
+    here = ct.load_extension
+    ct.load_extension = lambda: mod
+    try:
+        yield
+    finally:
+        ct.load_extension = here
 
 
 def _ab_rounds(kind, row, S, calls, outputs):

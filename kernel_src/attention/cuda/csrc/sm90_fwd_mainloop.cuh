@@ -212,8 +212,8 @@ struct FwdSmem {
 // WG_UNIFORM: the warpgroup index is read through a shuffle from lane 0, so the compiler knows it is warp-uniform
 // and keeps every wgmma descriptor in uniform registers (else the Q descriptors are built in vector registers and
 // moved over, R2UR, at each wgmma). Faster on long rows (dense 64K 2%, windows of 4096 1%), slower on short ones
-// (block_diagonal 512 6%; ptxas schedules the work tile's edges differently), so the launcher picks it by the
-// mean row length (docs/history.md).
+// (block_diagonal 512 6%; ptxas schedules the work tile's edges differently), so the structured launcher picks it
+// by the mean row length; the token forward takes it (the other variant ran 0.5-1% slower there; docs/history.md).
 template <bool BF16, bool GATHER, bool LISTED, bool WG_UNIFORM, class Smem, class NSel>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
