@@ -19,9 +19,11 @@ from sparse_k.attention.ops import block_attn
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 #: (B, Hq, Hkv, S, dtype, block, window_blocks, global_blocks, random_blocks, layer): odd lengths, GQA and
-#: MHA, blocks of one and two tiles, no window, more random blocks than candidates early on.
+#: MHA, three query heads a KV head, blocks of one and two tiles, no window, more random blocks than candidates
+#: early on.
 CASES = [
     (1, 4, 2, 1000, torch.bfloat16, 128, 1, 1, 2, 0),
+    (2, 6, 2, 1000, torch.bfloat16, 128, 1, 1, 2, 4),
     (2, 8, 2, 777, torch.float16, 256, 1, 2, 3, 3),
     (1, 8, 8, 3001, torch.bfloat16, 128, 2, 2, 3, 5),
     (1, 4, 1, 129, torch.float16, 128, 0, 1, 1, 1),

@@ -30,6 +30,7 @@ def _selection(B, Hkv, S, QB, K, weights, g, full=False):
 
 CASES = [  # B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights
     (1, 4, 1, 1000, torch.bfloat16, 0, 256, 128, 200, False),
+    (2, 6, 2, 1000, torch.bfloat16, 0, 256, 128, 200, True),
     (2, 8, 2, 3001, torch.float16, 64, 512, 256, 300, True),
     (1, 8, 2, 1500, torch.bfloat16, 4, 100, 128, 128, True),
     (1, 2, 1, 77, torch.float16, 0, 16, 128, 40, False),

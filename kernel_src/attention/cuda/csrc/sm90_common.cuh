@@ -275,6 +275,22 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Division of a dividend in [0, 2^31) by a runtime divisor d in [1, 2^31) with a multiply-high, an add and a shift
+// instead of the ~20-instruction integer division (round-up reciprocal, as CUTLASS's FastDivmod): with s = ceil(log2
+// d) and mul = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, mul) + n) >> s (the sum stays below 2^32).
+struct FastDiv {
+  uint32_t d = 1, mul = 0, shr = 0;
+  FastDiv() = default;
+  __host__ explicit FastDiv(int divisor) : d(static_cast<uint32_t>(divisor)) {
+    while ((1ull << shr) < d) ++shr;
+    mul = static_cast<uint32_t>((((1ull << shr) - d) << 32) / d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >> shr);
+  }
+  __device__ __forceinline__ int mod(int n) const { return n - div(n) * static_cast<int>(d); }
+};
+
 // Host: kern<<<grid, threads, smem, stream>>>(args...) after raising its dynamic shared-memory limit to
 // smem bytes. Returns 0, else 1 with a message in err.
 template <class... KernelArgs, class... Args>

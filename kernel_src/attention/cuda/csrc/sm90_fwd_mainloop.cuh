@@ -60,6 +60,7 @@ struct FwdParams {
   int Hq;
   int Hkv;
   int num_q_tiles;
+  FastDiv div_hq, div_group, div_q_tiles, div_window;  // by Hq, Hq / Hkv, num_q_tiles, max(window, 1)
   int pattern;  // 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal, 4 listed (bigbird; all causal)
   int window;   // W, or block_diagonal's block (dense, listed: ignored)
   int sinks;    // streaming only
@@ -102,8 +103,9 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int b
   r.part = nullptr;
   r.whole = 0;
   if constexpr (LISTED) {
-    const int kvh = (bh % p.Hq) / (p.Hq / p.Hkv);
-    const long long row = (static_cast<long long>(bh / p.Hq) * p.Hkv + kvh) * p.num_q_tiles + m;
+    const int b = p.div_hq.div(bh);
+    const int kvh = p.div_group.div(bh - b * p.Hq);
+    const long long row = (static_cast<long long>(b) * p.Hkv + kvh) * p.num_q_tiles + m;
     r.full = p.fidx + row * p.fw;
     r.part = p.pidx + row * p.pw;
     r.n_sink = p.fnum[row];
@@ -121,8 +123,8 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int b
     a_lo = max(0, qlo - p.window + 1);
     w_lo = max(0, qhi - p.window + 1);
   } else if (p.pattern == 3) {  // the blocks of the tile's first and last rows (causal: no right edge)
-    a_lo = qlo - qlo % p.window;
-    w_lo = qhi - qhi % p.window;
+    a_lo = qlo - p.div_window.mod(qlo);
+    w_lo = qhi - p.div_window.mod(qhi);
   }
   a_hi = max(a_hi, a_lo);
   r.n_lo = a_lo / kBlockN;
@@ -143,11 +145,11 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int b
 // tiles (CTAs running together share K/V tiles, and gathered rows, in L2), then query tiles; dense
 // causal: longest query tiles first.
 __device__ __forceinline__ void work_coords(const FwdParams& p, int lin, int& m, int& bh) {
-  const int group = p.Hq / p.Hkv;
-  const int g = lin % group;
-  const int rest = lin / group;
-  m = rest % p.num_q_tiles;
-  bh = (rest / p.num_q_tiles) * group + g;
+  const int rest = p.div_group.div(lin);
+  const int g = lin - rest * static_cast<int>(p.div_group.d);
+  const int bk = p.div_q_tiles.div(rest);  // batch * Hkv + kv head
+  m = rest - bk * p.num_q_tiles;
+  bh = bk * static_cast<int>(p.div_group.d) + g;
   if (p.pattern == 0) m = p.num_q_tiles - 1 - m;
 }
 
@@ -260,8 +262,8 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       }
     } else if (tr.masked(it - nsel)) {
       const int key0 = tr.tile(it - nsel) * kBlockN + 2 * qd;
-      const int first0 = block ? row0 - row0 % block : 0;  // the first key rows row0 and row0 + 8 may see
-      const int first1 = block ? (row0 + 8) - (row0 + 8) % block : 0;
+      const int first0 = block ? row0 - p.div_window.mod(row0) : 0;  // the first keys rows row0, row0 + 8 see
+      const int first1 = block ? (row0 + 8) - p.div_window.mod(row0 + 8) : 0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
@@ -446,7 +448,8 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       const size_t head_row = static_cast<size_t>(bh) * p.S;
       const int row1 = row0 + 8;
       // out row r of (b, h) starts at element b * osb + h * osh + r * oss; thread columns 8 j + 2 qd, +1
-      uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + (bh / p.Hq) * p.osb + (bh % p.Hq) * p.osh + 2 * qd;
+      const int b = p.div_hq.div(bh);
+      uint16_t* const out_bh = static_cast<uint16_t*>(p.out) + b * p.osb + (bh - b * p.Hq) * p.osh + 2 * qd;
       if (row0 < p.S) {
         uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
 #pragma unroll
@@ -534,6 +537,10 @@ inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensor
   p.Hq = Hq;
   p.Hkv = Hkv;
   p.num_q_tiles = (S + kBlockM - 1) / kBlockM;
+  p.div_hq = FastDiv(Hq);
+  p.div_group = FastDiv(Hq / Hkv);
+  p.div_q_tiles = FastDiv(p.num_q_tiles);
+  p.div_window = FastDiv(window > 1 ? window : 1);
   p.pattern = pattern;
   p.window = window;
   p.sinks = sinks;

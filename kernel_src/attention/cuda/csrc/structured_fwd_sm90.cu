@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
         int m, bh;
         work_coords(p, w, m, bh);
-        const int b = bh / p.Hq, h = bh % p.Hq;
-        const int kvh = h / (p.Hq / p.Hkv);
+        const int b = p.div_hq.div(bh), h = bh - b * p.Hq;
+        const int kvh = p.div_group.div(h);
         const TileRange tr = tile_range<LISTED>(p, m, bh);
         sm.load_q(&tm_q, local, m, h, b);
         for (int it = 0; it < tr.count; ++it, ++cnt) {
