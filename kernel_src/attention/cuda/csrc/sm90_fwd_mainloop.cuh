@@ -262,7 +262,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       }
     } else if (tr.masked(it - nsel)) {
       const int key0 = tr.tile(it - nsel) * kBlockN + 2 * qd;
-      const int first0 = block ? row0 - p.div_window.mod(row0) : 0;  // the first keys rows row0, row0 + 8 see
+      const int first0 = block ? row0 - p.div_window.mod(row0) : 0;  // the first keys rows row0 and row0 + 8 see
       const int first1 = block ? (row0 + 8) - p.div_window.mod(row0 + 8) : 0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
