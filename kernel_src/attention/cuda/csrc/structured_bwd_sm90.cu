@@ -233,32 +233,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float sacc[32], dpacc[32], dq[32];
   uint32_t pa[16], da[16];
-  auto issue_s = [&](int st) {  // S^T = K_c Q^T
-    const uint32_t qs = sq + st * kQTile;
-    const uint64_t ka = make_desc(sk + cw * 64 * 128, 16, 1024), qb = make_desc(qs, 16, 1024);
+  // acc = X_c Y^T for this warpgroup's 64 rows c of a K or V tile (x_tile) and a Q or dO tile (y_tile)
+  auto issue_rows_t = [&](float(&acc)[32], uint32_t x_tile, uint32_t y_tile) {
+    const uint64_t xd = make_desc(x_tile + cw * 64 * 128, 16, 1024), yd = make_desc(y_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      const uint64_t a = desc_advance(ka, (kk >> 2) * kKVHalf + (kk & 3) * 32);
-      const uint64_t b = desc_advance(qb, (kk >> 2) * kQHalf + (kk & 3) * 32);
+      const uint64_t a = desc_advance(xd, (kk >> 2) * kKVHalf + (kk & 3) * 32);
+      const uint64_t b = desc_advance(yd, (kk >> 2) * kQHalf + (kk & 3) * 32);
       if (kk == 0)
-        wgmma_ss64_first<BF16, 0, 0>(sacc, a, b);
+        wgmma_ss64_first<BF16, 0, 0>(acc, a, b);
       else
-        wgmma_ss64<BF16, 0, 0>(sacc, a, b, 1);
+        wgmma_ss64<BF16, 0, 0>(acc, a, b, 1);
     }
   };
-  auto issue_dp = [&](int st) {  // dP^T = V_c dO^T
-    const uint32_t dos = sdo + st * kQTile;
-    const uint64_t va = make_desc(sv + cw * 64 * 128, 16, 1024), ob = make_desc(dos, 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const uint64_t a = desc_advance(va, (kk >> 2) * kKVHalf + (kk & 3) * 32);
-      const uint64_t b = desc_advance(ob, (kk >> 2) * kQHalf + (kk & 3) * 32);
-      if (kk == 0)
-        wgmma_ss64_first<BF16, 0, 0>(dpacc, a, b);
-      else
-        wgmma_ss64<BF16, 0, 0>(dpacc, a, b, 1);
-    }
-  };
+  auto issue_s = [&](int st) { issue_rows_t(sacc, sk, sq + st * kQTile); };     // S^T = K_c Q^T
+  auto issue_dp = [&](int st) { issue_rows_t(dpacc, sv, sdo + st * kQTile); };  // dP^T = V_c dO^T
   if (count > 0) {
     mbar_wait(bar_full, 0);
     wg_fence();
