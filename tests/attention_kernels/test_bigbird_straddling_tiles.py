@@ -204,6 +204,17 @@ def test_the_listed_cuda_kernel_refuses_a_layout_that_carries_the_rule():
     assert not listed_call_ok(q, k, k, with_rule, pattern_id=4)
 
 
+def _padded_bigbird_batch(gen, dtype):
+    """The GPU tests' bigbird (blocks of 128; 1 window, 2 global, 3 random) and batch: B=2, Hq=8, Hkv=2, S=1000,
+    D=128 in ``dtype``, the second row's first 77 keys masked. Returns ``(pattern, q, k, v, attention_mask)``."""
+    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
+    B, Hq, Hkv, S, D = 2, 8, 2, 1000, 128
+    q, k, v = (_rand(B, h, S, D, gen=gen, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
+    mask[1, :77] = False
+    return p, q, k, v, mask
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -211,11 +222,8 @@ def test_padded_bigbird_prefill_on_the_gpu(dtype):
     """bf16 / fp16 at D=128 with the GPU's 64x64 tiles: a left-padded batch and a chunk inside a block, against the
     float32 reference (tolerance: bf16 / fp16 operand rounding, as the other kernel tests)."""
     gen = torch.Generator().manual_seed(2)
-    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
-    B, Hq, Hkv, S, D = 2, 8, 2, 1000, 128
-    q, k, v = (_rand(B, h, S, D, gen=gen, dtype=dtype) for h in (Hq, Hkv, Hkv))
-    mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
-    mask[1, :77] = False
+    p, q, k, v, mask = _padded_bigbird_batch(gen, dtype)
+    S = q.shape[2]
     for kw in (dict(attention_mask=mask, layer_idx=3), dict(q_start=S - 300, layer_idx=1)):
         qq = q if "attention_mask" in kw else q[:, :, -300:]
         with warnings.catch_warnings(), plan.recording() as seen:
@@ -234,13 +242,10 @@ def test_padded_bigbird_gradients_on_the_gpu(dtype):
     ways, gradients of q, k, v and the sink logits against the float64 reference (twice the forward's tolerance,
     as the other backward tests)."""
     gen = torch.Generator().manual_seed(6)
-    p = get_pattern("bigbird", block=128, window_blocks=1, global_blocks=2, random_blocks=3)
-    B, Hq, Hkv, S, D = 2, 8, 2, 1000, 128
-    q, k, v = (_rand(B, h, S, D, gen=gen, dtype=dtype) for h in (Hq, Hkv, Hkv))
-    mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
-    mask[1, :77] = False
+    p, q, k, v, mask = _padded_bigbird_batch(gen, dtype)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    _assert_kernel_gradients(p, q, k, v, _rand(Hq, gen=gen), dict(attention_mask=mask, layer_idx=2), gen, tol, dtype)
+    _assert_kernel_gradients(p, q, k, v, _rand(q.shape[1], gen=gen), dict(attention_mask=mask, layer_idx=2), gen, tol,
+                             dtype)
 
 
 @pytest.mark.parametrize("layer", [0, 3, 29])
