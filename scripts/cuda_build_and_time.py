@@ -51,6 +51,11 @@ def build():
         emit(kind="build", ext=name, seconds=round(time.time() - t0, 1))
 
 
+def _qkv(S, gen):
+    """Seeded q ``(1, 32, S, 128)``, k and v ``(1, 8, S, 128)``, bf16 on the GPU: the shapes of every row here."""
+    return [torch.randn(1, h, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (32, 8, 8)]
+
+
 def bench_ms(fn):
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
@@ -83,11 +88,8 @@ def bench():
     scale = D ** -0.5
     gen = torch.Generator(device=dev).manual_seed(1234)
 
-    def qkv(S, b=B):
-        return [torch.randn(b, h, S, D, device=dev, dtype=dt, generator=gen) for h in (Hq, Hkv, Hkv)]
-
     S = 65536
-    q, k, v = qkv(S)
+    q, k, v = _qkv(S, gen)
     for name, pid, W, sinks in (("sliding_window_4096", 1, 4096, 0), ("streaming_4096_128", 2, 4096, 128)):
         ms = bench_ms(lambda pid=pid, W=W, sinks=sinks: cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W,
                                                                                   sinks=sinks, scale=scale))
@@ -98,7 +100,7 @@ def bench():
     bench_backward(q, k, v, scale)
     del q, k, v
     # dense causal forward, S=16K
-    q, k, v = qkv(16384)
+    q, k, v = _qkv(16384, gen)
     ms = bench_ms(lambda: cs.cuda_structured_forward(q, k, v, pattern_id=0, scale=scale))
     emit(kind="fwd", row="dense", S=16384, ms=round(ms, 3))
     del q, k, v
@@ -191,21 +193,15 @@ def ab(specs):
     stream = torch.cuda.current_stream().cuda_stream
     scale = 128 ** -0.5
 
-    def qkv(S):
-        q = torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-        return q, k, v
-
     for row, pid, W, sinks, S in AB_ROWS:
-        q, k, v = qkv(S)
-        outs = {m: (torch.full_like(q, float("nan")), torch.full((1, 32, S), float("nan"), device="cuda"))
-                for m in mods}
+        q, k, v = _qkv(S, gen)
+        outs = {m: _poisoned_outputs(q) for m in mods}
         calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, scale, stream))
                  for m in mods}
         _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
         del q, k, v, outs
     for row, pid, W, sinks, S in AB_BWD_ROWS:
-        q, k, v = qkv(S)
+        q, k, v = _qkv(S, gen)
         do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W, sinks=sinks, scale=scale)
         delta = (do.float() * out.float()).sum(-1)
@@ -217,10 +213,9 @@ def ab(specs):
         _ab_rounds("ab_bwd", row, S, calls, lambda m: list(grads[m]))
         del q, k, v, do, out, lse, grads
     for S in AB_TOKEN_SEQLENS:
-        q, k, v = qkv(S)
+        q, k, v = _qkv(S, gen)
         sel = _token_layout(S, q.shape[0], k.shape[1], "cuda")
-        outs = {m: (torch.full_like(q, float("nan")), torch.full((1, 32, S), float("nan"), device="cuda"))
-                for m in token_mods}
+        outs = {m: _poisoned_outputs(q) for m in token_mods}
 
         def call(m):
             with _token_extension(token_mods[m]):
@@ -229,6 +224,11 @@ def ab(specs):
         _ab_rounds("ab_token", "token_top2048_w1024", S, {m: (lambda m=m: call(m)) for m in token_mods},
                    lambda m: [outs[m][0]])
         del q, k, v, sel, outs
+
+
+def _poisoned_outputs(q):
+    """A forward's ``out`` (like q) and ``lse`` ``(B, Hq, S)`` float32, both NaN until a kernel writes them."""
+    return torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device=q.device)
 
 
 @contextlib.contextmanager
