@@ -175,8 +175,9 @@ STRUCTURED_CUDA_CASES = [
 #: The structured forward's cases: ``STRUCTURED_CUDA_CASES`` (the backward's), block_diagonal (forward only) with a
 #: block that is a multiple of the 128-row tiles, one that is not and a block shorter than a tile, three query
 #: heads a KV head (the kernel's work-tile arithmetic divides by Hq, Hq / Hkv and the block by multiply-high:
-#: divisors that are no power of two), and rows of 3,072 keys or more on average, where the launcher takes the
-#: kernel's other variant (``kLongRowKeys`` in structured_fwd_sm90.cu): dense, a streaming window, a block of 6,400.
+#: divisors that are no power of two), and rows of 2,048 keys or more on average, where the launcher takes the
+#: kernel's other variant (``kLongRowKeys`` in structured_fwd_sm90.cu): dense, a streaming window, a block of 6,400,
+#: a window of 2,500 with three query heads a KV head.
 STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 4, 2, 3001, torch.bfloat16, 3, 512, 0),
     (2, 8, 2, 1000, torch.float16, 3, 200, 0),
@@ -186,6 +187,7 @@ STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 4, 2, 6211, torch.bfloat16, 0, 0, 0),
     (1, 4, 1, 5001, torch.float16, 2, 4096, 64),
     (1, 2, 2, 6600, torch.bfloat16, 3, 6400, 0),
+    (1, 6, 2, 4999, torch.float16, 1, 2500, 0),
 ]
 
 

@@ -213,9 +213,10 @@ struct FwdSmem {
 // the softmax has read the side data. Else every key tile is static (nsel = 0).
 // WG_UNIFORM: the warpgroup index is read through a shuffle from lane 0, so the compiler knows it is warp-uniform
 // and keeps every wgmma descriptor in uniform registers (else the Q descriptors are built in vector registers and
-// moved over, R2UR, at each wgmma). Faster on long rows (dense 64K 2%, windows of 4096 1%), slower on short ones
-// (block_diagonal 512 6%; ptxas schedules the work tile's edges differently), so the structured launcher picks it
-// by the mean row length; the token forward takes it (the other variant ran 0.5-1% slower there; docs/history.md).
+// moved over, R2UR, at each wgmma). Faster on long rows (dense 64K 2%, windows of 4096 1%, block_diagonal 4096 1%),
+// slower on short ones (block_diagonal 512 5%; ptxas schedules the work tile's edges differently), so the structured
+// launcher picks it by the mean row length; the token forward takes it (the other variant ran 0.5-1% slower there;
+// docs/history.md).
 template <bool BF16, bool GATHER, bool LISTED, bool WG_UNIFORM, class Smem, class NSel>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
@@ -264,13 +265,16 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       const int key0 = tr.tile(it - nsel) * kBlockN + 2 * qd;
       const int first0 = block ? row0 - p.div_window.mod(row0) : 0;  // the first keys rows row0 and row0 + 8 see
       const int first1 = block ? (row0 + 8) - p.div_window.mod(row0 + 8) : 0;
+      // the keys a row sees, as offsets d from key0: [lo, hi] (its window or block, up to the diagonal) and the sinks
+      // below sk; d is a constant per element, so each test is two or three compares with no arithmetic
+      const int hi0 = row0 - key0, hi1 = hi0 + 8, sk = sinks - key0;
+      const int lo0 = max(first0, row0 - W + 1) - key0, lo1 = max(first1, row0 + 8 - W + 1) - key0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * j + (e & 1);
-          const int row = row0 + ((e >> 1) << 3);
-          const bool ok = key <= row && key >= ((e >> 1) ? first1 : first0) && (row - key < W || key < sinks);
+          const int d = 8 * j + (e & 1);
+          const bool ok = d <= ((e >> 1) ? hi1 : hi0) && (d >= ((e >> 1) ? lo1 : lo0) || d < sk);
           if (!ok) s[4 * j + e] = -INFINITY;
         }
       }

@@ -40,8 +40,9 @@ constexpr int kBarBytes = 1024;  // mbarriers at the start of dynamic shared mem
 // 1-3% slower for every pattern and length measured (docs/history.md).
 using Smem = FwdSmem<kBarBytes, 2, 2>;
 // The mean keys per query row from which the kernel takes fwd_consumer's WG_UNIFORM variant: measured faster at
-// 4,096-key windows (33 key tiles a row) and dense 16K, slower at block_diagonal 512-4096 (2-16 tiles).
-constexpr long long kLongRowKeys = 3072;
+// 4,096-key windows (33 key tiles a row), dense 16K and block_diagonal 4096 (2,048 keys a row on average), slower at
+// block_diagonal 512-1024 (256-512 keys).
+constexpr long long kLongRowKeys = 2048;
 
 // Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
 // on across work tiles (counter `cnt`), and the producer loads the next tile's Q (into the other Q buffer,
