@@ -277,11 +277,12 @@ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // Division of a dividend in [0, 2^31) by a runtime divisor d in [1, 2^31) with a multiply-high, an add and a shift
 // instead of the ~20-instruction integer division (round-up reciprocal, as CUTLASS's FastDivmod): with s = ceil(log2
-// d) and mul = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, mul) + n) >> s (the sum stays below 2^32).
+// d) and mul = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, mul) + n) >> s (the sum stays below 2^32). Built on
+// the host, or once per CTA on the device (a 64-bit division).
 struct FastDiv {
   uint32_t d = 1, mul = 0, shr = 0;
   FastDiv() = default;
-  __host__ explicit FastDiv(int divisor) : d(static_cast<uint32_t>(divisor)) {
+  __host__ __device__ explicit FastDiv(int divisor) : d(static_cast<uint32_t>(divisor)) {
     while ((1ull << shr) < d) ++shr;
     mul = static_cast<uint32_t>((((1ull << shr) - d) << 32) / d + 1);
   }

@@ -222,6 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int sinks = p.pattern == 2 ? p.sinks : 0;
   const int klocal = cw * 64 + wq * 16 + g;  // this thread's keys: klocal and klocal + 8 of the tile
   const int key0 = n * kBlockN + klocal;
+  // the loop's it / nm by multiply-high (the backward 2-3% faster); the producer and the dQ writer keep the division:
+  // in their 24 registers the divisor's three words spill, and the backward ran 1-7% slower (docs/history.md)
+  const FastDiv div_nm(max(nm, 1));
 
   float dk[64], dv[64];
 #pragma unroll
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int it = 0; it < count; ++it) {
     const int s = it % kStages;
-    const int gi = it / nm;
+    const int gi = div_nm.div(it);
     const int m = r.m_lo + (it - gi * nm);
     const bool masked = m < r.fm_lo || m >= r.fm_hi;
     const uint32_t qs = sq + s * kQTile, dos = sdo + s * kQTile;
