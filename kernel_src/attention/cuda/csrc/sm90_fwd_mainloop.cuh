@@ -243,7 +243,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
   uint32_t pa[32];
   float m0, m1, l0, l1;
   int row0;
-  int nsel = 0;
+  int nsel = 0, nsel_next = 0;  // GATHER: the gathered tiles of this work tile and of the next (read in the tail)
   TileRange tr;
   auto gathered = [&](int it) { return GATHER && it < nsel; };
 
@@ -362,7 +362,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
   {
     int m, bh;
     work_coords(p, blockIdx.x, m, bh);
-    if (GATHER) nsel = nsel_of(m, bh);
+    if (GATHER) nsel = nsel_next = nsel_of(m, bh);
     mbar_wait(sm.bar_q, 0);
     mbar_wait(sm.bar_kfull, 0);
     fence_gathered(0);
@@ -379,7 +379,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
     int m, bh;
     work_coords(p, w, m, bh);
     tr = tile_range<LISTED>(p, m, bh);
-    if (GATHER) nsel = nsel_of(m, bh);
+    nsel = nsel_next;
     const int ntiles = nsel + tr.count;
     row0 = m * kBlockM + lrow0;
 #pragma unroll
@@ -490,7 +490,8 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
         if (GATHER) {
           int mn, bhn;
           work_coords(p, w_next, mn, bhn);
-          if (nsel_of(mn, bhn) > 0) fence_proxy_async();
+          nsel_next = nsel_of(mn, bhn);
+          if (nsel_next > 0) fence_proxy_async();
         }
       }
       named_sync(bar_mine, 256);

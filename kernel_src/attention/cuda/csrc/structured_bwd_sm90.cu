@@ -283,14 +283,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e) sacc[4 * j + e] = ex2(fmaf(sacc[4 * j + e], sl2, -((e & 1) ? l.y : l.x)));
     }
     if (masked) {
+      // query q0 + d (d = 8 j + (e & 1): a constant of the unrolled loop) sees key k when k - q0 <= d < k - q0 + W, or
+      // k - q0 <= d for a sink key: per key a range [lo, hi) of offsets, tested with two compares and no arithmetic
       const int q0 = m * kBlockM + 2 * qd;
+      const int span = min(W, p.S_pad);  // no query row lies S_pad or more past a key; no overflow at W = 2^31 - 1
+      const int lo0 = key0 - q0, lo1 = lo0 + 8;
+      const int hi0 = key0 < sinks ? 0x7fffffff : lo0 + span, hi1 = key0 + 8 < sinks ? 0x7fffffff : lo1 + span;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key0 + ((e >> 1) << 3);
-          const int qi = q0 + 8 * j + (e & 1);
-          const bool ok = key <= qi && (qi - key < W || key < sinks);
+          const int d = 8 * j + (e & 1);
+          const bool ok = d >= ((e >> 1) ? lo1 : lo0) && d < ((e >> 1) ? hi1 : hi0);
           if (!ok) sacc[4 * j + e] = 0.f;
         }
       }
