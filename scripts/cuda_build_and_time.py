@@ -2,7 +2,7 @@
 
     SPARSE_K_CUDA_CACHE=/tmp/empty python scripts/cuda_build_and_time.py build
     python scripts/cuda_build_and_time.py bench
-    python scripts/cuda_build_and_time.py ab before=/tmp/csrc_before [name=dir ...]
+    python scripts/cuda_build_and_time.py ab [--rows=fwd,bwd,token] before=/tmp/csrc_before [name=dir ...]
 
 ``build`` times each extension's first load (an empty ``SPARSE_K_CUDA_CACHE`` makes it a build);
 ``bench`` times the CUDA kernels through their wrappers, no dispatch, no Triton or Flex baselines:
@@ -20,7 +20,8 @@ own extensions. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal 
 backwards; ``AB_TOKEN_SEQLENS``: the token forward of learned selection; B=1, Hq=32, Hkv=8, D=128, bf16) the
 builds run in turn, back-to-back launches averaged over ~120 ms, 5 rounds; the median of each and its ratio to this
 tree's (> 1: this tree is faster), and the largest difference of its outputs from this tree's (0: bit for bit; the
-backward: dK, dV and the float32 dQ accumulator of one call, whose reduce-adds run in no fixed order).
+backward: dK, dV and the float32 dQ accumulator of one call, whose reduce-adds run in no fixed order). ``--rows``
+picks the groups to build and time (``AB_GROUPS``; default all), e.g. ``--rows=bwd`` for a backward-only change.
 """
 import contextlib
 import json
@@ -158,8 +159,29 @@ def _mean_ms(fn, n):
     return start.elapsed_time(end) / n
 
 
-def ab(specs):
-    """The ``ab`` command (module docstring): ``specs`` are ``name=dir`` strings."""
+#: ``ab``'s row groups: group -> (extension name prefix of another tree's build, its sources, this tree's module).
+AB_GROUPS = {
+    "fwd": ("structured_ab", ("structured_fwd_sm90.cpp", "structured_fwd_sm90.cu"), cs),
+    "bwd": ("structured_bwd_ab", ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu"), cb),
+    "token": ("token_ab", ("token_fwd_sm90.cpp", "token_fwd_sm90.cu"), ct),
+}
+
+
+def ab_args(argv):
+    """``ab``'s command line -> (groups, name=dir specs): an optional first ``--rows=a,b`` of ``AB_GROUPS``."""
+    groups = tuple(AB_GROUPS)
+    if argv and argv[0].startswith("--rows"):
+        flag, sep, value = argv[0].partition("=")
+        picked = tuple(value.split(","))
+        if flag != "--rows" or not sep or any(g not in AB_GROUPS for g in picked):
+            raise SystemExit(f"ab: {argv[0]!r}: expected --rows= and a comma list of {', '.join(AB_GROUPS)}")
+        groups, argv = picked, argv[1:]
+    return groups, list(argv)
+
+
+def ab(specs, groups=tuple(AB_GROUPS)):
+    """The ``ab`` command (module docstring): ``specs`` are ``name=dir`` strings; ``groups`` the row groups to build
+    and time. A folder's build of a group is timed when the folder holds that group's sources."""
     import pathlib
 
     from sparse_k.attention.cuda import build as cuda_build
@@ -168,39 +190,37 @@ def ab(specs):
     for spec in specs:
         name, sep, folder = spec.partition("=")
         src = pathlib.Path(folder).resolve()
-        if not sep or not name or name in folders or name == "tree" or not (src / "structured_fwd_sm90.cu").is_file():
-            raise SystemExit(f"ab: {spec!r} is not name=dir with a new name (not 'tree') and a csrc folder "
-                             "(one holding structured_fwd_sm90.cu)")
+        if not sep or not name or name in folders or name == "tree" or not any(
+                (src / AB_GROUPS[g][1][1]).is_file() for g in groups):
+            raise SystemExit(f"ab: {spec!r} is not name=dir with a new name (not 'tree') and a csrc folder holding "
+                             f"the sources of one of {', '.join(groups)}")
         folders[name] = src
-    mods = {"tree": cs.load_extension()}
-    bwd_mods = {"tree": cb.load_extension()}
-    token_mods = {"tree": ct.load_extension()}
+    if not torch.cuda.is_available():
+        raise SystemExit("ab: needs an sm_90 GPU (torch.cuda.is_available() is False)")
+    built = {g: {"tree": AB_GROUPS[g][2].load_extension()} for g in groups}
     here = cuda_build.CUDA_SRC_DIR
     try:
         for name, src in folders.items():
             cuda_build.CUDA_SRC_DIR = src
-            mods[name] = cuda_build.load_sm90_extension(f"structured_ab_{name}", ("structured_fwd_sm90.cpp",
-                                                                                  "structured_fwd_sm90.cu"))
-            if (src / "structured_bwd_sm90.cu").is_file():
-                bwd_mods[name] = cuda_build.load_sm90_extension(f"structured_bwd_ab_{name}",
-                                                                ("structured_bwd_sm90.cpp", "structured_bwd_sm90.cu"))
-            if (src / "token_fwd_sm90.cu").is_file():
-                token_mods[name] = cuda_build.load_sm90_extension(f"token_ab_{name}",
-                                                                  ("token_fwd_sm90.cpp", "token_fwd_sm90.cu"))
+            for g in groups:
+                prefix, sources, _ = AB_GROUPS[g]
+                if (src / sources[1]).is_file():
+                    built[g][name] = cuda_build.load_sm90_extension(f"{prefix}_{name}", sources)
     finally:
         cuda_build.CUDA_SRC_DIR = here
+    mods, bwd_mods, token_mods = (built.get(g, {}) for g in AB_GROUPS)
     gen = torch.Generator(device="cuda").manual_seed(1234)
     stream = torch.cuda.current_stream().cuda_stream
     scale = 128 ** -0.5
 
-    for row, pid, W, sinks, S in AB_ROWS:
+    for row, pid, W, sinks, S in AB_ROWS if mods else ():
         q, k, v = _qkv(S, gen)
         outs = {m: _poisoned_outputs(q) for m in mods}
         calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, scale, stream))
                  for m in mods}
         _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
         del q, k, v, outs
-    for row, pid, W, sinks, S in AB_BWD_ROWS:
+    for row, pid, W, sinks, S in AB_BWD_ROWS if bwd_mods else ():
         q, k, v = _qkv(S, gen)
         do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         out, lse = cs.cuda_structured_forward(q, k, v, pattern_id=pid, window=W, sinks=sinks, scale=scale)
@@ -212,7 +232,7 @@ def ab(specs):
                                                              stream)) for m in bwd_mods}
         _ab_rounds("ab_bwd", row, S, calls, lambda m: list(grads[m]))
         del q, k, v, do, out, lse, grads
-    for S in AB_TOKEN_SEQLENS:
+    for S in AB_TOKEN_SEQLENS if token_mods else ():
         q, k, v = _qkv(S, gen)
         sel = _token_layout(S, q.shape[0], k.shape[1], "cuda")
         outs = {m: _poisoned_outputs(q) for m in token_mods}
@@ -265,6 +285,7 @@ def _ab_rounds(kind, row, S, calls, outputs):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["ab"]:
-        ab(sys.argv[2:])
+        groups, specs = ab_args(sys.argv[2:])
+        ab(specs, groups)
     else:
         {"build": build, "bench": bench}[sys.argv[1]]()
