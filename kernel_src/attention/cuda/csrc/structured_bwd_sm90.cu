@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int klocal = cw * 64 + wq * 16 + g;  // this thread's keys: klocal and klocal + 8 of the tile
   const int key0 = n * kBlockN + klocal;
   // the loop's it / nm by multiply-high (the backward 2-3% faster); the producer and the dQ writer keep the division:
-  // in their 24 registers the divisor's three words spill, and the backward ran 1-7% slower (docs/history.md)
+  // with it there too the backward ran 1-7% slower, most at dense 64K (docs/history.md)
   const FastDiv div_nm(max(nm, 1));
 
   float dk[64], dv[64];
