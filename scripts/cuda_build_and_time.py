@@ -167,6 +167,11 @@ AB_GROUPS = {
 }
 
 
+def _holds_sources(folder, group):
+    """Whether a csrc ``folder`` holds the CUDA source of ``AB_GROUPS[group]``."""
+    return (folder / AB_GROUPS[group][1][1]).is_file()
+
+
 def ab_args(argv):
     """``ab``'s command line -> (groups, name=dir specs): an optional first ``--rows=a,b`` of ``AB_GROUPS``."""
     groups = tuple(AB_GROUPS)
@@ -190,8 +195,7 @@ def ab(specs, groups=tuple(AB_GROUPS)):
     for spec in specs:
         name, sep, folder = spec.partition("=")
         src = pathlib.Path(folder).resolve()
-        if not sep or not name or name in folders or name == "tree" or not any(
-                (src / AB_GROUPS[g][1][1]).is_file() for g in groups):
+        if not sep or not name or name in folders or name == "tree" or not any(_holds_sources(src, g) for g in groups):
             raise SystemExit(f"ab: {spec!r} is not name=dir with a new name (not 'tree') and a csrc folder holding "
                              f"the sources of one of {', '.join(groups)}")
         folders[name] = src
@@ -203,8 +207,8 @@ def ab(specs, groups=tuple(AB_GROUPS)):
         for name, src in folders.items():
             cuda_build.CUDA_SRC_DIR = src
             for g in groups:
-                prefix, sources, _ = AB_GROUPS[g]
-                if (src / sources[1]).is_file():
+                if _holds_sources(src, g):
+                    prefix, sources, _ = AB_GROUPS[g]
                     built[g][name] = cuda_build.load_sm90_extension(f"{prefix}_{name}", sources)
     finally:
         cuda_build.CUDA_SRC_DIR = here
