@@ -67,7 +67,9 @@ Sections (each fits in a few minutes on an H100):
 FA4 (``flash_attn.cute.flash_attn_func`` of the flash-attn-4 package, CuTe DSL) is timed beside the fwd and
 bwd rows it can express when it is importable: dense causal and sliding_window (``window_size=(window - 1, 0)``) on
 ``(B, S, H, D)`` copies of the same inputs, its output checked like ours (forward) or its gradients against ours
-(backward) before it is timed; a streaming row times FA4's sliding window of the same window (FA4 has no sink
+(backward) before it is timed, in turn with ours for ``--fa4-rounds`` rounds (``ratio_vs_fa4``: the median of the
+per-round ratios, ``ratio_vs_fa4_range`` their smallest and largest; a drift of the GPU's clocks between two
+timings hits both); a streaming row times FA4's sliding window of the same window (FA4 has no sink
 tokens: the kernel a user would otherwise run for a window). Where it is not importable, each such row says why
 (``fa4_error``). It needs ``nvidia-cutlass-dsl`` and its libs wheels, and ``<site>/nvidia_cutlass_dsl/dsl_packages``
 on ``PYTHONPATH``.
@@ -97,6 +99,7 @@ from sparse_k import build_block_layout, get_pattern, reference_attention, row_g
 from sparse_k.attention.ops import block_attn
 
 from hf_sparse_attention.evaluation.fa4_baseline import fa4_backward, fa4_counterpart, fa4_forward, load_fa4
+from hf_sparse_attention.evaluation.side_by_side import paired_times
 
 B_PREFILL, HQ, HKV = 1, 32, 8
 
@@ -233,8 +236,17 @@ def _fa4_call(p, row):
     return (fa4, *counterpart)
 
 
-def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
-    """FA4 beside a forward row: checked on the first and last query rows, then timed (``fa4_ms``)."""
+def _fa4_timed(ours, call, rounds, row):
+    """FA4's ``call`` timed in turn with ``ours`` (``paired_times``, 100 ms a timing): ``fa4_ms``, ``ratio_vs_fa4``
+    (the median of the per-round ratios FA4 / ours) and its range over the rounds."""
+    t = paired_times(ours, call, rounds, lambda fn: bench(fn, rep_ms=100))
+    row["fa4_ms"], row["ours_ms_paired"] = t["theirs_ms"], t["ours_ms"]
+    row["ratio_vs_fa4"] = t["ratio"]
+    row["ratio_vs_fa4_range"] = [round(t["ratio_min"], 4), round(t["ratio_max"], 4)]
+
+
+def _fa4_fwd(p, q, k, v, ours, scale, row, rounds):
+    """FA4 beside a forward row: checked on the first and last query rows, then timed in turn with ``ours``."""
     found = _fa4_call(p, row)
     if found is None:
         return
@@ -246,12 +258,12 @@ def _fa4_fwd(p, q, k, v, ours_ms, scale, row):
     if not row["err_fa4"] < TOL:  # NaN fails too
         row["fa4_error"] = f"check failed ({row['err_fa4']:.2e})"
         return
-    row["fa4_ms"] = bench(call)
-    row["ratio_vs_fa4"] = row["fa4_ms"] / ours_ms if ours_ms else None
+    _fa4_timed(ours, call, rounds, row)
 
 
-def _fa4_bwd(p, q, k, v, do, grads, scale, row):
-    """FA4's backward beside a bwd row (same pattern only): its gradients against ours, then timed."""
+def _fa4_bwd(p, q, k, v, do, grads, ours, scale, row, rounds):
+    """FA4's backward beside a bwd row (same pattern only): its gradients against ours, then timed in turn with
+    ``ours``."""
     found = _fa4_call(p, row)
     if found is None:
         return
@@ -264,8 +276,7 @@ def _fa4_bwd(p, q, k, v, do, grads, scale, row):
     if not row["err_fa4_grads"] < TOL:
         row["fa4_error"] = f"gradient check failed ({row['err_fa4_grads']:.2e})"
         return
-    row["fa4_ms"] = bench(call)
-    row["ratio_vs_fa4"] = row["fa4_ms"] / row["ours_ms"] if row.get("ours_ms") else None
+    _fa4_timed(ours, call, rounds, row)
 
 
 # ---------------------------------------------------------------- checks
@@ -412,7 +423,7 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
             row["tflops_triton"] = flops / row["triton_ms"] / 1e9
     if ok:
         try:
-            _fa4_fwd(p, q, k, v, row["ours_ms"], scale, row)
+            _fa4_fwd(p, q, k, v, lambda: block_attn(q, k, v, layout, scale=scale), scale, row, args.fa4_rounds)
             if row.get("fa4_ms") and "fa4_runs" not in row:
                 row["tflops_fa4"] = flops / row["fa4_ms"] / 1e9
         except Exception as e:  # noqa: BLE001 — a baseline failing is reported, not fatal
@@ -564,7 +575,8 @@ def _bwd_row(p, S, D, dtype, dev, err_small, row, args):
         _bwd_kernel_rows(p, q, k, v, do, layout, scale, flops, row)
         try:
             grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-            _fa4_bwd(p, q, k, v, do, grads, scale, row)
+            _fa4_bwd(p, q, k, v, do, grads, lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), scale,
+                     row, args.fa4_rounds)
             if row.get("fa4_ms"):
                 row["tflops_fa4"] = flops / row["fa4_ms"] / 1e9
             del grads
@@ -1308,6 +1320,8 @@ def main(argv=None):
     ap.add_argument("--padded-torch-max", type=int, default=32768,
                     help="padded: largest S also timed on the PyTorch path")
     ap.add_argument("--flex-max", type=int, default=131072, help="largest S given to the FlexAttention baseline")
+    ap.add_argument("--fa4-rounds", type=int, default=5,
+                    help="fwd / bwd: rounds of FA4 and ours timed in turn (ratio_vs_fa4: the median round's)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--single-launch", action="store_true", help="l2: one timed-free launch per configuration (for ncu)")
     ap.add_argument("--compile-only", action="store_true",
@@ -1319,6 +1333,8 @@ def main(argv=None):
     ap.add_argument("--variants", type=int, default=0, help="tune_structured*: only the first N variants (0: all)")
     ap.add_argument("--shard", default=None, help="with --compile-only: 'i/n' handles every n-th variant from the i-th")
     args = ap.parse_args(argv)
+    if args.fa4_rounds < 1:
+        ap.error(f"--fa4-rounds {args.fa4_rounds}: at least 1 round is required")
     if not torch.cuda.is_available():
         print("benchmark_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
