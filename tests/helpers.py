@@ -177,7 +177,8 @@ STRUCTURED_CUDA_CASES = [
 #: heads a KV head (the kernel's work-tile arithmetic divides by Hq, Hq / Hkv and the block by multiply-high:
 #: divisors that are no power of two), and rows of 2,048 keys or more on average, where the launcher takes the
 #: kernel's other variant (``kLongRowKeys`` in structured_fwd_sm90.cu): dense, a streaming window, a block of 6,400,
-#: a window of 2,500 with three query heads a KV head.
+#: a window of 2,500 with three query heads a KV head; streaming with few sinks (1, 4, 16, 17: a sink tile of a few
+#: keys) in both variants, on query tiles that have a sink tile and on early ones whose window reaches key 0.
 STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 4, 2, 3001, torch.bfloat16, 3, 512, 0),
     (2, 8, 2, 1000, torch.float16, 3, 200, 0),
@@ -188,6 +189,10 @@ STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 4, 1, 5001, torch.float16, 2, 4096, 64),
     (1, 2, 2, 6600, torch.bfloat16, 3, 6400, 0),
     (1, 6, 2, 4999, torch.float16, 1, 2500, 0),
+    (2, 8, 2, 3001, torch.bfloat16, 2, 512, 4),
+    (1, 6, 2, 2999, torch.float16, 2, 300, 16),
+    (1, 4, 1, 2000, torch.bfloat16, 2, 256, 17),
+    (1, 4, 2, 5003, torch.bfloat16, 2, 2100, 1),
 ]
 
 
