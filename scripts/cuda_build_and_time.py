@@ -16,8 +16,9 @@ line per result, tagged with ``$TREE`` (default "?").
 ``ab`` times the structured forward and backward of other source trees in this process, beside this tree's:
 each ``name=dir`` is a folder with another revision's ``csrc`` files (e.g. ``mkdir /tmp/csrc_before && git
 archive REV kernel_src/attention/cuda/csrc | tar -x -C /tmp/csrc_before --strip-components=4``), built as its
-own extensions. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal forwards; ``AB_BWD_ROWS``:
-backwards; ``AB_TOKEN_SEQLENS``: the token forward of learned selection; B=1, Hq=32, Hkv=8, D=128, bf16) the
+own extensions. Per row (``AB_ROWS``: dense, windows, streaming, block_diagonal forwards; ``AB_D64_ROWS``: four of
+them at head dim 64; ``AB_BWD_ROWS``: backwards; ``AB_TOKEN_SEQLENS``: the token forward of learned selection; B=1,
+Hq=32, Hkv=8, D=128 unless named, bf16) the
 builds run in turn, back-to-back launches averaged over ~120 ms, 5 rounds; the median of each and its ratio to this
 tree's (> 1: this tree is faster), and the largest difference of its outputs from this tree's (0: bit for bit; the
 backward: dK, dV and the float32 dQ accumulator of one call, whose reduce-adds run in no fixed order). ``--rows``
@@ -52,9 +53,9 @@ def build():
         emit(kind="build", ext=name, seconds=round(time.time() - t0, 1))
 
 
-def _qkv(S, gen):
-    """Seeded q ``(1, 32, S, 128)``, k and v ``(1, 8, S, 128)``, bf16 on the GPU: the shapes of every row here."""
-    return [torch.randn(1, h, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (32, 8, 8)]
+def _qkv(S, gen, D=128):
+    """Seeded q ``(1, 32, S, D)``, k and v ``(1, 8, S, D)``, bf16 on the GPU: the shapes of every row here."""
+    return [torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (32, 8, 8)]
 
 
 def bench_ms(fn):
@@ -137,6 +138,12 @@ AB_ROWS = (
     ("block_diagonal_4096", 3, 4096, 0, 16384), ("block_diagonal_4096", 3, 4096, 0, 65536),
     ("block_diagonal_4096", 3, 4096, 0, 131072), ("block_diagonal_1024", 3, 1024, 0, 65536),
     ("block_diagonal_512", 3, 512, 0, 65536),
+)
+#: ``ab`` rows of the structured forward at head dim 64, as ``AB_ROWS``; a build whose kernel refuses D = 64 (a
+#: revision before it) is left out of them.
+AB_D64_ROWS = (
+    ("d64_dense", 0, 0, 0, 16384), ("d64_sliding_window_4096", 1, 4096, 0, 65536),
+    ("d64_streaming_4096_128", 2, 4096, 128, 65536), ("d64_block_diagonal_4096", 3, 4096, 0, 65536),
 )
 
 
@@ -225,6 +232,14 @@ def ab(specs, groups=tuple(AB_GROUPS)):
                  for m in mods}
         _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
         del q, k, v, outs
+    for row, pid, W, sinks, S in AB_D64_ROWS if mods else ():
+        q, k, v = _qkv(S, gen, 64)
+        outs = {m: _poisoned_outputs(q) for m in mods}
+        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, 64 ** -0.5, stream))
+                 for m in mods}
+        calls = {m: call for m, call in calls.items() if m == "tree" or _runs(call)}
+        _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
+        del q, k, v, outs
     for row, pid, W, sinks, S in AB_BWD_ROWS if bwd_mods else ():
         q, k, v = _qkv(S, gen)
         do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -249,6 +264,15 @@ def ab(specs, groups=tuple(AB_GROUPS)):
         _ab_rounds("ab_token", "token_top2048_w1024", S, {m: (lambda m=m: call(m)) for m in token_mods},
                    lambda m: [outs[m][0]])
         del q, k, v, sel, outs
+
+
+def _runs(call) -> bool:
+    """Whether ``call`` returns (a build that refuses the row's shapes raises)."""
+    try:
+        call()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _poisoned_outputs(q):

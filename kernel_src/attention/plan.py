@@ -241,13 +241,13 @@ _NOT_PLAIN = "geometry not plain self-attention"
 _STRUCTURED_RULE = _CudaRule(
     "forward", False, True, plain_geometry, "plain_geometry",
     f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
-    "outside the CUDA kernel's contract (dense / sliding_window / streaming / block_diagonal, bf16 / fp16, D = 128, "
-    "Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
+    "outside the CUDA kernel's contract (dense / sliding_window / streaming / block_diagonal, bf16 / fp16, D = 64 or "
+    "128, Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
 _LISTED_RULE = _CudaRule(
     "forward", False, True, plain_geometry, "plain_geometry",
     f"{_NOT_PLAIN} (padding, q_start, Sq != Skv, or offsets known on the device only)",
     "outside the CUDA listed kernel's contract (causal bigbird over a block layout of 128x128 tiles, bf16 / fp16, "
-    "D = 128, Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
+    "D = 64 or 128, Hq % Hkv == 0, q / k / v views with unit last stride and 16-byte multiple strides)")
 _DECODE_RULE = _CudaRule(
     "decode", True, True, decode_geometry, "decode_geometry",
     "not a plain decode step (query at key Skv - 1, every key valid, offsets known on the host)",
@@ -505,7 +505,7 @@ def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, 
     tiles of the CUDA listed forward. Prefill without gradients on the GPU with blocks of 128 or more runs
     64x64 tiles on Triton (two programs per SM; on the H100 at least as fast as 128x128 tiles and faster
     than packing the query heads of a KV group in one program; docs/history.md); otherwise the block itself."""
-    if cuda and device_type == "cuda" and not need_grad and q_len > 16 and block % 128 == 0 and head_dim == 128:
+    if cuda and device_type == "cuda" and not need_grad and q_len > 16 and block % 128 == 0 and head_dim in (64, 128):
         return 128, 128
     if device_type == "cuda" and not need_grad and q_len > 16 and block >= 128 and block % 64 == 0 and head_dim <= 128:
         return 64, 64
@@ -528,7 +528,7 @@ def bigbird_rule_tiles(block: int, device_type: str) -> tuple[int, int]:
 def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, cap: Capability | None = None) -> bool:
     """Whether a bigbird call (``block``, ``causal``) should build its layout with the 128x128 tiles of the CUDA
     listed forward: an eager inference prefill (no gradient, more than 16 queries, not inside a ``torch.compile``
-    trace), causal, blocks a multiple of 128, the plain geometry, bf16 / fp16 ``q, k, v`` alike with D = 128 and
+    trace), causal, blocks a multiple of 128, the plain geometry, bf16 / fp16 ``q, k, v`` alike with D = 64 or 128 and
     ``Sq == Skv``, CUDA allowed on the device (``cap``, default read from q's device). Shapes and dtypes only (no
     data pointer): the launch's plan checks the whole contract (``listed_call_ok``), and a launch it refuses runs
     the Triton layout kernel on the same tiles."""
@@ -536,7 +536,7 @@ def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, c
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if q.shape[-1] != 128 or k.shape[-1] != 128 or v.shape != k.shape or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape != k.shape or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         return False
     if not plain_geometry(geometry, q.shape[2], k.shape[2]):
         return False

@@ -36,29 +36,30 @@ def _case_id(case) -> str:
     return f"B{B}-Hq{Hq}-Hkv{Hkv}-S{S}-{str(dtype)[6:]}-b{block}-w{w}-g{g}-r{r}-L{layer}"
 
 
-def _inputs(case, layout_kind="bhsd"):
+def _inputs(case, layout_kind="bhsd", D=128):
     B, Hq, Hkv, S, dtype, block, w, g, r, layer = case
     seed = time.time_ns() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if layout_kind == "bhsd":
-        q, k, v = (torch.randn(B, h, S, 128, device="cuda", dtype=dtype, generator=gen) for h in (Hq, Hkv, Hkv))
+        q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=dtype, generator=gen) for h in (Hq, Hkv, Hkv))
     else:
-        q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, gen, layout_kind)
+        q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, gen, layout_kind, D)
     p = BigBird(block=block, window_blocks=w, global_blocks=g, random_blocks=r, seed=seed % 1000)
     return q, k, v, p, seed
 
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_listed_matches_reference(case):
-    """Poisoned outputs, fresh random inputs and random-block seeds; block_attn plans the listed kernel and
-    returns what the kernel wrote."""
+def test_listed_matches_reference(case, D):
+    """Poisoned outputs, fresh random inputs and random-block seeds, both head dims; block_attn plans the listed
+    kernel and returns what the kernel wrote."""
     B, Hq, Hkv, S, dtype, block, w, g, r, layer = case
-    q, k, v, p, seed = _inputs(case)
+    q, k, v, p, seed = _inputs(case, D=D)
     geo = row_geometry(B, S, S, None, device="cuda")
     lay = build_block_layout(p, S, S, geo, block_q=128, block_k=128, layer_idx=layer, num_kv_heads=Hkv)
-    scale = 128 ** -0.5
+    scale = D ** -0.5
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, S), float("nan"), device="cuda")
     cs._launch_listed(q, k, v, lay, out, lse, scale)
@@ -74,16 +75,17 @@ def test_listed_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("view", ["bshd", "qkv"])
-def test_sparse_attention_takes_the_listed_kernel(view):
+def test_sparse_attention_takes_the_listed_kernel(view, D):
     """Through the public API on (B, S, H, D) views, as a Transformers layer passes them: inference runs the
     listed kernel on 128x128 tiles and matches the reference; with gradients another path runs (the listed
     kernel has no backward) and gives the same forward."""
     case = (1, 8, 2, 1500, torch.bfloat16, 128, 1, 2, 3, 4)
-    q, k, v, p, seed = _inputs(case, view)
+    q, k, v, p, seed = _inputs(case, view, D)
     S = q.shape[2]
     geo = row_geometry(1, S, S, None, device="cuda")
-    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=128 ** -0.5, layer_idx=4)
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=D ** -0.5, layer_idx=4)
     with plan.recording() as seen:
         out = sparse_attention(q, k, v, p, layer_idx=4)
     assert [x.kernel for x in seen] == ["cuda_sm90_listed"], seen

@@ -27,16 +27,17 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("case", STRUCTURED_CUDA_FWD_CASES, ids=structured_case_id)
-def test_matches_reference(case):
-    """Poisoned outputs, fresh random inputs."""
+def test_matches_reference(case, D):
+    """Poisoned outputs, fresh random inputs, both head dims."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, h, S, 128, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, S), float("nan"), device="cuda")
-    scale = 128 ** -0.5
+    scale = D ** -0.5
     cs._launch(q, k, v, out, lse, pid, window, sinks, scale)
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), structured_pattern(pid, window, sinks), geo, scale=scale)
@@ -47,22 +48,23 @@ def test_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("layout", VIEW_LAYOUTS)
 @pytest.mark.parametrize("case", STRUCTURED_CUDA_FWD_CASES, ids=structured_case_id)
-def test_strided_views_match_reference(case, layout):
+def test_strided_views_match_reference(case, layout, D):
     """q, k, v as transposed views of (B, S, H, D) storage (own tensors, or slices of one fused QKV
     projection), read in place; the output written into a NaN-poisoned (B, S, H, D)-ordered view; the
     public forward returns that order (so a Transformers layer's transpose back is contiguous)."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, g, layout)
+    q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, g, layout, D)
     assert not q.is_contiguous() and cs.cuda_structured_ok(q, k, v, pattern_id=pid)
-    scale = 128 ** -0.5
+    scale = D ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), structured_pattern(pid, window, sinks), geo,
                                        scale=scale)
-    out = nan_bshd(B, Hq, S, dtype)
+    out = nan_bshd(B, Hq, S, dtype, D)
     lse = torch.full((B, Hq, S), float("nan"), device="cuda")
     cs._launch(q, k, v, out, lse, pid, window, sinks, scale)
     assert not out.isnan().any() and not lse.isnan().any(), seed
@@ -86,7 +88,9 @@ def test_public_forward_and_contract():
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert float((lse.double() - ref_lse).abs().max()) < 1e-3
-    assert not cs.cuda_structured_ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), pattern_id=1)
+    assert cs.cuda_structured_ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), pattern_id=1)
+    assert not cs.cuda_structured_ok(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous(), pattern_id=1)
+    assert not cs.cuda_structured_ok(q[..., :64].contiguous(), k, v, pattern_id=1)  # head dims differ
     assert out.is_contiguous()  # contiguous inputs: contiguous output, as before
     padded = torch.randn(1, 4, 300, 132, device="cuda", dtype=torch.bfloat16)[..., :128]  # rows of 264 bytes
     assert not cs.cuda_structured_ok(padded, k, v, pattern_id=1)

@@ -102,7 +102,9 @@ def _forward_cases():
     yield "(B, S, H, D) views", _launch(order="bshd"), ON, "cuda_sm90_structured"
     yield "fp16", _launch(dtype=torch.float16), ON, "cuda_sm90_structured"
     yield "fp32", _launch(dtype=torch.float32), ON, "triton_structured"
-    yield "head dim 64", _launch(D=64), ON, "triton_structured"
+    yield "head dim 64", _launch(D=64), ON, "cuda_sm90_structured"
+    yield "head dim 96", _launch(D=96), ON, "triton_structured"
+    yield "head dim 256", _launch(D=256), ON, "triton_structured"
     yield "expanded heads (stride 0)", _launch(order="expanded"), ON, "triton_structured"
     yield "Hq = Hkv", _launch(Hq=2), ON, "cuda_sm90_structured"
     yield "softcap", _launch(softcap=30.0), ON, "triton_structured"
@@ -126,7 +128,8 @@ def _forward_cases():
     yield "bigbird, lists of another length", _launch(pid=4, layout=_tiles_ns(2, 2, 600)), ON, "triton_layout"
     yield "bigbird bidirectional", _launch(pid=4, causal=False, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
     yield "bigbird, key mask", _launch(pid=4, mask=True, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
-    yield "bigbird, head dim 64", _launch(pid=4, D=64, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
+    yield "bigbird, head dim 64", _launch(pid=4, D=64, layout=_tiles_ns(2, 2, 300)), ON, "cuda_sm90_listed"
+    yield "bigbird, head dim 96", _launch(pid=4, D=96, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
     yield "bigbird, packed heads", _launch(pid=4, pack=2, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
     yield "bigbird, cuda=False", _launch(pid=4, cuda=False, layout=_tiles_ns(2, 2, 300)), ON, "triton_layout"
     yield "bigbird, forward failed to build", _launch(pid=4, layout=_tiles_ns(2, 2, 300)), \
@@ -204,7 +207,7 @@ def test_refusals_say_why():
     assert "output view" in plan_forward(_launch(out=_t(2, 8, 300)), ON).reason
     assert "not plain" in plan_forward(_launch(Sq=5, Skv=300), ON).reason
     assert "softcap" in plan_forward(_launch(softcap=1.0), ON).reason
-    assert "contract" in plan_forward(_launch(D=64), ON).reason
+    assert "contract" in plan_forward(_launch(D=96), ON).reason
     assert "not causal" in plan_forward(_launch(pid=0, causal=False), ON).reason
     assert "sel_fast" in plan_forward(_launch(pid=2, sel=_sel(2, 2, 300), sel_fast=1), ON).reason
     assert "3 key splits" in plan_forward(_launch(num_splits=3), ON).reason
@@ -352,6 +355,8 @@ _CUDA = dict(device_type="cuda")
     (dict(q_len=4096, group=4, head_dim=128, **_CUDA, need_grad=False, selection=False, bigbird_block=192,
           bigbird_cuda=True), (64, 64, 1, False)),
     (dict(q_len=4096, group=4, head_dim=64, **_CUDA, need_grad=False, selection=False, bigbird_block=128,
+          bigbird_cuda=True), (128, 128, 1, False)),
+    (dict(q_len=4096, group=4, head_dim=96, **_CUDA, need_grad=False, selection=False, bigbird_block=128,
           bigbird_cuda=True), (64, 64, 1, False)),
     (dict(q_len=300, group=4, head_dim=128, device_type="cpu", need_grad=False, selection=False, bigbird_block=128,
           bigbird_cuda=True), (128, 128, 1, False)),
@@ -379,8 +384,9 @@ def test_bigbird_cuda_rule(monkeypatch):
     assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, Capability(True, failed=frozenset({"forward"})))
     masked = row_geometry(2, 300, 300, torch.ones(2, 300, dtype=torch.bool))
     assert not plan.bigbird_cuda(128, True, q, k, v, masked, False, ON)
-    assert not plan.bigbird_cuda(128, True, _t(2, 8, 300, D=64), _t(2, 2, 300, D=64), _t(2, 2, 300, D=64), geo, False,
+    assert not plan.bigbird_cuda(128, True, _t(2, 8, 300, D=96), _t(2, 2, 300, D=96), _t(2, 2, 300, D=96), geo, False,
                                  ON)
+    assert plan.bigbird_cuda(128, True, _t(2, 8, 300, D=64), _t(2, 2, 300, D=64), _t(2, 2, 300, D=64), geo, False, ON)
     assert not plan.bigbird_cuda(128, True, _t(2, 8, 16), _t(2, 2, 16), _t(2, 2, 16), row_geometry(2, 16, 16, None),
                                  False, ON)
     assert not plan.bigbird_cuda(128, True, q, k, v, geo, False, plan.capability("cpu"))

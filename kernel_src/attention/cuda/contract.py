@@ -11,7 +11,7 @@ from .build import is_sm90
 
 __all__ = [
     "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_BWD_CUDA_PATTERNS", "STRUCTURED_CUDA_PATTERNS",
-    "TOKEN_STATIC_PATTERNS",
+    "STRUCTURED_HEAD_DIMS", "TOKEN_STATIC_PATTERNS",
     "check_pattern_args",
     "LISTED_CUDA_PATTERNS", "decode_call_ok", "listed_call_ok", "on_sm90", "plain_call_ok", "selection_ok",
     "structured_bwd_call_ok", "structured_call_ok",
@@ -32,6 +32,8 @@ DECODE_STATIC_PATTERNS = TOKEN_STATIC_PATTERNS
 DECODE_GROUPS = (1, 2, 4, 8)
 #: Query rows per step of the backward kernel: its lse2 / delta / dq_acc rows are padded to a multiple.
 BWD_ROW_PAD = 64
+#: Head dims of the structured and listed forwards (the token-layout, decode and backward kernels: 128 only).
+STRUCTURED_HEAD_DIMS = (64, 128)
 
 
 def on_sm90(t) -> bool:
@@ -62,9 +64,9 @@ def tma_view_ok(t: torch.Tensor) -> bool:
                for n, s in zip(t.shape[:3], t.stride()[:3]))
 
 
-def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
-    """``q (B, Hq, S, 128)``, ``k, v (B, Hkv, S, 128)`` and the ``like_q`` tensors (shaped like q):
-    tensors of one device, bf16 or fp16 alike, ``Hq % Hkv == 0``, ``1 <= S <= max_len``; q, k, v and
+def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1, head_dims: tuple[int, ...] = (128,)) -> bool:
+    """``q (B, Hq, S, D)``, ``k, v (B, Hkv, S, D)`` with ``D`` in ``head_dims`` and the ``like_q`` tensors (shaped
+    like q): tensors of one device, bf16 or fp16 alike, ``Hq % Hkv == 0``, ``1 <= S <= max_len``; q, k, v and
     the ``tma`` tensors views that ``tma_view_ok`` accepts (read through TMA maps)."""
     tensors = (q, k, v, *like_q)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
@@ -74,7 +76,7 @@ def tensors_ok(q, k, v, like_q=(), tma=(), max_len: int = 2**31 - 1) -> bool:
     if any(t.device != q.device for t in tensors):
         return False
     B, Hq, S, D = q.shape
-    if D != 128 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+    if D not in head_dims or k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
         return False
     if any(t.shape != q.shape for t in like_q):
         return False
@@ -129,21 +131,22 @@ def structured_call_ok(q, k, v, *, pattern_id: int, causal: bool = True, plain_g
     """The structured forward's contract (``cuda.structured``) but the device: a causal dense /
     sliding_window / streaming / block_diagonal call over the plain geometry (no padding, query ``i`` at key index ``i``:
     ``q_start == k_start == 0``, ``k_end == Skv``) without softcap, sink logits or key mask, on tensors
-    ``tensors_ok`` accepts."""
-    return plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask) and tensors_ok(q, k, v)
+    ``tensors_ok`` accepts with a head dim of ``STRUCTURED_HEAD_DIMS``."""
+    return (plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask)
+            and tensors_ok(q, k, v, head_dims=STRUCTURED_HEAD_DIMS))
 
 
 def listed_call_ok(q, k, v, layout, *, pattern_id: int, causal: bool = True, plain_geometry: bool = True, softcap=None,
                    sink_logits=None, key_mask=None) -> bool:
     """The listed forward's contract (``cuda.structured.cuda_listed_forward``) but the device: a causal bigbird
-    call over the plain geometry without softcap, sink logits or key mask, on tensors ``tensors_ok`` accepts,
-    and ``layout`` a block layout (``BlockLayout`` or the custom op's namespace) of 128 x 128 tiles whose int32
+    call over the plain geometry without softcap, sink logits or key mask, on tensors ``tensors_ok`` accepts with a
+    head dim of ``STRUCTURED_HEAD_DIMS``, and ``layout`` a block layout (``BlockLayout`` or the custom op's namespace) of 128 x 128 tiles whose int32
     tile lists are ``(B', H', ceil(S / 128)[, W])`` on q's device with ``B'`` 1 or B and ``H'`` 1 or Hkv."""
     if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask, LISTED_CUDA_PATTERNS):
         return False
     if any(getattr(getattr(layout, "pattern", None), "params", ())):  # a code with bigbird's rule: tiles straddle
         return False  # its blocks, and this kernel masks listed tiles by causality alone
-    if not tensors_ok(q, k, v) or getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
+    if not tensors_ok(q, k, v, head_dims=STRUCTURED_HEAD_DIMS) or getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
         return False
     B, Hkv, S = q.shape[0], k.shape[1], q.shape[2]
     nq = -(-S // 128)

@@ -2,7 +2,7 @@
 over its block layout (``cuda_listed_forward``: the same kernel with the key tiles listed).
 
 An FA3-style kernel (TMA producer warpgroup, two wgmma consumer warpgroups, 128x128 tiles) for
-dense, sliding_window and streaming causal self-attention, D = 128, bf16/fp16, q/k/v contiguous or
+dense, sliding_window, streaming and block_diagonal causal self-attention, D = 64 or 128, bf16/fp16, q/k/v contiguous or
 strided views (4-D TMA maps: the transposed ``(B, S, H, D)`` projections of a Transformers layer are
 read in place, and the output is written in q's memory order). The contract is that
 of ``triton.structured.structured_forward`` with a plain geometry (no padding, ``Sq == Skv``, no
@@ -60,7 +60,7 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
     """Causal structured attention forward on an sm_90 GPU.
 
     Args:
-        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
+        q: ``(B, Hq, S, D)``; k, v: ``(B, Hkv, S, D)``, D 64 or 128; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
             or strided views (``cuda.contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
             in place.
         pattern_id: 0 dense, 1 sliding_window, 2 streaming, 3 block_diagonal (``CUDA_PATTERNS``).
@@ -68,14 +68,14 @@ def cuda_structured_forward(q, k, v, *, pattern_id: int, window: int = 0, sinks:
             ``i`` sees keys ``j <= i`` with ``j // W == i // W``); ignored for dense.
         sinks: streaming only, the number of leading keys every query sees.
         scale: softmax scale (> 0).
-    Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``: a view
-    of ``(B, S, Hq, 128)`` storage when q is one) and ``lse (B, Hq, S)`` float32 (natural log).
+    Returns: ``out (B, Hq, S, D)`` in q's dtype and memory order (``memory_order.new_output``: a view
+    of ``(B, S, Hq, D)`` storage when q is one) and ``lse (B, Hq, S)`` float32 (natural log).
     """
     check_pattern_args(pattern_id, window, sinks, scale)
     if not cuda_structured_ok(q, k, v, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
-            "last stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0): "
+            "last stride and 16-byte multiple strides, D 64 or 128, Sq == Skv, Hq % Hkv == 0): "
             f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} {k.dtype} strides {k.stride()}, "
             f"v {tuple(v.shape)} {v.dtype} strides {v.stride()}"
         )
@@ -106,7 +106,7 @@ def cuda_listed_forward(q, k, v, layout, *, scale: float):
     if not (on_sm90(q) and listed_call_ok(q, k, v, layout, pattern_id=4)):
         raise ValueError(
             "cuda_listed_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
-            "stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, a block layout of 128x128 tiles "
+            "stride and 16-byte multiple strides, D 64 or 128, Sq == Skv, Hq % Hkv == 0, a block layout of 128x128 tiles "
             f"with int32 tile lists on q's device): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, layout tiles "
             f"{getattr(layout, 'block_q', None)}x{getattr(layout, 'block_k', None)}"
         )

@@ -218,6 +218,25 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a
   }
 }
 
+// D(64x64, f32) += A(64x16, registers) * B(16x64, smem, MN-major)
+template <bool BF16>
+__device__ __forceinline__ void wgmma_rs64(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t db) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SK90C_ACC32 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+        : SK90C_ACC32_OPS
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SK90C_ACC32 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+        : SK90C_ACC32_OPS
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+  }
+}
+
 // D(64x64, f32) (+)= A(64x16, smem) * B(16x64, smem); TA / TB: operand MN-major (else K-major).
 template <bool BF16, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {

@@ -23,6 +23,9 @@
 // work on the current one, and the consumers issue the next tile's first Q K^T together with the current
 // tile's last P V, so the tensor cores have work while the current tile's epilogue runs.
 //
+// Head dim (FwdSmem's HEAD_DIM): 128, or 64 for the structured kernels (a tile is one 64-column TMA box, Q K^T takes
+// 4 k-steps and P V is m64n64k16 into 32 registers a thread; every other step as at 128).
+//
 // Key tiles of a work tile, in order: GATHER only, `nsel` gathered tiles (each with per-slot logit
 // biases and first visible rows in the ring's side area, written by the producer with ordinary
 // stores), then the static tiles by arithmetic (the table of triton.structured's docstring): the
@@ -44,7 +47,7 @@ using namespace sk90c;
 
 constexpr int kBlockM = 128;  // query rows per work tile
 constexpr int kBlockN = 128;  // keys per tile
-constexpr int kHeadDim = 128;
+constexpr int kHeadDim = 128;              // the token forward's head dim; the structured kernels take 64 or 128
 constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 columns x 2 bytes
 constexpr int kTileBytes = 2 * kHalfBytes;  // 128 rows x 128 columns
 constexpr int kThreads = 384;
@@ -156,12 +159,16 @@ __device__ __forceinline__ void work_coords(const FwdParams& p, int lin, int& m,
 // Shared-memory addresses: kBarBytes of barriers (and side data) at the 1024-byte aligned base, then
 // QBUFS Q tiles and the K and V rings of STAGES tiles each. With QBUFS = 2 the producer loads a work tile's Q
 // while the consumers still read the previous one's, so a work tile's first Q K^T does not wait for it.
-template <int kBarBytes, int STAGES, int QBUFS>
+// HEAD_DIM 64 or 128: a tile is HEAD_DIM / 64 TMA boxes of 128 rows x 64 columns (kTile bytes).
+template <int kBarBytes, int STAGES, int QBUFS, int HEAD_DIM = kHeadDim>
 struct FwdSmem {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
   static constexpr int kRing = STAGES;
   static constexpr int kQBufs = QBUFS;
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kTile = HEAD_DIM / 64 * kHalfBytes;
   uint32_t bar_q, bar_qempty, bar_kfull, bar_vfull, bar_kempty, bar_vempty, sq, sk, sv;
-  static constexpr int kBytes = 1024 + kBarBytes + kTileBytes * (QBUFS + 2 * STAGES);  // with alignment slack
+  static constexpr int kBytes = 1024 + kBarBytes + kTile * (QBUFS + 2 * STAGES);  // with alignment slack
   static_assert(16 * QBUFS + 32 * STAGES <= kBarBytes, "barrier area too small");
   __device__ __forceinline__ explicit FwdSmem(uint32_t base)
       : bar_q(base),                            // [QBUFS] Q loaded
@@ -171,8 +178,8 @@ struct FwdSmem {
         bar_kempty(bar_vfull + 8 * STAGES),     // [STAGES]
         bar_vempty(bar_kempty + 8 * STAGES),    // [STAGES]
         sq(base + kBarBytes),                   // [QBUFS] tiles
-        sk(sq + QBUFS * kTileBytes),            // [STAGES] tiles
-        sv(sk + STAGES * kTileBytes) {}         // [STAGES] tiles
+        sk(sq + QBUFS * kTile),                 // [STAGES] tiles
+        sv(sk + STAGES * kTile) {}              // [STAGES] tiles
 
   // Thread 0: the barriers; `full_count` arrivals complete a K or V slot.
   __device__ __forceinline__ void init(uint32_t full_count) const {
@@ -194,15 +201,15 @@ struct FwdSmem {
   __device__ __forceinline__ void load_q(const CUtensorMap* tm_q, int local, int m, int h, int b) const {
     const int qb = local % QBUFS, use = local / QBUFS;
     if (use > 0) mbar_wait(bar_qempty + 8 * qb, (use - 1) & 1);
-    load_tile(sq + qb * kTileBytes, tm_q, bar_q + 8 * qb, m * kBlockM, h, b);
+    load_tile(sq + qb * kTile, tm_q, bar_q + 8 * qb, m * kBlockM, h, b);
   }
 
   // One thread: rows row .. row + 127 of (b, head) as a 128-byte-swizzled tile, completing on bar.
   __device__ __forceinline__ static void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row,
                                                    int head, int b) {
-    mbar_expect_tx(bar, kTileBytes);
+    mbar_expect_tx(bar, kTile);
     tma_load_4d(dst, map, bar, 0, row, head, b);
-    tma_load_4d(dst + kHalfBytes, map, bar, 64, row, head, b);
+    if constexpr (HEAD_DIM == 128) tma_load_4d(dst + kHalfBytes, map, bar, 64, row, head, b);
   }
 };
 
@@ -232,13 +239,14 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
   const int sinks = p.pattern == 2 ? p.sinks : 0;
   const int block = p.pattern == 3 ? p.window : 0;  // block_diagonal: a row sees keys from its block's start
   const int bar_mine = 1 + cw, bar_other = 2 - cw;
-  constexpr int kS = Smem::kRing, kQB = Smem::kQBufs;
+  constexpr int kS = Smem::kRing, kQB = Smem::kQBufs, kTile = Smem::kTile;
+  constexpr int D = Smem::kHeadDim;  // 64 or 128: O's columns, Q K^T's k-steps D / 16
   // this warpgroup's 64 rows inside each column half of the `local`-th work tile's Q buffer
-  auto q_rows = [&](int local) { return sm.sq + (local % kQB) * kTileBytes + cw * 64 * 128; };
+  auto q_rows = [&](int local) { return sm.sq + (local % kQB) * kTile + cw * 64 * 128; };
   const int lrow0 = cw * 64 + wq * 16 + g;        // this thread's rows inside the tile: lrow0 and lrow0 + 8
   const uint32_t sk = sm.sk, sv = sm.sv;
 
-  float o[64];
+  float o[D / 2];
   float s[64];
   uint32_t pa[32];
   float m0, m1, l0, l1;
@@ -317,20 +325,23 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
 
   // S = Q K^T of ring slot st, Q at qa (this warpgroup's rows of a Q buffer)
   auto issue_qk = [&](int st, uint32_t qa) {
-    const uint64_t qd0 = make_desc(qa, 16, 1024), kd0 = make_desc(sk + st * kTileBytes, 16, 1024);
+    const uint64_t qd0 = make_desc(qa, 16, 1024), kd0 = make_desc(sk + st * kTile, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < D / 16; ++kk) {
       // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
       const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
       wgmma_ss<BF16>(s, desc_advance(qd0, off), desc_advance(kd0, off), kk > 0);
     }
   };
   auto issue_pv = [&](int st) {
-    const uint64_t vd0 = make_desc(sv + st * kTileBytes, kHalfBytes, 1024);
+    const uint64_t vd0 = make_desc(sv + st * kTile, kHalfBytes, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
-      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
+      if constexpr (D == 128)
+        wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
+      else
+        wgmma_rs64<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
     }
   };
   auto convert_p = [&]() {
@@ -383,7 +394,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
     const int ntiles = nsel + tr.count;
     row0 = m * kBlockM + lrow0;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     m0 = -INFINITY;
     m1 = -INFINITY;
     l0 = 0.f;
@@ -393,7 +404,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
     auto rescale = [&](float a0, float a1) {
       if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < D / 8; ++j) {
           o[4 * j] *= a0;
           o[4 * j + 1] *= a0;
           o[4 * j + 2] *= a1;
@@ -457,13 +468,13 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       if (row0 < p.S) {
         uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row0 * p.oss);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        for (int j = 0; j < D / 8; ++j) dst[4 * j] = pack2<BF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
         if (qd == 0) p.lse[head_row + row0] = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
       }
       if (row1 < p.S) {
         uint32_t* dst = reinterpret_cast<uint32_t*>(out_bh + row1 * p.oss);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+        for (int j = 0; j < D / 8; ++j) dst[4 * j] = pack2<BF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
         if (qd == 0) p.lse[head_row + row1] = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
       }
     };
@@ -519,19 +530,19 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
 
 // ------------------------------------------------------------------ host side
 // The fields of FwdParams, the q/k/v tensor maps and the persistent grid (one CTA per multiprocessor,
-// at most one per work tile). vs: the element strides (b, h, s) of q, k, v and out, 12 values. The
-// caller has checked the arguments. Returns false after writing a message to err.
+// at most one per work tile). vs: the element strides (b, h, s) of q, k, v and out, 12 values; D the head dim
+// (64 or 128). The caller has checked the arguments. Returns false after writing a message to err.
 inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensorMap& tv, int& grid, const void* q,
                         const void* k, const void* v, void* out, float* lse, const long long* vs, int B, int Hq,
                         int Hkv, int S, bool bf16, int pattern, int window, int sinks, float scale, char* err,
-                        int errlen) {
+                        int errlen, int D = kHeadDim) {
   using namespace sk90h;
   EncodeTiledFn enc = get_encode_fn(err, errlen);
   if (!enc) return false;
   const ViewStrides st_q{vs[0], vs[1], vs[2]}, st_k{vs[3], vs[4], vs[5]}, st_v{vs[6], vs[7], vs[8]};
-  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
-      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
-      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
+  if (!make_map_view(&tq, enc, q, bf16, D, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, D, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, D, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
     return false;
   p.out = out;
   p.osb = vs[9];

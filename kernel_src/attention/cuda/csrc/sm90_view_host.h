@@ -23,11 +23,11 @@ inline void check_view(const at::Tensor& t, const char* what, bool output, long 
   }
 }
 
-// The forwards' tensors: q (B, Hq, S, 128), k/v (B, Hkv, S, 128) views of one 16-bit dtype (check_view),
-// out shaped like q (also non-overlapping and dense), lse (B, Hq, S) float32 contiguous. Writes the
-// strides (b, h, s) of q, k, v and out (12 values) to st; returns whether the dtype is bf16.
+// The forwards' tensors: q (B, Hq, S, D), k/v (B, Hkv, S, D) views of one 16-bit dtype (check_view), D 128
+// (or 64 where head_dim64), out shaped like q (also non-overlapping and dense), lse (B, Hq, S) float32
+// contiguous. Writes the strides (b, h, s) of q, k, v and out (12 values) to st; returns whether the dtype is bf16.
 inline bool check_fwd_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                            const at::Tensor& lse, long long* st) {
+                            const at::Tensor& lse, long long* st, bool head_dim64 = false) {
   TORCH_CHECK(lse.is_cuda() && lse.is_contiguous(), "lse must be a contiguous CUDA tensor");
   check_view(q, "q", false, st);
   check_view(k, "k", false, st + 3);
@@ -38,7 +38,8 @@ inline bool check_fwd_views(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && out.scalar_type() == dt, "dtypes differ");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "lse must be float32");
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 128, "head dim 128 expected, got ", D);
+  TORCH_CHECK(D == 128 || (head_dim64 && D == 64), "head dim ", head_dim64 ? "64 or 128" : "128", " expected, got ",
+              D);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == S && k.size(3) == D, "k/v shape mismatch");
   TORCH_CHECK(out.sizes() == q.sizes(), "out shape mismatch");
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == S, "lse shape mismatch");

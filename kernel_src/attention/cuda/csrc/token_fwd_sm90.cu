@@ -158,11 +158,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
           sbias[s * kBlockN + t] = bias;
           sthr[s * kBlockN + t] = static_cast<uint8_t>(thr);
-          gather_tile(sm.sk + s * kTileBytes, kbase, 2 * p.kss, safe, t);
+          gather_tile(sm.sk + s * Smem::kTile, kbase, 2 * p.kss, safe, t);
           cp_async_arrive(sm.bar_kfull + 8 * s);
           mbar_arrive(sm.bar_kfull + 8 * s);
           if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
-          gather_tile(sm.sv + s * kTileBytes, vbase, 2 * p.vss, safe, t);
+          gather_tile(sm.sv + s * Smem::kTile, vbase, 2 * p.vss, safe, t);
           cp_async_arrive(sm.bar_vfull + 8 * s);
           mbar_arrive(sm.bar_vfull + 8 * s);
         } else {
@@ -170,12 +170,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int row = tr.tile(it - nsel) * kBlockN;
           if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
           if (t == 0)
-            Smem::load_tile(sm.sk + s * kTileBytes, &tm_k, sm.bar_kfull + 8 * s, row, hk, b);
+            Smem::load_tile(sm.sk + s * Smem::kTile, &tm_k, sm.bar_kfull + 8 * s, row, hk, b);
           else
             mbar_arrive(sm.bar_kfull + 8 * s);
           if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
           if (t == 0)
-            Smem::load_tile(sm.sv + s * kTileBytes, &tm_v, sm.bar_vfull + 8 * s, row, hk, b);
+            Smem::load_tile(sm.sv + s * Smem::kTile, &tm_v, sm.bar_vfull + 8 * s, row, hk, b);
           else
             mbar_arrive(sm.bar_vfull + 8 * s);
         }
