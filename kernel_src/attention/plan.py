@@ -536,7 +536,9 @@ def bigbird_cuda(block: int, causal: bool, q, k, v, geometry, need_grad: bool, c
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape != k.shape or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
+        return False
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         return False
     if not plain_geometry(geometry, q.shape[2], k.shape[2]):
         return False

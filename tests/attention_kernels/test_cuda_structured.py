@@ -88,8 +88,10 @@ def test_public_forward_and_contract():
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert float((lse.double() - ref_lse).abs().max()) < 1e-3
-    assert cs.cuda_structured_ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), pattern_id=1)
-    assert not cs.cuda_structured_ok(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous(), pattern_id=1)
+    q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+    q96, k96, v96 = (t[..., :96].contiguous() for t in (q, k, v))
+    assert cs.cuda_structured_ok(q64, k64, v64, pattern_id=1)
+    assert not cs.cuda_structured_ok(q96, k96, v96, pattern_id=1)
     assert not cs.cuda_structured_ok(q[..., :64].contiguous(), k, v, pattern_id=1)  # head dims differ
     assert out.is_contiguous()  # contiguous inputs: contiguous output, as before
     padded = torch.randn(1, 4, 300, 132, device="cuda", dtype=torch.bfloat16)[..., :128]  # rows of 264 bytes

@@ -140,13 +140,16 @@ def listed_call_ok(q, k, v, layout, *, pattern_id: int, causal: bool = True, pla
                    sink_logits=None, key_mask=None) -> bool:
     """The listed forward's contract (``cuda.structured.cuda_listed_forward``) but the device: a causal bigbird
     call over the plain geometry without softcap, sink logits or key mask, on tensors ``tensors_ok`` accepts with a
-    head dim of ``STRUCTURED_HEAD_DIMS``, and ``layout`` a block layout (``BlockLayout`` or the custom op's namespace) of 128 x 128 tiles whose int32
-    tile lists are ``(B', H', ceil(S / 128)[, W])`` on q's device with ``B'`` 1 or B and ``H'`` 1 or Hkv."""
+    head dim of ``STRUCTURED_HEAD_DIMS``, and ``layout`` a block layout (``BlockLayout`` or the custom op's
+    namespace) of 128 x 128 tiles whose int32 tile lists are ``(B', H', ceil(S / 128)[, W])`` on q's device with
+    ``B'`` 1 or B and ``H'`` 1 or Hkv."""
     if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask, LISTED_CUDA_PATTERNS):
         return False
     if any(getattr(getattr(layout, "pattern", None), "params", ())):  # a code with bigbird's rule: tiles straddle
         return False  # its blocks, and this kernel masks listed tiles by causality alone
-    if not tensors_ok(q, k, v, head_dims=STRUCTURED_HEAD_DIMS) or getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
+    if not tensors_ok(q, k, v, head_dims=STRUCTURED_HEAD_DIMS):
+        return False
+    if getattr(layout, "block_q", None) != 128 or getattr(layout, "block_k", None) != 128:
         return False
     B, Hkv, S = q.shape[0], k.shape[1], q.shape[2]
     nq = -(-S // 128)

@@ -106,9 +106,9 @@ def cuda_listed_forward(q, k, v, layout, *, scale: float):
     if not (on_sm90(q) and listed_call_ok(q, k, v, layout, pattern_id=4)):
         raise ValueError(
             "cuda_listed_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
-            "stride and 16-byte multiple strides, D 64 or 128, Sq == Skv, Hq % Hkv == 0, a block layout of 128x128 tiles "
-            f"with int32 tile lists on q's device): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, layout tiles "
-            f"{getattr(layout, 'block_q', None)}x{getattr(layout, 'block_k', None)}"
+            "stride and 16-byte multiple strides, D 64 or 128, Sq == Skv, Hq % Hkv == 0, a block layout of 128x128 "
+            f"tiles with int32 tile lists on q's device): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+            f"layout tiles {getattr(layout, 'block_q', None)}x{getattr(layout, 'block_k', None)}"
         )
     out, lse = _outputs(q)
     _launch_listed(q, k, v, layout, out, lse, scale)

@@ -61,7 +61,8 @@ static void listed_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int rc = sk90_listed_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
                                  strides, static_cast<int>(q.size(0)), static_cast<int>(q.size(1)),
                                  static_cast<int>(k.size(1)), static_cast<int>(q.size(2)), static_cast<int>(q.size(3)),
-                                 bf16 ? 1 : 0, fnum.data_ptr<int>(), fidx.data_ptr<int>(), static_cast<int>(fidx.size(3)),
+                                 bf16 ? 1 : 0, fnum.data_ptr<int>(), fidx.data_ptr<int>(),
+                                 static_cast<int>(fidx.size(3)),
                                  pnum.data_ptr<int>(), pidx.data_ptr<int>(), static_cast<int>(pidx.size(3)),
                                  static_cast<float>(scale), reinterpret_cast<void*>(stream), err, sizeof(err));
   TORCH_CHECK(rc == 0, "sk90_listed_fwd: ", err);

@@ -165,8 +165,10 @@ extern "C" int sk90_listed_fwd(const void* q, const void* k, const void* v, void
   p.fw = fw;
   p.pw = pw;
   if (D == 64)
-    return launch_kernel(bf16 ? structured_fwd_kernel<true, true, false, 64> : structured_fwd_kernel<false, true, false, 64>,
+    return launch_kernel(bf16 ? structured_fwd_kernel<true, true, false, 64>
+                              : structured_fwd_kernel<false, true, false, 64>,
                          grid, kThreads, Smem<64>::kBytes, stream, err, errlen, tq, tk, tv, p);
-  return launch_kernel(bf16 ? structured_fwd_kernel<true, true, false, 128> : structured_fwd_kernel<false, true, false, 128>,
+  return launch_kernel(bf16 ? structured_fwd_kernel<true, true, false, 128>
+                            : structured_fwd_kernel<false, true, false, 128>,
                        grid, kThreads, Smem<128>::kBytes, stream, err, errlen, tq, tk, tv, p);
 }
