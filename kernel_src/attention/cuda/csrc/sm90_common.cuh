@@ -218,9 +218,9 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a
   }
 }
 
-// D(64x64, f32) += A(64x16, registers) * B(16x64, smem, MN-major)
+// D(64x64, f32) += A(64x16, registers) * B(16x64, smem, MN-major): wgmma_rs for a 32-register accumulator
 template <bool BF16>
-__device__ __forceinline__ void wgmma_rs64(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                            uint64_t db) {
   if constexpr (BF16) {
     asm volatile(

@@ -49,7 +49,6 @@ constexpr int kBlockM = 128;  // query rows per work tile
 constexpr int kBlockN = 128;  // keys per tile
 constexpr int kHeadDim = 128;              // the token forward's head dim; the structured kernels take 64 or 128
 constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 columns x 2 bytes
-constexpr int kTileBytes = 2 * kHalfBytes;  // 128 rows x 128 columns
 constexpr int kThreads = 384;
 constexpr int kStages = 3;  // K/V ring depth of the token forward (its side data sits in the barrier area)
 constexpr float kLn2 = 0.6931471805599453f;
@@ -337,11 +336,8 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
     const uint64_t vd0 = make_desc(sv + st * kTile, kHalfBytes, 1024);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart
-      if constexpr (D == 128)
-        wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
-      else
-        wgmma_rs64<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
+      // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart; N = D (o's size)
+      wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
     }
   };
   auto convert_p = [&]() {

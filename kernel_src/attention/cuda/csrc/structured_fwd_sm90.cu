@@ -36,12 +36,11 @@ namespace sk90 {
 using namespace sk90f;
 
 constexpr int kBarBytes = 1024;  // mbarriers at the start of dynamic shared memory
-// Two Q buffers and a K/V ring of two stages at head dim 128: the shared memory's other fit, one Q buffer and three
-// stages, ran 1-3% slower for every pattern and length measured (docs/history.md). Head dim 64: tiles of half the
-// bytes, kStages64 stages.
-constexpr int kStages64 = 2;
+// Two Q buffers and a K/V ring of two stages: at head dim 128 the shared memory's other fit, one Q buffer and three
+// stages, ran 1-3% slower for every pattern and length measured; at head dim 64 (tiles of half the bytes) three or
+// four stages ran 3-4.5% slower on windows (docs/history.md).
 template <int D>
-using Smem = FwdSmem<kBarBytes, D == 64 ? kStages64 : 2, 2, D>;
+using Smem = FwdSmem<kBarBytes, 2, 2, D>;
 // The mean keys per query row from which the kernel takes fwd_consumer's WG_UNIFORM variant: measured faster at
 // 4,096-key windows (33 key tiles a row), dense 16K and block_diagonal 4096 (2,048 keys a row on average), slower at
 // block_diagonal 512-1024 (256-512 keys).
