@@ -225,19 +225,14 @@ def ab(specs, groups=tuple(AB_GROUPS)):
     stream = torch.cuda.current_stream().cuda_stream
     scale = 128 ** -0.5
 
-    for row, pid, W, sinks, S in AB_ROWS if mods else ():
-        q, k, v = _qkv(S, gen)
+    fwd_rows = [(*r, 128) for r in AB_ROWS] + [(*r, 64) for r in AB_D64_ROWS]
+    for row, pid, W, sinks, S, D in fwd_rows if mods else ():
+        q, k, v = _qkv(S, gen, D)
         outs = {m: _poisoned_outputs(q) for m in mods}
-        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, scale, stream))
+        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, D ** -0.5, stream))
                  for m in mods}
-        _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
-        del q, k, v, outs
-    for row, pid, W, sinks, S in AB_D64_ROWS if mods else ():
-        q, k, v = _qkv(S, gen, 64)
-        outs = {m: _poisoned_outputs(q) for m in mods}
-        calls = {m: (lambda m=m: mods[m].structured_fwd(q, k, v, *outs[m], pid, W, sinks, 64 ** -0.5, stream))
-                 for m in mods}
-        calls = {m: call for m, call in calls.items() if m == "tree" or _runs(call)}
+        if D != 128:  # a build from before head dim 64 refuses the row
+            calls = {m: call for m, call in calls.items() if m == "tree" or _runs(call)}
         _ab_rounds("ab", row, S, calls, lambda m: [outs[m][0]])
         del q, k, v, outs
     for row, pid, W, sinks, S in AB_BWD_ROWS if bwd_mods else ():
