@@ -259,8 +259,8 @@ _TOKEN_RULE = _CudaRule(
     "128, bf16 / fp16, D = 128, TMA views, int32 selection)")
 _BACKWARD_RULE = _CudaRule(
     "backward", False, False, plain_geometry, "plain_geometry", _NOT_PLAIN,
-    "outside the CUDA backward's contract (dense / sliding_window / streaming, bf16 / fp16, D = 128, TMA views of "
-    "q / k / v / dO, lse (B, Hq, S) float32)")
+    "outside the CUDA backward's contract (dense / sliding_window / streaming, bf16 / fp16, D = 64 or 128, TMA "
+    "views of q / k / v / dO, lse (B, Hq, S) float32)")
 
 
 def _caller_refusal(launch: Launch, token: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""The Hopper CUDA structured backward (``sparse_k.attention.cuda.structured_bwd``) against float64 autograd.
+"""The Hopper CUDA structured backward (``sparse_k.attention.cuda.structured_bwd``) against float64 autograd,
+at both head dims it takes (64 and 128).
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 The backward gets the exact forward's output (rounded to the input dtype) and natural-log LSE, and
@@ -27,9 +28,9 @@ from sparse_k.attention.cuda import structured_bwd as cb
 TOL = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
 
 
-def _case_inputs(B, Hq, Hkv, S, dtype, seed):
+def _case_inputs(B, Hq, Hkv, S, dtype, seed, D=128):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(B, h, S, 128, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv, Hq))
+    q, k, v, do = (torch.randn(B, h, S, D, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv, Hq))
     return q, k, v, do
 
 
@@ -42,13 +43,14 @@ def _stats(do, out, lse):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
-def test_matches_reference(case):
+def test_matches_reference(case, D):
     """Fresh random inputs; dK/dV poisoned with NaN before the kernel writes them."""
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     seed = time.time_ns() % 2**31
-    q, k, v, do = _case_inputs(B, Hq, Hkv, S, dtype, seed)
-    scale = 128 ** -0.5
+    q, k, v, do = _case_inputs(B, Hq, Hkv, S, dtype, seed, D)
+    scale = D ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = reference_attention(*leaves, structured_pattern(pid, window, sinks), geo, scale=scale)
@@ -68,9 +70,10 @@ def test_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("layout", VIEW_LAYOUTS)
 @pytest.mark.parametrize("case", STRUCTURED_CUDA_CASES, ids=structured_case_id)
-def test_strided_views_match_reference(case, layout):
+def test_strided_views_match_reference(case, layout, D):
     """q, k, v, dO as transposed views of (B, S, H, D) storage (own tensors, or slices of fused
     projections), read in place; dK / dV written into NaN-poisoned (B, S, H, D)-ordered views; the
     public backward returns gradients laid out like dense inputs (the order autograd hands back to a
@@ -78,8 +81,8 @@ def test_strided_views_match_reference(case, layout):
     B, Hq, Hkv, S, dtype, pid, window, sinks = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = bshd_views(B, Hq, Hkv, S, dtype, g, layout)
-    scale = 128 ** -0.5
+    q, k, v, do = bshd_views(B, Hq, Hkv, S, dtype, g, layout, D)
+    scale = D ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = reference_attention(*leaves, structured_pattern(pid, window, sinks), geo, scale=scale)
@@ -87,7 +90,7 @@ def test_strided_views_match_reference(case, layout):
     out = ref.detach().to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
     lse = ref_lse.detach().float().contiguous()
     assert cb.cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pid)
-    dk, dv = nan_bshd(B, Hkv, S, dtype), nan_bshd(B, Hkv, S, dtype)
+    dk, dv = nan_bshd(B, Hkv, S, dtype, D), nan_bshd(B, Hkv, S, dtype, D)
     dq_acc = cb._launch(do, q, k, v, out, lse, dk, dv, pid, window, sinks, scale, _stats(do, out, lse))
     for name, a, b in zip(("dq", "dk", "dv"), (dq_acc[:, :, :S], dk, dv), refs):
         assert not a.isnan().any(), (name, seed)
@@ -122,6 +125,6 @@ def test_public_backward_and_contract():
         cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=1, window=0, scale=0.1, stats=None)
     with pytest.raises(ValueError, match="pattern_id=3"):  # block_diagonal: forward only
         cb.cuda_structured_backward(do, q, k, v, out, lse, pattern_id=3, window=64, scale=0.1, stats=None)
-    with pytest.raises(ValueError, match="contract"):
-        cb.cuda_structured_backward(do[..., :64], q[..., :64], k[..., :64], v[..., :64], out[..., :64], lse,
+    with pytest.raises(ValueError, match="contract"):  # head dim 32
+        cb.cuda_structured_backward(do[..., :32], q[..., :32], k[..., :32], v[..., :32], out[..., :32], lse,
                                     pattern_id=1, window=8, scale=0.1, stats=None)

@@ -227,6 +227,9 @@ def _backward_cases():
     tr = _launch(order="bshd", pid=2)
     yield "streaming, (B, S, H, D) views", tr, grads(tr, "bshd"), ON, "cuda_sm90_structured_bwd"
     yield "dO with a strided head dim", base, grads(base, "d_major"), ON, "triton_structured_bwd"
+    for D, kernel in ((64, "cuda_sm90_structured_bwd"), (96, "triton_structured_bwd"), (256, "triton_structured_bwd")):
+        launch = _launch(D=D)
+        yield f"head dim {D}", launch, grads(launch), ON, kernel
     yield "lse in bf16", base, grads(base, lse_dtype=BF16), ON, "triton_structured_bwd"
     yield "backward failed to build", base, grads(base), Capability(True, failed=frozenset({"backward"})), \
         "triton_structured_bwd"

@@ -32,7 +32,8 @@ DECODE_STATIC_PATTERNS = TOKEN_STATIC_PATTERNS
 DECODE_GROUPS = (1, 2, 4, 8)
 #: Query rows per step of the backward kernel: its lse2 / delta / dq_acc rows are padded to a multiple.
 BWD_ROW_PAD = 64
-#: Head dims of the structured and listed forwards (the token-layout, decode and backward kernels: 128 only).
+#: Head dims of the structured and listed forwards and the structured backward (the token-layout and decode kernels:
+#: 128 only).
 STRUCTURED_HEAD_DIMS = (64, 128)
 
 
@@ -187,7 +188,8 @@ def structured_bwd_call_ok(do, q, k, v, out, lse, *, pattern_id: int, causal: bo
     if not plain_call_ok(pattern_id, causal, plain_geometry, softcap, sink_logits, key_mask,
                          STRUCTURED_BWD_CUDA_PATTERNS):
         return False
-    if not tensors_ok(q, k, v, like_q=(do, out), tma=(do,), max_len=2**31 - 1 - BWD_ROW_PAD):
+    if not tensors_ok(q, k, v, like_q=(do, out), tma=(do,), max_len=2**31 - 1 - BWD_ROW_PAD,
+                      head_dims=STRUCTURED_HEAD_DIMS):
         return False
     B, Hq, S, _ = q.shape
     if (S + 127) // 128 > 65535:  # key tiles: grid dimension y

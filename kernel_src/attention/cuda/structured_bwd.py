@@ -5,7 +5,7 @@ streaming 64-row Q / dO tiles of every query head of the group, two wgmma consum
 each) computing five matrix products per tile pair (``S^T = K Q^T``, ``dP^T = V dO^T``, ``dV +=
 P^T dO``, ``dK += dS^T Q``, ``dQ = dS K``), dK/dV summed over the group in registers and dQ added
 into a float32 buffer by TMA reduce-adds (issued by a producer-side warp while the consumers go on). Patterns: dense, sliding_window, streaming (causal), plain
-self-attention geometry (``Sq == Skv``, no padding), D = 128, bf16/fp16; the contract of
+self-attention geometry (``Sq == Skv``, no padding), D = 64 or 128, bf16/fp16; the contract of
 ``triton.structured_bwd.structured_backward`` restricted to those. The extension is compiled on first
 use (``cuda.build``: nvcc, ``sm_90a``, cached on disk); ``dispatch`` hands it the
 calls ``plan`` gives it (``cuda_sm90_structured_bwd``). Its speed against FlexAttention's backward and
@@ -58,7 +58,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
     """Gradients of causal structured attention on an sm_90 GPU.
 
     Args:
-        do, q, out: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``;
+        do, q, out: ``(B, Hq, S, D)``; k, v: ``(B, Hkv, S, D)``; ``D`` 64 or 128, bf16 or fp16, ``Hq % Hkv == 0``;
             q, k, v, do contiguous or strided views (``cuda.contract.tma_view_ok``: e.g. transposed
             ``(B, S, H, D)`` tensors), read in place; out any strides; lse ``(B, Hq, S)`` float32, the
             forward's natural-log LSE.
@@ -75,7 +75,7 @@ def cuda_structured_backward(do, q, k, v, out, lse, *, pattern_id: int, window: 
     if not cuda_structured_bwd_ok(do, q, k, v, out, lse, pattern_id=pattern_id):
         raise ValueError(
             "cuda_structured_backward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit "
-            "last stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, lse (B, Hq, S) float32): "
+            "last stride and 16-byte multiple strides, D=64 or 128, Sq == Skv, Hq % Hkv == 0, lse (B, Hq, S) float32): "
             f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} {k.dtype} strides {k.stride()}, "
             f"v {tuple(v.shape)} {v.dtype} strides {v.stride()}, do {tuple(do.shape)} {do.dtype} strides "
             f"{do.stride()}, lse {tuple(getattr(lse, 'shape', ()))} {getattr(lse, 'dtype', None)}"
@@ -101,7 +101,7 @@ def padded_stats(stats):
 
 def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, stats):
     """Write ``dk`` and ``dv`` (allocated by the caller) and return the float32 ``dq_acc``
-    ``(B, Hq, S_pad, 128)`` (scale applied; rows past S are zero)."""
+    ``(B, Hq, S_pad, D)`` (scale applied; rows past S are zero)."""
     mod = load_extension()
     lse2, delta = padded_stats(stats)
     B, Hq, _, D = q.shape

@@ -6,13 +6,13 @@
 
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
-                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
-                                   int pattern, int window, int sinks, float scale, void* stream,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int D,
+                                   int is_bf16, int pattern, int window, int sinks, float scale, void* stream,
                                    char* err, int errlen);
 
-// q, dout (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16 views on one CUDA device (unit last stride,
+// q, dout (B, Hq, S, D), k, v (B, Hkv, S, D), D 64 or 128, bf16/fp16 views on one CUDA device (unit last stride,
 // strides of 16-byte multiples: sm90_view_host.h); lse2, delta (B, Hq, S_pad) float32 contiguous; dq_acc
-// (B, Hq, S_pad, 128) float32 contiguous (zeroed); dk, dv shaped like k, non-overlapping and dense, any
+// (B, Hq, S_pad, D) float32 contiguous (zeroed); dk, dv shaped like k, non-overlapping and dense, any
 // such strides. The Python wrapper (attention/cuda/structured_bwd.py) validates; these checks guard the raw pointers.
 static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                            const at::Tensor& lse2, const at::Tensor& delta, at::Tensor& dq_acc, at::Tensor& dk,
@@ -38,7 +38,7 @@ static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::T
                   dq_acc.scalar_type() == at::kFloat,
               "lse2, delta, dq_acc must be float32");
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 128, "head dim 128 expected, got ", D);
+  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128 expected, got ", D);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == S && k.size(3) == D, "k/v shape mismatch");
   TORCH_CHECK(dout.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "shape mismatch");
   TORCH_CHECK(lse2.dim() == 3 && lse2.size(0) == B && lse2.size(1) == Hq && lse2.sizes() == delta.sizes(),
@@ -53,7 +53,8 @@ static void structured_bwd(const at::Tensor& q, const at::Tensor& k, const at::T
   const int rc = sk90_structured_bwd(
       q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr<float>(), delta.data_ptr<float>(),
       dq_acc.data_ptr<float>(), dk.data_ptr(), dv.data_ptr(), strides, static_cast<int>(B), static_cast<int>(Hq),
-      static_cast<int>(k.size(1)), static_cast<int>(S), static_cast<int>(S_pad), dt == at::kBFloat16 ? 1 : 0,
+      static_cast<int>(k.size(1)), static_cast<int>(S), static_cast<int>(S_pad), static_cast<int>(D),
+      dt == at::kBFloat16 ? 1 : 0,
       static_cast<int>(pattern), static_cast<int>(window), static_cast<int>(sinks), static_cast<float>(scale),
       reinterpret_cast<void*>(stream), err, sizeof(err));
   TORCH_CHECK(rc == 0, "sk90_structured_bwd: ", err);

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) backward for the structured causal patterns: dense, sliding_window, streaming.
 //
 // Contract (that of ``triton.structured_bwd.structured_backward`` for a plain self-attention
-// geometry): q, dO (B, Hq, S, 128), k, v (B, Hkv, S, 128) bf16/fp16, views with unit last stride and
+// geometry): q, dO (B, Hq, S, D), k, v (B, Hkv, S, D), D 64 or 128, bf16/fp16, views with unit last stride and
 // strides of 16-byte multiples (4-D TMA maps); query head h reads KV head h / (Hq / Hkv). Query i sees
 // key j when j <= i and
 //   dense           always
@@ -9,8 +9,8 @@
 //   streaming       i - j < W  or  j < sinks
 // Inputs from the preparation pass, padded to S_pad (a multiple of 64) rows per (batch, head):
 // lse2 = lse * log2(e) (+inf on rows that see no key and on the padding) and delta = rowsum(dO * O)
-// (0 on the padding), float32 (B, Hq, S_pad). Outputs: dk, dv (B, Hkv, S, 128) in the input dtype, views
-// with their own strides (16-byte multiples, unit last; scale applied to dk); dq_acc (B, Hq, S_pad, 128)
+// (0 on the padding), float32 (B, Hq, S_pad). Outputs: dk, dv (B, Hkv, S, D) in the input dtype, views
+// with their own strides (16-byte multiples, unit last; scale applied to dk); dq_acc (B, Hq, S_pad, D)
 // float32 contiguous, zeroed by the caller, receives scale * dS K by reduce-adds.
 //
 // One CTA = one 128-key tile of one (batch, KV head), 3 warpgroups (384 threads):
@@ -20,15 +20,17 @@
 //                kStages-deep ring ("full" mbarrier with transaction bytes, "empty" mbarrier released by
 //                the consumers). Warp 1 (one thread) reduce-adds each consumer's dQ block from
 //                shared memory into dq_acc (TMA cp.reduce.async.bulk.tensor, float32 add).
-//   warpgroups 1, 2  consumers, 64 keys each, dK and dV (64 x 128 each) accumulated in registers:
+//   warpgroups 1, 2  consumers, 64 keys each, dK and dV (64 x D each) accumulated in registers:
 //                S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands in shared memory),
 //                P^T = exp2(S^T * scale * log2 e - lse2) (element rule on masked tiles only),
 //                dV += P^T dO (register-A wgmma), dS^T = P^T (dP^T - delta), dK += dS^T Q (register
 //                A); dS^T is also stored to shared memory (rows = keys, 64 queries per 128-byte
-//                swizzled row, double-buffered); after a named barrier over both consumers each
-//                computes dQ[:, 64 c .. 64 c + 63] = dS K[:, 64 c ..] for the whole 128-key tile
-//                (wgmma, A and B both MN-major from shared memory). scale * dQ goes to shared memory
-//                for the TMA reduce-add.
+//                swizzled row, double-buffered). D = 128: after a named barrier over both consumers each
+//                computes dQ[:, 64 c .. 64 c + 63] = dS K[:, 64 c ..] for the whole 128-key tile; D = 64:
+//                after a barrier over its own 128 threads each computes all of dQ over its own 64 keys
+//                (dS[:, keys of c] K[keys of c, :]) and the two partial sums are both reduce-added (wgmma,
+//                A and B both MN-major from shared memory). scale * dQ goes to shared memory for the TMA
+//                reduce-add.
 //   Pipelining: the next tile's S^T is issued right after this tile's dQ product, so the tensor cores run
 //                it while the consumer hands dQ over; dP^T is issued at the top of the iteration and
 //                runs during the exponentials. Nothing is in flight across the loop's back edge (ptxas
@@ -56,18 +58,25 @@ using namespace sk90h;
 
 constexpr int kBlockN = 128;  // keys per CTA
 constexpr int kBlockM = 64;   // query rows per step
-constexpr int kHeadDim = 128;
 constexpr int kThreads = 384;
 constexpr int kStages = 3;  // Q/dO ring depth (two stages measured slower on the H100: docs/history.md)
 constexpr int kKVHalf = 128 * 64 * 2;   // one K/V TMA box: 128 rows x 64 columns
-constexpr int kKVTile = 2 * kKVHalf;    // 32 KB
 constexpr int kQHalf = 64 * 64 * 2;     // one Q/dO TMA box: 64 rows x 64 columns
-constexpr int kQTile = 2 * kQHalf;      // 16 KB
 constexpr int kDSTile = 128 * 64 * 2;   // dS^T: 128 keys x 64 queries
 constexpr int kStatBytes = 2 * kBlockM * 4;  // lse2 + delta of one stage
 constexpr int kHeadBytes = 2048;             // mbarriers (first 256 bytes), then the lse2/delta ring
 constexpr int kDQBox = 64 * 32 * 4;          // one dQ reduce box: 64 rows x 32 float32 columns
-constexpr int kDQTile = 4 * kDQBox;          // 64 rows x 128 columns (warpgroup c: boxes 2c, 2c + 1)
+constexpr int kDQTile = 4 * kDQBox;          // warpgroup c's 64 x 64 block of dQ in boxes 2c, 2c + 1
+
+// Tile bytes and shared memory of head dim D (64 or 128): a K/V or Q/dO tile is D / 64 TMA boxes.
+template <int D>
+struct BwdTiles {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static constexpr int kKVTile = D / 64 * kKVHalf;  // 16 or 32 KB
+  static constexpr int kQTile = D / 64 * kQHalf;    // 8 or 16 KB
+  // 1024 bytes of alignment slack; at D = 128 exactly the 227 KB a block may have
+  static constexpr int kSmemBytes = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
+};
 
 struct Params {
   void* dk;
@@ -116,11 +125,12 @@ __device__ __forceinline__ QRange q_range(const Params& p, int n) {
   return r;
 }
 
-template <bool BF16>
+template <bool BF16, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                           const __grid_constant__ CUtensorMap tm_dq, const Params p) {
+  constexpr int kKVTile = BwdTiles<D>::kKVTile, kQTile = BwdTiles<D>::kQTile;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -170,10 +180,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {
       const int krow = n * kBlockN;
       mbar_expect_tx(bar_kv, 2 * kKVTile);
-      tma_load_4d(sk, &tm_k, bar_kv, 0, krow, kvh, b);
-      tma_load_4d(sk + kKVHalf, &tm_k, bar_kv, 64, krow, kvh, b);
-      tma_load_4d(sv, &tm_v, bar_kv, 0, krow, kvh, b);
-      tma_load_4d(sv + kKVHalf, &tm_v, bar_kv, 64, krow, kvh, b);
+      for (int half = 0; half < D / 64; ++half)
+        tma_load_4d(sk + half * kKVHalf, &tm_k, bar_kv, 64 * half, krow, kvh, b);
+      for (int half = 0; half < D / 64; ++half)
+        tma_load_4d(sv + half * kKVHalf, &tm_v, bar_kv, 64 * half, krow, kvh, b);
       for (int it = 0; it < count; ++it) {
         const int s = it % kStages;
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, ((it / kStages) & 1) ^ 1);
@@ -183,24 +193,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int bh = b * p.Hq + h;
         const uint32_t fb = bar_full + 8 * s;
         mbar_expect_tx(fb, 2 * kQTile + kStatBytes);
-        tma_load_4d(sq + s * kQTile, &tm_q, fb, 0, m * kBlockM, h, b);
-        tma_load_4d(sq + s * kQTile + kQHalf, &tm_q, fb, 64, m * kBlockM, h, b);
-        tma_load_4d(sdo + s * kQTile, &tm_do, fb, 0, m * kBlockM, h, b);
-        tma_load_4d(sdo + s * kQTile + kQHalf, &tm_do, fb, 64, m * kBlockM, h, b);
+        for (int half = 0; half < D / 64; ++half)
+          tma_load_4d(sq + s * kQTile + half * kQHalf, &tm_q, fb, 64 * half, m * kBlockM, h, b);
+        for (int half = 0; half < D / 64; ++half)
+          tma_load_4d(sdo + s * kQTile + half * kQHalf, &tm_do, fb, 64 * half, m * kBlockM, h, b);
         const size_t srow = static_cast<size_t>(bh) * p.S_pad + static_cast<size_t>(m) * kBlockM;
         bulk_load(sstat + s * kStatBytes, p.lse2 + srow, kBlockM * 4, fb);
         bulk_load(sstat + s * kStatBytes + kBlockM * 4, p.delta + srow, kBlockM * 4, fb);
       }
     } else if (warp == 1 && lane == 0) {
-      // dQ writer: each consumer warpgroup's 64 x 64 float32 block -> dq_acc by TMA reduce-adds
+      // dQ writer: each consumer warpgroup's 64 x 64 float32 block -> dq_acc by TMA reduce-adds (D = 128: its own
+      // columns 64 c .. 64 c + 63; D = 64: a partial sum over its keys of all 64 columns)
       for (int it = 0; it < count; ++it) {
         const int gi = it / nm;
         const int m = r.m_lo + (it - gi * nm);
         const int bh = b * p.Hq + kvh * G + gi;
         for (int c = 0; c < 2; ++c) {
+          const int col = D == 128 ? 64 * c : 0;
           mbar_wait(bar_dqfull + 8 * c, it & 1);
-          tma_reduce_add_3d(&tm_dq, sdq + (2 * c) * kDQBox, 64 * c, m * kBlockM, bh);
-          tma_reduce_add_3d(&tm_dq, sdq + (2 * c + 1) * kDQBox, 64 * c + 32, m * kBlockM, bh);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c) * kDQBox, col, m * kBlockM, bh);
+          tma_reduce_add_3d(&tm_dq, sdq + (2 * c + 1) * kDQBox, col + 32, m * kBlockM, bh);
           bulk_commit();
           bulk_wait_read0();
           mbar_arrive(bar_dqempty + 8 * c);
@@ -226,9 +238,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // with it there too the backward ran 1-7% slower, most at dense 64K (docs/history.md)
   const FastDiv div_nm(max(nm, 1));
 
-  float dk[64], dv[64];
+  float dk[D / 2], dv[D / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < D / 2; ++i) {
     dk[i] = 0.f;
     dv[i] = 0.f;
   }
@@ -240,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue_rows_t = [&](float(&acc)[32], uint32_t x_tile, uint32_t y_tile) {
     const uint64_t xd = make_desc(x_tile + cw * 64 * 128, 16, 1024), yd = make_desc(y_tile, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < D / 16; ++kk) {
       const uint64_t a = desc_advance(xd, (kk >> 2) * kKVHalf + (kk & 3) * 32);
       const uint64_t b = desc_advance(yd, (kk >> 2) * kQHalf + (kk & 3) * 32);
       if (kk == 0)
@@ -307,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     reg_fence(pa);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)  // dV += P^T dO (dO MN-major: 16 query rows per k-step)
+    for (int kk = 0; kk < 4; ++kk)  // dV += P^T dO (dO MN-major: 16 query rows per k-step; N = D, dv's size)
       wgmma_rs<BF16>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
                      desc_advance(make_desc(dos, kQHalf, 1024), kk * 2048));
     wg_commit();
@@ -341,12 +353,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                      desc_advance(make_desc(qs, kQHalf, 1024), kk * 2048));
     wg_commit();
 
-    named_sync(1, 256);  // both halves of dS^T stored
+    // D = 128: dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys, once both halves of dS^T are stored;
+    // D = 64: dQ's partial sum dS[:, keys of cw] K[keys of cw, :] over this warpgroup's 64 keys (16 keys a k-step,
+    // 2048 bytes of dS^T and of K)
+    if constexpr (D == 128)
+      named_sync(1, 256);
+    else
+      named_sync(2 + cw, 128);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {  // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys
-      const uint64_t a = desc_advance(make_desc(dsb, kQHalf, 1024), kk * 2048);
-      const uint64_t bd = desc_advance(make_desc(sk + cw * kKVHalf, kKVHalf, 1024), kk * 2048);
+    for (int kk = 0; kk < (D == 128 ? 8 : 4); ++kk) {
+      const uint64_t a = desc_advance(make_desc(D == 128 ? dsb : dsb + cw * 64 * 128, kQHalf, 1024), kk * 2048);
+      const uint64_t bd =
+          desc_advance(make_desc(sk + cw * (D == 128 ? kKVHalf : 64 * 128), kKVHalf, 1024), kk * 2048);
       if (kk == 0)
         wgmma_ss64_first<BF16, 1, 1>(dq, a, bd);
       else
@@ -401,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row);
     uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < D / 8; ++j) {
       dk32[4 * j] = pack2<BF16>(dk[4 * j] * sc, dk[4 * j + 1] * sc);
       dv32[4 * j] = pack2<BF16>(dv[4 * j], dv[4 * j + 1]);
     }
@@ -410,30 +429,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t* const dk32 = reinterpret_cast<uint32_t*>(dk_row + 8 * p.dks);
     uint32_t* const dv32 = reinterpret_cast<uint32_t*>(dv_row + 8 * p.dvs);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < D / 8; ++j) {
       dk32[4 * j] = pack2<BF16>(dk[4 * j + 2] * sc, dk[4 * j + 3] * sc);
       dv32[4 * j] = pack2<BF16>(dv[4 * j + 2], dv[4 * j + 3]);
     }
   }
 }
 
-// 1024 bytes of alignment slack; exactly the 227 KB a block may have
-constexpr int kSmemBytes = 1024 + kHeadBytes + 2 * kKVTile + 2 * kStages * kQTile + 2 * kDSTile + kDQTile;
+template <int D>
+int launch_bwd(bool bf16, const dim3& grid, void* stream, char* err, int errlen, const CUtensorMap& tq,
+               const CUtensorMap& tdo, const CUtensorMap& tk, const CUtensorMap& tv, const CUtensorMap& tdq,
+               const Params& p) {
+  return launch_kernel(bf16 ? structured_bwd_kernel<true, D> : structured_bwd_kernel<false, D>, grid, kThreads,
+                       BwdTiles<D>::kSmemBytes, stream, err, errlen, tq, tdo, tk, tv, tdq, p);
+}
 
 }  // namespace sk90b
 
 // Host entry point. Returns 0 on success, else writes a message to err.
-// strides: the element strides (b, h, s) of q, k, v, dout, dk and dv, 18 values.
+// strides: the element strides (b, h, s) of q, k, v, dout, dk and dv, 18 values; D: the head dim, 64 or 128.
 extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, const void* dout,
                                    const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv,
-                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int is_bf16,
-                                   int pattern, int window, int sinks, float scale, void* stream,
+                                   const long long* strides, int B, int Hq, int Hkv, int S, int S_pad, int D,
+                                   int is_bf16, int pattern, int window, int sinks, float scale, void* stream,
                                    char* err, int errlen) {
   using namespace sk90b;
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 || pattern < 0 ||
-      pattern > 2 || (pattern != 0 && window < 1) || (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
-    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d pattern=%d window=%d sinks=%d scale=%g", B,
-             Hq, Hkv, S, S_pad, pattern, window, sinks, static_cast<double>(scale));
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || S_pad < S || S_pad % kBlockM != 0 ||
+      (D != 64 && D != 128) || pattern < 0 || pattern > 2 || (pattern != 0 && window < 1) ||
+      (pattern == 2 && sinks < 0) || !(scale > 0.f)) {
+    snprintf(err, errlen,
+             "bad arguments: B=%d Hq=%d Hkv=%d S=%d S_pad=%d D=%d pattern=%d window=%d sinks=%d scale=%g", B, Hq, Hkv,
+             S, S_pad, D, pattern, window, sinks, static_cast<double>(scale));
     return 1;
   }
   const long long nk = (S + kBlockN - 1) / kBlockN;
@@ -446,15 +472,15 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   CUtensorMap tq, tdo, tk, tv, tdq;
   const bool bf16 = is_bf16 != 0;
   // dq_acc: float32 (D, S_pad, heads) with (32, 64, 1) boxes (128 bytes wide) for the reduce-adds
-  if (!make_map_3d(&tdq, enc, dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kHeadDim, S_pad, B * Hq, 32, kBlockM, "dq",
-                   err, errlen))
+  if (!make_map_3d(&tdq, enc, dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, D, S_pad, B * Hq, 32, kBlockM, "dq", err,
+                   errlen))
     return 1;
   const ViewStrides st_q{strides[0], strides[1], strides[2]}, st_k{strides[3], strides[4], strides[5]},
       st_v{strides[6], strides[7], strides[8]}, st_do{strides[9], strides[10], strides[11]};
-  if (!make_map_view(&tq, enc, q, bf16, kHeadDim, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
-      !make_map_view(&tdo, enc, dout, bf16, kHeadDim, S, Hq, B, st_do, kBlockM, "do", err, errlen) ||
-      !make_map_view(&tk, enc, k, bf16, kHeadDim, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
-      !make_map_view(&tv, enc, v, bf16, kHeadDim, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
+  if (!make_map_view(&tq, enc, q, bf16, D, S, Hq, B, st_q, kBlockM, "q", err, errlen) ||
+      !make_map_view(&tdo, enc, dout, bf16, D, S, Hq, B, st_do, kBlockM, "do", err, errlen) ||
+      !make_map_view(&tk, enc, k, bf16, D, S, Hkv, B, st_k, kBlockN, "k", err, errlen) ||
+      !make_map_view(&tv, enc, v, bf16, D, S, Hkv, B, st_v, kBlockN, "v", err, errlen))
     return 1;
   Params p;
   p.dk = dk;
@@ -478,6 +504,6 @@ extern "C" int sk90_structured_bwd(const void* q, const void* k, const void* v, 
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(B * Hkv, static_cast<unsigned>(nk));
-  return launch_kernel(bf16 ? structured_bwd_kernel<true> : structured_bwd_kernel<false>, grid, kThreads, kSmemBytes,
-                       stream, err, errlen, tq, tdo, tk, tv, tdq, p);
+  return D == 128 ? launch_bwd<128>(bf16, grid, stream, err, errlen, tq, tdo, tk, tv, tdq, p)
+                  : launch_bwd<64>(bf16, grid, stream, err, errlen, tq, tdo, tk, tv, tdq, p);
 }
