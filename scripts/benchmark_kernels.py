@@ -14,7 +14,7 @@ Sections (each fits in a few minutes on an H100):
 * ``--section fwd``: prefill forward, ``S`` in 4K/16K/64K/128K (+1M for window patterns, ours only
   where baselines cannot run), patterns dense, sliding_window, streaming, bigbird.
   ``--patterns token`` adds the token layout (query_block 128, top-2048 + window 1024) beside our own
-  sliding window 3072 (effective TFLOP/s ratio).
+  sliding window 3072 (effective TFLOP/s ratio), at each ``--head-dims`` entry.
 * ``--section bwd``: backward only (gradients of q, k, v given the forward's graph).
 * ``--section decode``: one query token against a long cache, B=8 (window, streaming, dense and a
   top-2048 token layout vs torch gather + SDPA); GB/s of K/V actually read
@@ -463,11 +463,11 @@ def _fwd_row(p, S, D, dtype, dev, err_small, row, args):
 
 
 def _token_fwd_rows(args, results):
-    """Token layout (query_block 128, top-2048 + window 1024) vs our sliding window 3072 at each S."""
-    dev, dtype, D = "cuda", torch.bfloat16, 128
+    """Token layout (query_block 128, top-2048 + window 1024) vs our sliding window 3072 at each S and head dim."""
+    dev, dtype = "cuda", torch.bfloat16
     p_tok = get_pattern("sparse_k", sinks=0, window=1024, top_k=2048, query_block=128)
     p_sw = get_pattern("sliding_window", window=3072)
-    for S in args.seqlens:
+    for D, S in [(D, S) for D in args.head_dims for S in args.seqlens]:
         if S > 131072:
             continue
         row = dict(section="fwd", pattern="token_top2048_w1024", S=S, D=D)

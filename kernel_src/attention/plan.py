@@ -256,7 +256,7 @@ _DECODE_RULE = _CudaRule(
 _TOKEN_RULE = _CudaRule(
     "token", True, True, plain_geometry, "plain_geometry", _NOT_PLAIN,
     "outside the CUDA token kernel's contract (static part sliding_window / streaming, query_block a multiple of "
-    "128, bf16 / fp16, D = 128, TMA views, int32 selection)")
+    "128, bf16 / fp16, D = 64 or 128, TMA views, int32 selection)")
 _BACKWARD_RULE = _CudaRule(
     "backward", False, False, plain_geometry, "plain_geometry", _NOT_PLAIN,
     "outside the CUDA backward's contract (dense / sliding_window / streaming, bf16 / fp16, D = 64 or 128, TMA "

@@ -1,4 +1,5 @@
-"""The Hopper CUDA token-layout forward (``sparse_k.attention.cuda.token``) against the exact float64 reference.
+"""The Hopper CUDA token-layout forward (``sparse_k.attention.cuda.token``) against the exact float64 reference, at
+both head dims it takes (64 and 128).
 
 GPU tests (``gpu`` marker) need an sm_90 device and nvcc; they build the extension on first use.
 Tolerance: relative Frobenius error, as ``test_cuda_structured``: bf16 operands with P rounded to 16
@@ -40,17 +41,18 @@ CASES = [  # B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-s{c[5]}-W{c[6]}-QB{c[7]}-K{c[8]}-w{int(c[9])}")
-def test_matches_reference(case):
+def test_matches_reference(case, D):
     """Poisoned outputs, fresh random inputs, both static parts (sinks 0: pattern streaming with no
     sinks, as the learned pattern's static part), GQA, odd S, weights with zeros."""
     B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, h, S, 128, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=dtype, generator=g) for h in (Hq, Hkv, Hkv))
     sel = _selection(B, Hkv, S, QB, K, weights, g)
     p = get_pattern("sparse_k", sinks=sinks, window=window, top_k=K, query_block=QB)
-    scale = 128 ** -0.5
+    scale = D ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=scale, selection=sel)
     for pid in ((1, 2) if sinks == 0 else (2,)):  # sinks 0: sliding_window and streaming are the same rule
@@ -64,24 +66,25 @@ def test_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("layout", VIEW_LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-{str(c[4])[6:]}-K{c[8]}")
-def test_strided_views_match_reference(case, layout):
+def test_strided_views_match_reference(case, layout, D):
     """q, k, v as transposed views of (B, S, H, D) storage (own tensors, or slices of one fused QKV
     projection): window tiles through the 4-D TMA maps, selected rows gathered by their row stride;
     the output written into a NaN-poisoned (B, S, H, D)-ordered view."""
     B, Hq, Hkv, S, dtype, sinks, window, QB, K, weights = case
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, g, layout)
+    q, k, v, _ = bshd_views(B, Hq, Hkv, S, dtype, g, layout, D)
     sel = _selection(B, Hkv, S, QB, K, weights, g)
     pid = 2
     assert ct.cuda_token_ok(q, k, v, sel, pattern_id=pid)
     p = get_pattern("sparse_k", sinks=sinks, window=window, top_k=K, query_block=QB)
-    scale = 128 ** -0.5
+    scale = D ** -0.5
     geo = row_geometry(B, S, S, None, device="cuda")
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), p, geo, scale=scale, selection=sel)
-    out = nan_bshd(B, Hq, S, dtype)
+    out = nan_bshd(B, Hq, S, dtype, D)
     lse = torch.full((B, Hq, S), float("nan"), device="cuda")
     ct._launch(q, k, v, out, lse, sel, pid, window, sinks, scale)
     assert not out.isnan().any() and not lse.isnan().any(), seed
@@ -93,10 +96,11 @@ def test_strided_views_match_reference(case, layout):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_dispatch_takes_token_prefill():
+@pytest.mark.parametrize("D", [128, 64])
+def test_dispatch_takes_token_prefill(D):
     """``sparse_attention`` (Triton backend, plain prefill) runs the CUDA token kernel and matches the
     reference; a query_block of 64 and a padded batch stay on the Triton path."""
-    B, Hq, Hkv, S, D, QB, K = 1, 8, 2, 1300, 128, 128, 256
+    B, Hq, Hkv, S, QB, K = 1, 8, 2, 1300, 128, 256
     seed = time.time_ns() % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))

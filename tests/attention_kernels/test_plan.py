@@ -146,6 +146,8 @@ def _forward_cases():
     tok = dict(pid=2, sel=_sel(2, 2, 300))
     yield "token prefill", _launch(**tok), ON, "cuda_sm90_token"
     yield "token, (B, S, H, D) views", _launch(order="bshd", **tok), ON, "cuda_sm90_token"
+    yield "token, head dim 64", _launch(D=64, **tok), ON, "cuda_sm90_token"
+    yield "token, head dim 96", _launch(D=96, **tok), ON, "triton_token"
     yield "token, query_block 64", _launch(pid=2, sel=_sel(2, 2, 300, qb=64)), ON, "triton_token"
     yield "token, int64 indices", _launch(pid=2, sel=_sel(2, 2, 300, idx_dtype=torch.int64)), ON, "triton_token"
     yield "token, dense static part", _launch(pid=0, sel=_sel(2, 2, 300)), ON, "triton_token"

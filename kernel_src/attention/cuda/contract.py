@@ -32,8 +32,8 @@ DECODE_STATIC_PATTERNS = TOKEN_STATIC_PATTERNS
 DECODE_GROUPS = (1, 2, 4, 8)
 #: Query rows per step of the backward kernel: its lse2 / delta / dq_acc rows are padded to a multiple.
 BWD_ROW_PAD = 64
-#: Head dims of the structured and listed forwards and the structured backward (the token-layout and decode kernels:
-#: 128 only).
+#: Head dims of the structured, listed and token-layout forwards and the structured backward (the decode kernel: 128
+#: only).
 STRUCTURED_HEAD_DIMS = (64, 128)
 
 

@@ -9,7 +9,7 @@ The semantics are those of ``triton.fwd._selection_loop``: query ``i`` of batch 
 min(count, K)``, its key ``j`` satisfies ``0 <= j < S``, its weight (if any) is positive, and the
 static rule does not already allow it (``i - j >= window`` and ``j >= sinks``, hence causal);
 ``log w`` is added to the logit. Plain causal self-attention only (no padding, ``Sq == Skv``), D =
-128, bf16/fp16, ``query_block`` a multiple of 128; ``dispatch`` hands it the calls
+64 or 128, bf16/fp16, ``query_block`` a multiple of 128; ``dispatch`` hands it the calls
 ``plan`` gives it (``cuda_sm90_token``), everything else stays on the Triton path.
 
 Its speed against the Triton token kernel and the structured forward: docs/benchmarks.md (token
@@ -50,7 +50,7 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
     """Causal token-layout attention forward on an sm_90 GPU.
 
     Args:
-        q: ``(B, Hq, S, 128)``; k, v: ``(B, Hkv, S, 128)``; bf16 or fp16, ``Hq % Hkv == 0``; contiguous
+        q: ``(B, Hq, S, D)``; k, v: ``(B, Hkv, S, D)``; ``D`` 64 or 128, bf16 or fp16, ``Hq % Hkv == 0``; contiguous
             or strided views (``cuda.contract.tma_view_ok``: e.g. transposed ``(B, S, H, D)`` tensors), read
             in place.
         selection: ``TokenLayout``: indices ``(B, Hkv, NB, K)`` int32, counts ``(B, Hkv, NB)`` int32,
@@ -59,7 +59,7 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
         pattern_id: the static part, 1 sliding_window or 2 streaming (``TOKEN_STATIC_PATTERNS``).
         window: the static window ``W >= 1``; sinks: streaming's leading keys (``>= 0``).
         scale: softmax scale (> 0).
-    Returns: ``out (B, Hq, S, 128)`` in q's dtype and memory order (``memory_order.new_output``) and
+    Returns: ``out (B, Hq, S, D)`` in q's dtype and memory order (``memory_order.new_output``) and
     ``lse (B, Hq, S)`` float32 (natural log).
     """
     if pattern_id not in TOKEN_STATIC_PATTERNS:
@@ -74,7 +74,7 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
     if not cuda_token_ok(q, k, v, selection, pattern_id=pattern_id):
         raise ValueError(
             "cuda_token_forward: inputs outside the kernel's contract (CUDA sm_90, bf16/fp16 views with unit last "
-            "stride and 16-byte multiple strides, D=128, Sq == Skv, Hq % Hkv == 0, int32 indices (B, Hkv, NB, K) "
+            "stride and 16-byte multiple strides, D=64 or 128, Sq == Skv, Hq % Hkv == 0, int32 indices (B, Hkv, NB, K) "
             "and counts, query_block a multiple of 128): "
             f"q {tuple(q.shape)} {q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}, "
             f"indices {tuple(selection.indices.shape)} "

@@ -2,7 +2,7 @@
 // its sliding_window / streaming static part: the inference prefill of the sparse_k pattern.
 //
 // Contract (``triton.fwd._selection_loop`` with a plain self-attention geometry, q_start = k_start =
-// 0, k_end = S): q (B, Hq, S, 128), k/v (B, Hkv, S, 128), bf16 or fp16, views with unit last stride
+// 0, k_end = S): q (B, Hq, S, D), k/v (B, Hkv, S, D), D 64 or 128, bf16 or fp16, views with unit last stride
 // and strides of 16-byte multiples (4-D TMA maps; gathered rows by their row stride); query head h
 // reads KV head h / (Hq / Hkv). Query i sees key j when j <= i and
 //   static part     i - j < W  (streaming: or j < sinks)
@@ -11,7 +11,7 @@
 //                   (i - j >= W and j >= sinks; this implies j <= i); log2(w) is added to its logit.
 // blk(i) = i / query_block - first_block[b]; rows whose block lies outside [0, NB) see no selected
 // key (as the Triton loop). query_block is a multiple of 128, so one 128-row tile has one block.
-// Outputs: out (B, Hq, S, 128) in q's dtype, a view with its own strides (16-byte multiples, unit
+// Outputs: out (B, Hq, S, D) in q's dtype, a view with its own strides (16-byte multiples, unit
 // last), lse (B, Hq, S) float32 contiguous, natural log.
 //
 // The consumers and the tile arithmetic are sm90_fwd_mainloop.cuh's (shared with
@@ -20,8 +20,8 @@
 // every tile: for a gathered tile thread t reads slot t's key index, copies the K row (then the V
 // row) with cp.async of 16 bytes into the 128-byte-swizzled layout that TMA writes (chunk c of
 // row r at r * 128 + 16 * (c ^ (r & 7)) inside each 64-column half; invalid slots copy key row 0,
-// finite values whose probability is 0; a warp copies two whole rows per instruction, the keys passed
-// by shuffles), and writes per slot a logit bias (log2 w / scale_log2, or
+// finite values whose probability is 0; a warp copies two whole rows (D = 64: four) per instruction, the keys
+// passed by shuffles), and writes per slot a logit bias (log2 w / scale_log2, or
 // -inf for an invalid slot) and the first tile row that may see the key (key + W - tile start,
 // clamped to [0, 128]); completion on the stage's mbarrier through cp.async.mbarrier.arrive plus an
 // ordinary arrive (release of the bias / row bytes). For a window tile thread 0 issues the TMA
@@ -48,7 +48,8 @@ constexpr int kBiasOff = 128;
 constexpr int kThrOff = kBiasOff + kStages * kBlockN * 4;
 constexpr int kBarBytes = 2048;
 static_assert(kThrOff + kStages * kBlockN <= kBarBytes, "barrier area too small");
-using Smem = FwdSmem<kBarBytes, kStages, 1>;
+template <int D>
+using Smem = FwdSmem<kBarBytes, kStages, 1, D>;
 
 struct Params : FwdParams {  // pattern: 1 sliding_window or 2 streaming
   const void* k;
@@ -78,32 +79,36 @@ __device__ __forceinline__ int sel_slots(const Params& p, int m, int b, int hk, 
   return min(max(c, 0), p.K);
 }
 
-// The 128 gathered rows of a tile (256 bytes each at base + row_bytes * key) into a 128-byte-swizzled tile
-// at dst. Thread t holds the (safe) key of slot t; warp w copies rows 32 w .. 32 w + 31, two rows per
-// instruction (lane l: row 2 i + l / 16, 16-byte chunk l % 16), so each instruction reads 512
-// contiguous-by-row bytes (four whole 128-byte lines) instead of one sector of 32 rows.
+// The 128 gathered rows of a tile (2 D bytes each at base + row_bytes * key) into a 128-byte-swizzled tile
+// at dst. Thread t holds the (safe) key of slot t; warp w copies rows 32 w .. 32 w + 31, 512 bytes of whole
+// rows per instruction (D = 128: two rows, lane l: row 2 i + l / 16, 16-byte chunk l % 16; D = 64: four rows, row
+// 4 i + l / 8, chunk l % 8), so each instruction reads four whole 128-byte lines instead of one sector of 32 rows.
+template <int D>
 __device__ __forceinline__ void gather_tile(uint32_t dst, const uint8_t* base, long long row_bytes, int key, int t) {
+  constexpr int kChunks = D / 8;           // 16-byte chunks a row
+  constexpr int kRows = 32 / kChunks;      // rows an instruction copies
   const int lane = t & 31;
-  const int c = lane & 15;
+  const int c = lane % kChunks;
   const uint32_t col = (c >> 3) * kHalfBytes;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int src = 2 * i + (lane >> 4);
+  for (int i = 0; i < 32 / kRows; ++i) {
+    const int src = kRows * i + lane / kChunks;
     const int kr = __shfl_sync(0xffffffffu, key, src);
     const int r = (t & ~31) + src;
     cp_async16(dst + col + r * 128 + (((c & 7) ^ (r & 7)) << 4), base + kr * row_bytes + 16 * c);
   }
 }
 
-template <bool BF16>
+template <bool BF16, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     token_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  using Sm = Smem<D>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const gbase = smem_raw + (base - raw);  // generic pointer to base
-  const Smem sm(base);
+  const Sm sm(base);
   float* const sbias = reinterpret_cast<float*>(gbase + kBiasOff);  // [kStages][128]
   uint8_t* const sthr = gbase + kThrOff;                             // [kStages][128]
   if (threadIdx.x == 0) sm.init(128);  // every producer thread arrives
@@ -158,11 +163,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
           sbias[s * kBlockN + t] = bias;
           sthr[s * kBlockN + t] = static_cast<uint8_t>(thr);
-          gather_tile(sm.sk + s * Smem::kTile, kbase, 2 * p.kss, safe, t);
+          gather_tile<D>(sm.sk + s * Sm::kTile, kbase, 2 * p.kss, safe, t);
           cp_async_arrive(sm.bar_kfull + 8 * s);
           mbar_arrive(sm.bar_kfull + 8 * s);
           if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
-          gather_tile(sm.sv + s * Smem::kTile, vbase, 2 * p.vss, safe, t);
+          gather_tile<D>(sm.sv + s * Sm::kTile, vbase, 2 * p.vss, safe, t);
           cp_async_arrive(sm.bar_vfull + 8 * s);
           mbar_arrive(sm.bar_vfull + 8 * s);
         } else {
@@ -170,12 +175,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int row = tr.tile(it - nsel) * kBlockN;
           if (cnt >= kStages) mbar_wait(sm.bar_kempty + 8 * s, ph);
           if (t == 0)
-            Smem::load_tile(sm.sk + s * Smem::kTile, &tm_k, sm.bar_kfull + 8 * s, row, hk, b);
+            Sm::load_tile(sm.sk + s * Sm::kTile, &tm_k, sm.bar_kfull + 8 * s, row, hk, b);
           else
             mbar_arrive(sm.bar_kfull + 8 * s);
           if (cnt >= kStages) mbar_wait(sm.bar_vempty + 8 * s, ph);
           if (t == 0)
-            Smem::load_tile(sm.sv + s * Smem::kTile, &tm_v, sm.bar_vfull + 8 * s, row, hk, b);
+            Sm::load_tile(sm.sv + s * Sm::kTile, &tm_v, sm.bar_vfull + 8 * s, row, hk, b);
           else
             mbar_arrive(sm.bar_vfull + 8 * s);
         }
@@ -194,20 +199,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   });
 }
 
+template <int D>
+int launch_token(bool bf16, int grid, void* stream, char* err, int errlen, const CUtensorMap& tq, const CUtensorMap& tk,
+                 const CUtensorMap& tv, const Params& p) {
+  return launch_kernel(bf16 ? token_fwd_kernel<true, D> : token_fwd_kernel<false, D>, grid, kThreads, Smem<D>::kBytes,
+                       stream, err, errlen, tq, tk, tv, p);
+}
+
 }  // namespace sk90t
 
 // Host entry point; sel_* as Params (strides in elements, the index / weight lists with unit last
 // stride; sel_w may be null); strides: the element strides (b, h, s) of the index, count and weight
-// lists (9 values), then of q, k, v and out (12). Returns 0 on success, else writes a message to err.
+// lists (9 values), then of q, k, v and out (12); D the head dim, 64 or 128. Returns 0 on success, else writes a
+// message to err.
 extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void* out, float* lse, int B, int Hq,
-                              int Hkv, int S, int is_bf16, int pattern, int window, int sinks, float scale,
+                              int Hkv, int S, int D, int is_bf16, int pattern, int window, int sinks, float scale,
                               const int* sel_idx, const int* sel_cnt, const float* sel_w, const long long* first,
                               const long long* strides, int NB, int K, int QB, void* stream, char* err, int errlen) {
   using namespace sk90t;
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || (pattern != 1 && pattern != 2) || window < 1 ||
-      sinks < 0 || !(scale > 0.f) || NB < 1 || K < 1 || QB < kBlockM || QB % kBlockM != 0) {
-    snprintf(err, errlen, "bad arguments: B=%d Hq=%d Hkv=%d S=%d pattern=%d window=%d sinks=%d scale=%g NB=%d K=%d QB=%d",
-             B, Hq, Hkv, S, pattern, window, sinks, static_cast<double>(scale), NB, K, QB);
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || S < 1 || (D != 64 && D != 128) ||
+      (pattern != 1 && pattern != 2) || window < 1 || sinks < 0 || !(scale > 0.f) || NB < 1 || K < 1 || QB < kBlockM ||
+      QB % kBlockM != 0) {
+    snprintf(err, errlen,
+             "bad arguments: B=%d Hq=%d Hkv=%d S=%d D=%d pattern=%d window=%d sinks=%d scale=%g NB=%d K=%d QB=%d", B, Hq,
+             Hkv, S, D, pattern, window, sinks, static_cast<double>(scale), NB, K, QB);
     return 1;
   }
   Params p;
@@ -216,7 +231,7 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
   const bool bf16 = is_bf16 != 0;
   const long long* const vs = strides + 9;  // q, k, v, out: (b, h, s) each
   if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, vs, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale, err,
-                   errlen))
+                   errlen, D))
     return 1;
   p.k = k;
   p.v = v;
@@ -242,6 +257,6 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
   p.NB = NB;
   p.K = K;
   p.QB = QB;
-  return launch_kernel(bf16 ? token_fwd_kernel<true> : token_fwd_kernel<false>, grid, kThreads, Smem::kBytes, stream,
-                       err, errlen, tq, tk, tv, p);
+  return D == 128 ? launch_token<128>(bf16, grid, stream, err, errlen, tq, tk, tv, p)
+                  : launch_token<64>(bf16, grid, stream, err, errlen, tq, tk, tv, p);
 }
