@@ -183,15 +183,16 @@ def test_structured_forward_and_backward_bf16(pattern, S):
             assert rel(a, b) < 2 * TOL[torch.bfloat16], (name, kw)
 
 
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("fast", [False, True])
-def test_token_layout_inference_packed_bf16(fast):
+def test_token_layout_inference_packed_bf16(fast, D):
     """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
     with left padding, sinks and window, against the float64 reference, with and without the far-tile
     shortcut (``sel_fast``)."""
     from sparse_k.attention import dispatch
     from sparse_k.attention.plan import selection_prefill_config
 
-    B, Hq, Hkv, S, D, QB, K = 2, 8, 2, 1100, 128, 64, 160
+    B, Hq, Hkv, S, QB, K = 2, 8, 2, 1100, 64, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     mask[1, :37] = False

@@ -606,13 +606,14 @@ def test_structured_backward(name):
 
 
 def test_selection_prefill_config():
-    """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 with the largest
+    """Inference prefill with a token layout: BLOCK_M = rows * pack = 128 at D=128 and 64 with the largest
     power-of-two pack (<= 4) dividing the group; other head dims and the CPU keep the prefill tiles."""
     from sparse_k.attention.plan import selection_prefill_config, tile_config
 
     for group, pack in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)):
-        assert selection_prefill_config(group, "cuda", 128) == (128 // pack, pack, 64), group
-    for d in (64, 256):
+        for d in (128, 64):
+            assert selection_prefill_config(group, "cuda", d) == (128 // pack, pack, 64), (group, d)
+    for d in (96, 256):
         assert selection_prefill_config(4, "cuda", d) == (tile_config(d, "cuda", False)[0], 1, tile_config(d, "cuda", False)[1])
     assert selection_prefill_config(4, "cpu", 128)[1] == 1
 

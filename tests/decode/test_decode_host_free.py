@@ -476,11 +476,14 @@ def _variants(kernel, device) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (counts compiled Triton variants)")
-@pytest.mark.parametrize("name", ["sliding_window", "streaming", "dense", "block_diagonal", "bigbird", "dilated",
-                                  "l2_aligned"])
-def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
+@pytest.mark.parametrize("name, fresh", [("sliding_window", False), ("streaming", False), ("dense", False),
+                                         ("block_diagonal", False), ("bigbird", False), ("dilated", False),
+                                         ("l2_aligned", False), ("sliding_window", True), ("dense", True)])
+def test_200_decode_steps_compile_nothing_new(name, fresh, monkeypatch):
     """After a few warm-up steps, 200 decode steps over a growing cache (kv_len through every residue
-    mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel."""
+    mod 16, with and without a padded key mask) add no compiled variant of any Triton kernel. ``fresh``:
+    the cache is a new contiguous tensor every step (as a concatenating cache grows), so its batch and head
+    strides change with kv_len (the q / k / v strides are specialised: their divisibility class must hold)."""
     monkeypatch.setenv("SPARSE_K_CUDA", "0")  # the Triton kernels, whatever the CUDA gate would take
     from sparse_k.attention.triton import structured as triton_structured
 
@@ -501,7 +504,10 @@ def test_200_decode_steps_compile_nothing_new(name, monkeypatch):
         if padded:
             mask = torch.ones(B, S, dtype=torch.bool, device=DEV)
             mask[1, :9] = False
-        return sparse_k.sparse_attention(q, cache_k[:, :, :S], cache_v[:, :, :S], p, backend="triton", attention_mask=mask)
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+        if fresh:
+            k, v = k.contiguous(), v.contiguous()
+        return sparse_k.sparse_attention(q, k, v, p, backend="triton", attention_mask=mask)
 
     for S in range(S0 - 20, S0):
         step(S, False)

@@ -23,9 +23,11 @@ bigbird's ``decode_pattern_code``).
 
 Compiled variants are bounded: the kernels specialise on the constexpr flags (pattern id, causal,
 tile sizes, head dim, softcap / sink / key-mask presence, ``Skv % BLOCK_N == 0`` outside decode
-layouts, the split count's power of two) and never on the lengths, strides or layout widths, which
-are declared ``do_not_specialize`` (``triton.fwd.ATTN_FWD_RUNTIME_ARGS``: Triton would otherwise
-compile a new variant whenever ``kv_len``'s divisibility by 16 changed). Decode steps over a growing
+layouts, the split count's power of two) and never on the lengths, key-mask strides or layout widths,
+which are declared ``do_not_specialize`` (``triton.fwd.ATTN_FWD_RUNTIME_ARGS``: Triton would otherwise
+compile a new variant whenever ``kv_len``'s divisibility by 16 changed); the q / k / v strides stay
+specialised (a cache's strides are multiples of its row stride, so their class holds from step to step,
+and 16-divisible strides give 16-byte loads of gathered rows). Decode steps over a growing
 cache compile nothing new once the split count settles (the cache holds more key tiles than one
 wave of programs takes, or than the window spans).
 """

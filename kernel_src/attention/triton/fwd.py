@@ -429,10 +429,13 @@ def _anchor_slot(e, tps, k_start, kcap, P2, P3, n_lo, BLOCK_N: tl.constexpr):
 
 
 #: Integer arguments of ``_attn_fwd`` that change from one decode step to the next (lengths, split
-#: sizes, strides of a growing cache or key mask, layout widths): passed as plain run-time values, so
-#: Triton does not compile a new variant when their divisibility by 16 (or equality to 1) changes.
+#: sizes, strides of a key mask, layout widths): passed as plain run-time values, so Triton does not
+#: compile a new variant when their divisibility by 16 (or equality to 1) changes. The q / k / v strides
+#: stay specialised: a growing cache's batch and head strides are multiples of its row stride (``D`` or
+#: ``H * D``: multiples of 16 at the head dims models use), so their class does not change from step to
+#: step, and knowing them 16-divisible lets Triton load gathered K / V rows 16 bytes at a time (declared
+#: run-time values, the token-layout prefill ran 2.5x slower on the H100; docs/benchmarks.md, session 25).
 ATTN_FWD_RUNTIME_ARGS = (
-    "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
     "stride_nb", "stride_nh", "stride_nm", "stride_fb", "stride_fh", "stride_fm", "stride_pb", "stride_ph", "stride_pm",
     "stride_kmb", "stride_sib", "stride_sih", "stride_sin", "stride_scb", "stride_sch", "stride_scn",
     "stride_swb", "stride_swh", "stride_swn", "NB", "QB", "SEL_K", "Sq", "Skv", "tiles_per_split",
