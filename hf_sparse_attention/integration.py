@@ -139,6 +139,8 @@ REFUSED_TYPES = {
     "inkling2_loop_text": "its block attention residuals run bidirectional attention (is_causal=False) through the "
     "attention interface, which sparse_k does not run",
     "doge": "its attention builds its own dynamic 4-D mask (dynamic mask attention), which sparse_k would ignore",
+    "kolibri1_1": "its indexed-attention layers select keys from the 4-D attention mask (their own indexer and "
+    "key pool), which sparse_k never builds",
 }
 
 #: Source text of a modeling module that picks its attention class from a fixed table (eager/sdpa/...).

@@ -488,8 +488,8 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tup
     ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
     (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
     run ahead too (faster on the H100 than one head per program with 128-key tiles and 2 stages;
-    ``scripts/tune_decode.py --part token``; docs/history.md). Measured at D = 128 and 64 (at 64 these tiles ran
-    3.5-3.8x the prefill tiles: H100, docs/benchmarks.md session 25); other head dims keep the prefill tiles."""
+    ``scripts/tune_decode.py --part token``; docs/history.md). Used at D = 128 and 64, where they were measured
+    (docs/benchmarks.md, "the token-layout forward at D = 64"); other head dims keep the prefill tiles."""
     if device_type != "cuda" or head_dim not in (64, 128):
         bm, bn = tile_config(head_dim, device_type, False)
         return bm, 1, bn

@@ -433,8 +433,9 @@ def _anchor_slot(e, tps, k_start, kcap, P2, P3, n_lo, BLOCK_N: tl.constexpr):
 #: compile a new variant when their divisibility by 16 (or equality to 1) changes. The q / k / v strides
 #: stay specialised: a growing cache's batch and head strides are multiples of its row stride (``D`` or
 #: ``H * D``: multiples of 16 at the head dims models use), so their class does not change from step to
-#: step, and knowing them 16-divisible lets Triton load gathered K / V rows 16 bytes at a time (declared
-#: run-time values, the token-layout prefill ran 2.5x slower on the H100; docs/benchmarks.md, session 25).
+#: step, and knowing them 16-divisible lets Triton load gathered K / V rows 16 bytes at a time (as declared
+#: run-time values they cost the token-layout prefill and decode about half their speed: docs/benchmarks.md,
+#: "The Triton kernels' stride specialisation").
 ATTN_FWD_RUNTIME_ARGS = (
     "stride_nb", "stride_nh", "stride_nm", "stride_fb", "stride_fh", "stride_fm", "stride_pb", "stride_ph", "stride_pm",
     "stride_kmb", "stride_sib", "stride_sih", "stride_sin", "stride_scb", "stride_sch", "stride_scn",
