@@ -221,8 +221,8 @@ extern "C" int sk90_token_fwd(const void* q, const void* k, const void* v, void*
       (pattern != 1 && pattern != 2) || window < 1 || sinks < 0 || !(scale > 0.f) || NB < 1 || K < 1 || QB < kBlockM ||
       QB % kBlockM != 0) {
     snprintf(err, errlen,
-             "bad arguments: B=%d Hq=%d Hkv=%d S=%d D=%d pattern=%d window=%d sinks=%d scale=%g NB=%d K=%d QB=%d", B, Hq,
-             Hkv, S, D, pattern, window, sinks, static_cast<double>(scale), NB, K, QB);
+             "bad arguments: B=%d Hq=%d Hkv=%d S=%d D=%d pattern=%d window=%d sinks=%d scale=%g NB=%d K=%d QB=%d",
+             B, Hq, Hkv, S, D, pattern, window, sinks, static_cast<double>(scale), NB, K, QB);
     return 1;
   }
   Params p;
