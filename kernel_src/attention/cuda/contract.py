@@ -12,7 +12,7 @@ from .build import is_sm90
 __all__ = [
     "BWD_ROW_PAD", "DECODE_GROUPS", "DECODE_STATIC_PATTERNS", "STRUCTURED_BWD_CUDA_PATTERNS", "STRUCTURED_CUDA_PATTERNS",
     "STRUCTURED_HEAD_DIMS", "TOKEN_STATIC_PATTERNS",
-    "check_pattern_args",
+    "check_pattern_args", "length_capped",
     "LISTED_CUDA_PATTERNS", "decode_call_ok", "listed_call_ok", "on_sm90", "plain_call_ok", "selection_ok",
     "structured_bwd_call_ok", "structured_call_ok",
     "tensors_ok", "tma_view_ok", "token_call_ok",
@@ -109,6 +109,17 @@ def selection_ok(selection, q, num_kv_heads: int, max_slots: int = 2**31) -> boo
         if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False
     return True
+
+
+def length_capped(value: int, length: int, multiple: int = 1) -> int:
+    """``value`` (a window, sink count, block_diagonal block or query block) capped at ``length`` rounded up to a
+    multiple of ``multiple``, as the kernels take it (an int32).
+
+    Every position a launch compares lies below ``length`` (the keys' count), so the capped value selects the same
+    keys: a window, block or query block that long already spans every position, and sinks past the last key are no
+    keys. A pattern may carry any Python int (``window=2**40`` for "no limit"), which the kernels would otherwise
+    read truncated to 32 bits."""
+    return min(int(value), -(-int(length) // multiple) * multiple)
 
 
 def check_pattern_args(pattern_id, window, sinks, scale, patterns: tuple[int, ...] = STRUCTURED_CUDA_PATTERNS) -> None:

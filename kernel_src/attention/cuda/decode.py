@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .build import load_sm90_extension
-from .contract import DECODE_GROUPS, DECODE_STATIC_PATTERNS, decode_call_ok, on_sm90
+from .contract import DECODE_GROUPS, DECODE_STATIC_PATTERNS, decode_call_ok, length_capped, on_sm90
 
 __all__ = ["cuda_decode_forward", "cuda_decode_ok", "decode_plan", "load_extension"]
 
@@ -114,6 +114,8 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
     B, Hq, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    window, sinks, query_block = length_capped(window, S), length_capped(sinks, S), length_capped(
+        selection.query_block, S, 128)
     idx = selection.indices
     _, nsplit, chunk = decode_plan(S, window, sinks, pattern_id, idx.shape[3], B * Hkv, _sm_count(q.device))
     w = selection.weights
@@ -136,6 +138,6 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         mod.decode_fwd(q, k, v, out, lse, o_part, l_part, counters, idx, selection.counts, w, first,
-                       int(selection.query_block), int(pattern_id), int(window), int(sinks), float(scale),
+                       int(query_block), int(pattern_id), int(window), int(sinks), float(scale),
                        int(nsplit), int(chunk), bool(cluster), int(stream))
     return out, lse

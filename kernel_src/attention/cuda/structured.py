@@ -22,6 +22,7 @@ from .build import load_sm90_extension
 from .contract import (
     STRUCTURED_CUDA_PATTERNS,
     check_pattern_args,
+    length_capped,
     listed_call_ok,
     on_sm90,
     structured_call_ok,
@@ -135,8 +136,10 @@ def _launch_listed(q, k, v, layout, out, lse, scale):
 
 def _launch(q, k, v, out, lse, pattern_id, window, sinks, scale):
     """Write ``out`` and ``lse`` (allocated by the caller, shapes as returned by ``cuda_structured_forward``)."""
+    S = q.shape[2]
     mod = load_extension()
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        mod.structured_fwd(q, k, v, out, lse, int(pattern_id), int(window), int(sinks), float(scale), int(stream))
+        mod.structured_fwd(q, k, v, out, lse, int(pattern_id), length_capped(window, S), length_capped(sinks, S),
+                           float(scale), int(stream))
 

@@ -21,6 +21,7 @@ from .contract import (
     BWD_ROW_PAD,
     STRUCTURED_BWD_CUDA_PATTERNS,
     check_pattern_args,
+    length_capped,
     on_sm90,
     structured_bwd_call_ok,
 )
@@ -104,10 +105,10 @@ def _launch(do, q, k, v, out, lse, dk, dv, pattern_id, window, sinks, scale, sta
     ``(B, Hq, S_pad, D)`` (scale applied; rows past S are zero)."""
     mod = load_extension()
     lse2, delta = padded_stats(stats)
-    B, Hq, _, D = q.shape
+    B, Hq, S, D = q.shape
     dq_acc = torch.zeros(B, Hq, lse2.shape[2], D, device=q.device, dtype=torch.float32)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        mod.structured_bwd(q, k, v, do, lse2, delta, dq_acc, dk, dv, int(pattern_id), int(window), int(sinks),
-                           float(scale), int(stream))
+        mod.structured_bwd(q, k, v, do, lse2, delta, dq_acc, dk, dv, int(pattern_id), length_capped(window, S),
+                           length_capped(sinks, S), float(scale), int(stream))
     return dq_acc

@@ -22,7 +22,7 @@ import torch
 
 from ..memory_order import new_output
 from .build import load_sm90_extension
-from .contract import TOKEN_STATIC_PATTERNS, on_sm90, token_call_ok
+from .contract import TOKEN_STATIC_PATTERNS, length_capped, on_sm90, token_call_ok
 
 __all__ = ["cuda_token_forward", "cuda_token_ok", "load_extension"]
 
@@ -90,7 +90,7 @@ def cuda_token_forward(q, k, v, selection, *, pattern_id: int, window: int, sink
 def _launch(q, k, v, out, lse, selection, pattern_id, window, sinks, scale):
     """Write ``out`` (shaped like q, non-overlapping and dense, any 16-byte multiple strides) and ``lse``
     (``(B, Hq, S)`` float32 contiguous), both allocated by the caller."""
-    B = q.shape[0]
+    B, S = q.shape[0], q.shape[2]
     idx = selection.indices if selection.indices.stride(-1) == 1 else selection.indices.contiguous()
     w = selection.weights
     if w is None:
@@ -103,5 +103,5 @@ def _launch(q, k, v, out, lse, selection, pattern_id, window, sinks, scale):
     mod = load_extension()
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        mod.token_fwd(q, k, v, out, lse, idx, selection.counts, w, first, int(selection.query_block), int(pattern_id),
-                      int(window), int(sinks), float(scale), int(stream))
+        mod.token_fwd(q, k, v, out, lse, idx, selection.counts, w, first, length_capped(selection.query_block, S, 128),
+                      int(pattern_id), length_capped(window, S), length_capped(sinks, S), float(scale), int(stream))
