@@ -114,8 +114,8 @@ def cuda_decode_forward(q, k, v, selection, *, pattern_id: int, window: int, sin
     B, Hq, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    window, sinks, query_block = length_capped(window, S), length_capped(sinks, S), length_capped(
-        selection.query_block, S, 128)
+    window, sinks = length_capped(window, S), length_capped(sinks, S)
+    query_block = length_capped(selection.query_block, S, 128)
     idx = selection.indices
     _, nsplit, chunk = decode_plan(S, window, sinks, pattern_id, idx.shape[3], B * Hkv, _sm_count(q.device))
     w = selection.weights
