@@ -9,6 +9,9 @@ attn_implementation="sparse_k")``).
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+
 import torch
 from sparse_k.integrations.config import validate_sparse_config
 
@@ -45,6 +48,18 @@ def _check_layer_range(cfg: dict, num_layers: int | None) -> None:
                 f"configure(): `{name}` names layer(s) {bad}, but the model has {num_layers} layers "
                 f"(indices 0..{num_layers - 1})"
             )
+
+
+def _layer_key(key) -> str:
+    """A ``layers`` key (a layer index, or its decimal string) as the config stores it; TypeError for anything else."""
+    if isinstance(key, str):
+        return key
+    if not isinstance(key, bool):
+        try:
+            return str(operator.index(key))
+        except TypeError:
+            pass
+    raise TypeError(f"configure(): `layers` keys must be layer indices (int), got {key!r}")
 
 
 def _attn_implementation(model) -> str | None:
@@ -104,13 +119,17 @@ def configure(
         ``eager``...) now runs ``attn_implementation="sparse_k"``; ``model.set_attn_implementation("sdpa")``
         switches it back.
     Raises:
-        ValueError: an unknown pattern, backend or position mode, a bad pattern parameter, or a
-            ``dense_layers``/``layers`` index outside ``0 .. num_hidden_layers - 1``.
+        ValueError: an unknown pattern, backend or position mode, a bad pattern parameter, a bidirectional
+            (``causal=False``) pattern, or a ``dense_layers``/``layers`` index outside ``0 .. num_hidden_layers - 1``.
+        TypeError: ``layers`` not a dict of layer indices, ``dense_layers`` not a list of them, or
+            ``full_attention_layers_only`` not a bool.
     """
     cfg: dict = {} if pattern is None else {"pattern": pattern}
     cfg.update(params)
     if layers is not None:
-        cfg["layers"] = {str(int(k)): v for k, v in layers.items()}
+        if not isinstance(layers, dict):
+            raise TypeError(f"configure(): `layers` must be a dict of layer index -> pattern, got {type(layers).__name__}")
+        cfg["layers"] = {_layer_key(k): v for k, v in layers.items()}
     for name, value in (
         ("dense_layers", dense_layers),
         ("full_attention_layers_only", full_attention_layers_only),
@@ -120,6 +139,8 @@ def configure(
         ("shipped_selectors", shipped_selectors),
     ):
         if value is not None:
+            if name == "dense_layers" and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
+                raise TypeError(f"configure(): `dense_layers` must be a list of layer indices, got {value!r}")
             cfg[name] = list(value) if name == "dense_layers" else value
     configs = _configs(target)
     _check_layer_range(validate_sparse_config(cfg), _num_layers(configs))

@@ -50,7 +50,7 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     name = cfg["pattern"]
     if name not in available_patterns():
         raise ValueError(f"config.sparse_attention['pattern'] = {name!r} is unknown; available: {available_patterns()}")
-    get_pattern(name, **_pattern_params(cfg))  # validates the parameters
+    _check_causal(get_pattern(name, **_pattern_params(cfg)), "config.sparse_attention")  # validates the parameters
     layers = cfg.get("layers") or {}
     if not isinstance(layers, dict):
         raise TypeError(f"config.sparse_attention['layers'] must be a dict of layer index -> pattern, got {type(layers).__name__}")
@@ -62,7 +62,7 @@ def validate_sparse_config(cfg: dict | None) -> dict:
             raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices, got {key!r}") from None
         if idx < 0:
             raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices >= 0, got {key!r}")
-        _layer_pattern(spec)
+        _check_causal(_layer_pattern(spec), f"config.sparse_attention['layers'][{key!r}]")
         norm_layers[str(idx)] = spec
     cfg["layers"] = norm_layers
     dense = cfg.get("dense_layers") or []
@@ -84,8 +84,23 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     if mode not in ("original", "rolling"):
         raise ValueError(f"config.sparse_attention['cache_positions'] must be 'original' or 'rolling', got {mode!r}")
     cfg["cache_positions"] = mode
-    cfg["full_attention_layers_only"] = bool(cfg.get("full_attention_layers_only", False))
+    only_full = cfg.get("full_attention_layers_only")
+    only_full = False if only_full is None else only_full
+    if not isinstance(only_full, bool):
+        raise TypeError(
+            f"config.sparse_attention['full_attention_layers_only'] must be True or False, got {only_full!r}"
+        )
+    cfg["full_attention_layers_only"] = only_full
     return cfg
+
+
+def _check_causal(pattern: Pattern, where: str) -> None:
+    """``config.sparse_attention`` drives causal decoders: a bidirectional pattern would let tokens see later ones."""
+    if not pattern.causal:
+        raise ValueError(
+            f"{where}: pattern {pattern.name!r} with causal=False is bidirectional, but the Transformers integration "
+            "runs causal self-attention only (leave `causal` out)"
+        )
 
 
 def _layer_pattern(spec) -> Pattern:

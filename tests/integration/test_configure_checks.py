@@ -1,0 +1,65 @@
+"""configure() and config.sparse_attention refuse settings that would run silently wrong, naming the value."""
+
+import copy
+
+import hf_sparse_attention
+import pytest
+import torch
+from helpers import tiny_llama
+from sparse_k.integrations.config import validate_sparse_config
+
+
+@pytest.mark.parametrize("name,params", [("dense", {}), ("bigbird", {"block": 4}), ("sliding_window", {"window": 3})])
+def test_bidirectional_pattern_refused(name, params):
+    model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="causal"):
+        hf_sparse_attention.configure(model, name, causal=False, **params)
+    with pytest.raises(ValueError, match="causal"):
+        hf_sparse_attention.configure(model, "streaming", layers={1: {"pattern": name, "causal": False, **params}})
+    with pytest.raises(ValueError, match="causal"):
+        validate_sparse_config({"pattern": name, "causal": False, **params})
+
+
+def test_config_set_by_hand_never_sees_the_future():
+    """Written straight on the config (as from_pretrained of a saved config would), a bidirectional
+    pattern must not make the causal LM look at later tokens."""
+    model = tiny_llama(layers=2)
+    hf_sparse_attention.configure(model, "dense")
+    model.config.sparse_attention = {"pattern": "dense", "causal": False}
+    ids = torch.randint(0, 50, (1, 12))
+    with pytest.raises(ValueError, match="causal"):
+        model(ids)
+
+
+def test_full_attention_layers_only_must_be_bool():
+    model = tiny_llama(layers=2)
+    with pytest.raises(TypeError, match="full_attention_layers_only"):
+        hf_sparse_attention.configure(model, "streaming", sinks=2, window=4, full_attention_layers_only="no")
+    assert validate_sparse_config({"pattern": "dense", "full_attention_layers_only": None})["full_attention_layers_only"] is False
+
+
+def test_layers_and_dense_layers_types_named():
+    model = tiny_llama(layers=2)
+    with pytest.raises(TypeError, match="layers"):
+        hf_sparse_attention.configure(model, "dense", layers=[1])
+    with pytest.raises(TypeError, match="layer indices"):
+        hf_sparse_attention.configure(model, "dense", layers={1.5: "dense"})
+    with pytest.raises(TypeError, match="dense_layers"):
+        hf_sparse_attention.configure(model, "dense", dense_layers=0)
+    # A valid call still works and round-trips the layer key as a string.
+    cfg = hf_sparse_attention.configure(copy.deepcopy(model), "dense", layers={1: "sliding_window"})
+    assert cfg["layers"] == {"1": "sliding_window"}
+
+
+def test_layer_keys_and_dense_layers_accept_index_likes():
+    """numpy integers as layer keys and a range as dense_layers are layer indices too."""
+    import numpy as np
+
+    model = tiny_llama(layers=2)
+    cfg = hf_sparse_attention.configure(copy.deepcopy(model), "dense", layers={np.int64(1): "sliding_window"},
+                                        dense_layers=range(1))
+    assert cfg["layers"] == {"1": "sliding_window"} and cfg["dense_layers"] == [0]
+    with pytest.raises(TypeError, match="layer indices"):
+        hf_sparse_attention.configure(model, "dense", layers={True: "dense"})
+    with pytest.raises(TypeError, match="dense_layers"):
+        hf_sparse_attention.configure(model, "dense", dense_layers="0")
