@@ -9,11 +9,10 @@ attn_implementation="sparse_k")``).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 
 import torch
-from sparse_k.integrations.config import validate_sparse_config
+from sparse_k.integrations.config import layer_index, validate_sparse_config
 
 __all__ = ["configure"]
 
@@ -48,18 +47,6 @@ def _check_layer_range(cfg: dict, num_layers: int | None) -> None:
                 f"configure(): `{name}` names layer(s) {bad}, but the model has {num_layers} layers "
                 f"(indices 0..{num_layers - 1})"
             )
-
-
-def _layer_key(key) -> str:
-    """A ``layers`` key (a layer index, or its decimal string) as the config stores it; TypeError for anything else."""
-    if isinstance(key, str):
-        return key
-    if not isinstance(key, bool):
-        try:
-            return str(operator.index(key))
-        except TypeError:
-            pass
-    raise TypeError(f"configure(): `layers` keys must be layer indices (int), got {key!r}")
 
 
 def _attn_implementation(model) -> str | None:
@@ -126,10 +113,10 @@ def configure(
     """
     cfg: dict = {} if pattern is None else {"pattern": pattern}
     cfg.update(params)
-    if layers is not None:
-        if not isinstance(layers, dict):
-            raise TypeError(f"configure(): `layers` must be a dict of layer index -> pattern, got {type(layers).__name__}")
-        cfg["layers"] = {_layer_key(k): v for k, v in layers.items()}
+    if isinstance(layers, dict):  # keys as the saved (JSON) config holds them
+        cfg["layers"] = {str(layer_index(k, "configure(): `layers`")): v for k, v in layers.items()}
+    elif layers is not None:  # validate_sparse_config names the type it refuses
+        cfg["layers"] = layers
     for name, value in (
         ("dense_layers", dense_layers),
         ("full_attention_layers_only", full_attention_layers_only),

@@ -21,6 +21,8 @@ Schema (every key optional; JSON-friendly, so it round-trips through ``save_pret
 
 from __future__ import annotations
 
+import operator
+
 from ..attention.backends import available_backends
 from ..layouts.patterns import Pattern, available_patterns, get_pattern
 
@@ -56,12 +58,7 @@ def validate_sparse_config(cfg: dict | None) -> dict:
         raise TypeError(f"config.sparse_attention['layers'] must be a dict of layer index -> pattern, got {type(layers).__name__}")
     norm_layers = {}
     for key, spec in layers.items():
-        try:
-            idx = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices, got {key!r}") from None
-        if idx < 0:
-            raise ValueError(f"config.sparse_attention['layers'] keys must be layer indices >= 0, got {key!r}")
+        idx = layer_index(key, "config.sparse_attention['layers']")
         _check_causal(_layer_pattern(spec), f"config.sparse_attention['layers'][{key!r}]")
         norm_layers[str(idx)] = spec
     cfg["layers"] = norm_layers
@@ -92,6 +89,23 @@ def validate_sparse_config(cfg: dict | None) -> dict:
         )
     cfg["full_attention_layers_only"] = only_full
     return cfg
+
+
+def layer_index(key, where: str) -> int:
+    """A ``layers`` key: a layer index, or its decimal string (a JSON key), as an int >= 0. ValueError for a string
+    that is not one or a negative index, TypeError for any other type (a float or a bool is not an index)."""
+    if isinstance(key, str):
+        try:
+            idx = int(key)
+        except ValueError:
+            raise ValueError(f"{where} keys must be layer indices, got {key!r}") from None
+    elif isinstance(key, bool) or not hasattr(type(key), "__index__"):
+        raise TypeError(f"{where} keys must be layer indices (int), got {key!r}")
+    else:
+        idx = operator.index(key)
+    if idx < 0:
+        raise ValueError(f"{where} keys must be layer indices >= 0, got {key!r}")
+    return idx
 
 
 def _check_causal(pattern: Pattern, where: str) -> None:
