@@ -9,6 +9,7 @@ attn_implementation="sparse_k")``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -78,7 +79,7 @@ def configure(
     full_attention_layers_only: bool | None = None,
     backend: str | None = None,
     cache_positions: str | None = None,
-    selector_path: str | None = None,
+    selector_path: str | os.PathLike | None = None,
     shipped_selectors: bool | None = None,
     **params,
 ) -> dict:
@@ -108,9 +109,11 @@ def configure(
     Raises:
         ValueError: an unknown pattern, backend or position mode, a bad pattern parameter, a bidirectional
             (``causal=False``) pattern, or a ``dense_layers``/``layers`` index outside ``0 .. num_hidden_layers - 1``.
-        TypeError: ``layers`` not a dict of layer indices, ``dense_layers`` not a list of them, or
-            ``full_attention_layers_only`` not a bool.
+        TypeError: ``layers`` not a dict of layer indices, ``dense_layers`` not a list of them,
+            ``full_attention_layers_only`` not a bool, or ``selector_path`` not a path.
     """
+    if isinstance(selector_path, os.PathLike):  # stored as its string: the config must stay JSON-friendly
+        selector_path = os.fspath(selector_path)
     cfg: dict = {} if pattern is None else {"pattern": pattern}
     cfg.update(params)
     if isinstance(layers, dict):  # keys as the saved (JSON) config holds them

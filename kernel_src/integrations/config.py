@@ -68,6 +68,9 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     if any(i < 0 for i in dense):
         raise ValueError(f"config.sparse_attention['dense_layers'] must hold layer indices >= 0, got {list(dense)}")
     cfg["dense_layers"] = list(dense)
+    selector_path = cfg.get("selector_path")
+    if selector_path is not None and not isinstance(selector_path, str):
+        raise TypeError(f"config.sparse_attention['selector_path'] must be a file path (str) or None, got {selector_path!r}")
     shipped = cfg.get("shipped_selectors", True)
     if not isinstance(shipped, bool):
         raise TypeError(f"config.sparse_attention['shipped_selectors'] must be True or False, got {shipped!r}")

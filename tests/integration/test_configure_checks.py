@@ -63,3 +63,18 @@ def test_layer_keys_and_dense_layers_accept_index_likes():
         hf_sparse_attention.configure(model, "dense", layers={True: "dense"})
     with pytest.raises(TypeError, match="dense_layers"):
         hf_sparse_attention.configure(model, "dense", dense_layers="0")
+
+
+def test_selector_path_is_stored_as_a_string_and_round_trips(tmp_path):
+    """A ``pathlib.Path`` selector_path is kept as its string, so ``save_pretrained`` can write the config;
+    a value that is no path is refused by name."""
+    model = tiny_llama(layers=2)
+    cfg = hf_sparse_attention.configure(model, "sparse_k", selector_path=tmp_path / "missing.safetensors")
+    assert cfg["selector_path"] == str(tmp_path / "missing.safetensors")
+    model.save_pretrained(tmp_path / "saved")
+    loaded = type(model).from_pretrained(tmp_path / "saved")
+    assert loaded.config.sparse_attention["selector_path"] == str(tmp_path / "missing.safetensors")
+    with pytest.raises(TypeError, match="selector_path"):
+        hf_sparse_attention.configure(model, "sparse_k", selector_path=3)
+    with pytest.raises(TypeError, match="selector_path"):
+        validate_sparse_config({"pattern": "sparse_k", "selector_path": ["a.safetensors"]})
