@@ -178,7 +178,8 @@ STRUCTURED_CUDA_CASES = [
 #: divisors that are no power of two), and rows of 2,048 keys or more on average, where the launcher takes the
 #: kernel's other variant (``kLongRowKeys`` in structured_fwd_sm90.cu): dense, a streaming window, a block of 6,400,
 #: a window of 2,500 with three query heads a KV head; streaming with few sinks (1, 4, 16, 17: a sink tile of a few
-#: keys) in both variants, on query tiles that have a sink tile and on early ones whose window reaches key 0.
+#: keys; up to 16 take the kernel's narrow sink step) in both variants, on query tiles that have a sink tile and on
+#: early ones whose window reaches key 0, and a window longer than the sequence (every sink step masked).
 STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 4, 2, 3001, torch.bfloat16, 3, 512, 0),
     (2, 8, 2, 1000, torch.float16, 3, 200, 0),
@@ -193,6 +194,7 @@ STRUCTURED_CUDA_FWD_CASES = STRUCTURED_CUDA_CASES + [
     (1, 6, 2, 2999, torch.float16, 2, 300, 16),
     (1, 4, 1, 2000, torch.bfloat16, 2, 256, 17),
     (1, 4, 2, 5003, torch.bfloat16, 2, 2100, 1),
+    (1, 4, 2, 700, torch.float16, 2, 1024, 4),
 ]
 
 

@@ -24,7 +24,7 @@ __all__ = ["CUDA_SRC_DIR", "is_sm90", "load_sm90_extension", "sm90_available"]
 CUDA_SRC_DIR = pathlib.Path(__file__).resolve().parent / "csrc"
 _HEADERS = (
     "sm90_common.cuh", "sm90_fwd_mainloop.cuh", "sm90_tma_host.h", "sm90_selection_host.h", "sm90_view_host.h",
-    "sm90_torch.h", "decode_sm90.cuh",
+    "sm90_torch.h", "decode_sm90.cuh", "sm90_work_order.h",
 )
 _CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 

@@ -154,6 +154,13 @@ __device__ __forceinline__ void reg_fence(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+// reg_fence of the first K registers only (an operand that uses part of the array)
+template <int K, class T, int N>
+__device__ __forceinline__ void reg_fence_first(T (&r)[N]) {
+  static_assert(K <= N, "a prefix of the array");
+  T(&head)[K] = *reinterpret_cast<T(*)[K]>(&r);
+  reg_fence(head);
+}
 
 #define SK90C_ACC64                                                                                       \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
@@ -193,6 +200,25 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t d
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SK90C_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
         : SK90C_ACC64_OPS
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+}
+
+// D(64x16, f32) (+)= A(64x16, smem, K-major) * B(16x16, smem, K-major): the first 16 columns of wgmma_ss's
+// accumulator, in its register order
+template <bool BF16>
+__device__ __forceinline__ void wgmma_ss16(float (&d)[8], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
         : "l"(da), "l"(db), "r"(accumulate));
   }
 }

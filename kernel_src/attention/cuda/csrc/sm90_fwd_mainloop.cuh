@@ -38,8 +38,11 @@
 
 #include <stdio.h>
 
+#include <type_traits>
+
 #include "sm90_common.cuh"
 #include "sm90_tma_host.h"
+#include "sm90_work_order.h"
 
 namespace sk90f {
 
@@ -52,6 +55,21 @@ constexpr int kHalfBytes = 128 * 64 * 2;    // one TMA box: 128 rows x 64 column
 constexpr int kThreads = 384;
 constexpr int kStages = 3;  // K/V ring depth of the token forward (its side data sits in the barrier area)
 constexpr float kLn2 = 0.6931471805599453f;
+
+// A compile-time count of 8-column groups of the scores (16: a key tile; 2: fwd_consumer's sink step).
+template <int J>
+using Cols = std::integral_constant<int, J>;
+
+// The score registers of a product of J column groups: s (a key tile), ss (the sink step).
+template <int J>
+__device__ __forceinline__ auto& pick_scores(float (&s)[64], float (&ss)[8]) {
+  if constexpr (J == 16) {
+    return s;
+  } else {
+    static_assert(J == 2, "a key tile or a sink step");
+    return ss;
+  }
+}
 
 // What both forwards' kernels read; the token forward's Params extends it.
 struct FwdParams {
@@ -68,6 +86,12 @@ struct FwdParams {
   int sinks;    // streaming only
   float scale_log2;
   int total_work;  // num_q_tiles * B * Hq
+  // the work order (set_work_order; listed, token: static): sm90_work_order.h's kOrder*, which the device reads as
+  // blocks of `grid` work tiles counted from multiples of period, the odd ones that end inside span reversed
+  int order;
+  int period;      // one KV head's work tiles (head_snake), else all of them
+  int span;        // period, or 0 (static: no block reversed)
+  FastDiv div_grid, div_period;  // by the grid, by period
   // listed only (else null): a block layout of 128 x 128 tiles, rows (b * Hkv + kv head) * num_q_tiles + m;
   // fnum/pnum the full/partial key tile counts of a row, fidx/pidx its key tiles (fw/pw per row)
   const int* fnum;
@@ -98,7 +122,10 @@ struct TileRange {
 
 // Work tile (query tile m, batch * Hq + head bh) -> its key tiles. LISTED: a kernel instantiated for
 // pattern 4 (the other instantiations keep `full` a null constant, so their tile arithmetic is unchanged).
-template <bool LISTED>
+// SINK_STEP: streaming with 1 to 16 sinks, whose every work tile starts with key tile 0 as a sink step (fwd_consumer
+// reads its first 16 keys only), also where the window run starts at tile 0 and holds the sinks itself (the step's
+// keys are all masked then).
+template <bool LISTED, bool SINK_STEP = false>
 __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int bh) {
   TileRange r;
   r.full = nullptr;
@@ -135,7 +162,9 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int b
   r.f_hi = min(max(w_hi / kBlockN, r.f_lo), n_hi);
   r.s_lo = 0;
   r.n_sink = 0;
-  if (p.pattern == 2) {
+  if (SINK_STEP) {
+    r.n_sink = 1;
+  } else if (p.pattern == 2) {
     const int s_end = min(min(p.sinks, p.S), qhi + 1);
     r.n_sink = max(min(cdiv(max(s_end, 0), kBlockN), r.n_lo), 0);
   }
@@ -143,10 +172,30 @@ __device__ __forceinline__ TileRange tile_range(const FwdParams& p, int m, int b
   return r;
 }
 
-// Work tile -> (query tile, batch*Hq + head): the query heads of one KV group on consecutive work
+// The w-th work tile of the CTAs' turns (CTA c takes w = c, c + grid, ...) -> its tile in work_coords' natural order
+// under the order set_work_order wrote into p: sm90_work_order.h's ordered_tile, without a branch on the order (static
+// reverses no block: span 0) and with the divisions by multiply-high.
+__device__ __forceinline__ int ordered_work(const FwdParams& p, int w) {
+  const int base = p.div_period.div(w) * p.period;
+  const int grid = static_cast<int>(p.div_grid.d);
+  const int k = w - base;
+  const int block = p.div_grid.div(k);
+  return (block & 1) && (block + 1) * grid <= p.span ? base + block * grid + (grid - 1) - (k - block * grid) : w;
+}
+
+// Host: p's work-order fields for sm90_work_order.h's `order` (after prepare_fwd's total_work, num_q_tiles, Hq, Hkv).
+inline void set_work_order(FwdParams& p, int order) {
+  p.order = order;
+  p.period = order == sk90w::kOrderHeadSnake ? (p.Hq / p.Hkv) * p.num_q_tiles : p.total_work;
+  p.span = order == sk90w::kOrderStatic ? 0 : p.period;
+  p.div_period = FastDiv(p.period);
+}
+
+// Work tile -> (query tile, batch*Hq + head), after the work order: the query heads of one KV group on consecutive work
 // tiles (CTAs running together share K/V tiles, and gathered rows, in L2), then query tiles; dense
 // causal: longest query tiles first.
-__device__ __forceinline__ void work_coords(const FwdParams& p, int lin, int& m, int& bh) {
+__device__ __forceinline__ void work_coords(const FwdParams& p, int w, int& m, int& bh) {
+  const int lin = ordered_work(p, w);
   const int rest = p.div_group.div(lin);
   const int g = lin - rest * static_cast<int>(p.div_group.d);
   const int bk = p.div_q_tiles.div(rest);  // batch * Hkv + kv head
@@ -223,7 +272,11 @@ struct FwdSmem {
 // slower on short ones (block_diagonal 512 5%; ptxas schedules the work tile's edges differently), so the structured
 // launcher picks it by the mean row length; the token forward takes it (the other variant ran 0.5-1% slower there;
 // docs/history.md).
-template <bool BF16, bool GATHER, bool LISTED, bool WG_UNIFORM, class Smem, class NSel>
+// SINK_STEP (streaming with 1 to 16 sinks; tile_range's SINK_STEP): every work tile's first key tile is a sink step
+// of 16 keys, Q K^T m64n16k16 into ss (8 registers) and P V over one k-step, about an eighth of a key tile's work.
+// The step is always the tile's first, so its narrow products sit where the first Q K^T is issued (before the loop,
+// in the previous tile's tail) and in the loop's first iteration, peeled: no wgmma depends on a branch.
+template <bool BF16, bool GATHER, bool LISTED, bool WG_UNIFORM, bool SINK_STEP, class Smem, class NSel>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm, const float* sbias,
                                              const uint8_t* sthr, NSel nsel_of) {
   const int lane = threadIdx.x % 32;
@@ -247,12 +300,62 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
 
   float o[D / 2];
   float s[64];
+  float ss[8];  // SINK_STEP: the sink step's scores, keys 0..15 in wgmma's register order (else unused)
+  auto scores = [&](auto cols) -> decltype(auto) { return pick_scores<decltype(cols)::value>(s, ss); };
   uint32_t pa[32];
   float m0, m1, l0, l1;
   int row0;
   int nsel = 0, nsel_next = 0;  // GATHER: the gathered tiles of this work tile and of the next (read in the tail)
   TileRange tr;
   auto gathered = [&](int it) { return GATHER && it < nsel; };
+
+  // The online softmax of masked scores of J groups of 8 columns (J = 16: a key tile in s; 2: the sink step in
+  // ss): updates m/l, leaves p in place.
+  auto update = [&](auto cols, float& alpha0, float& alpha1) {
+    constexpr int J = decltype(cols)::value;
+    auto& sc = scores(cols);
+    // row maxima as up to four independent chains per row (a chain of 16 dependent fmaxf is latency-bound)
+    float c0[4], c1[4];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const float a = fmaxf(sc[4 * j], sc[4 * j + 1]), b = fmaxf(sc[4 * j + 2], sc[4 * j + 3]);
+      c0[j % 4] = j < 4 ? a : fmaxf(c0[j % 4], a);
+      c1[j % 4] = j < 4 ? b : fmaxf(c1[j % 4], b);
+    }
+    float mx0, mx1;
+    if constexpr (J >= 4) {
+      mx0 = fmaxf(fmaxf(c0[0], c0[1]), fmaxf(c0[2], c0[3]));
+      mx1 = fmaxf(fmaxf(c1[0], c1[1]), fmaxf(c1[2], c1[3]));
+    } else {
+      static_assert(J == 2, "a key tile or a sink step");
+      mx0 = fmaxf(c0[0], c0[1]);
+      mx1 = fmaxf(c1[0], c1[1]);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * sl2);  // scale > 0: max(s) * scale == max(s * scale)
+    const float mn1 = fmaxf(m1, mx1 * sl2);
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    alpha0 = mn0 == m0 ? 1.f : ex2(m0 - ms0);  // exactly 1 when the row max did not change
+    alpha1 = mn1 == m1 ? 1.f : ex2(m1 - ms1);
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      sc[4 * j] = ex2(fmaf(sc[4 * j], sl2, -ms0));
+      sc[4 * j + 1] = ex2(fmaf(sc[4 * j + 1], sl2, -ms0));
+      sc[4 * j + 2] = ex2(fmaf(sc[4 * j + 2], sl2, -ms1));
+      sc[4 * j + 3] = ex2(fmaf(sc[4 * j + 3], sl2, -ms1));
+      r0 += sc[4 * j] + sc[4 * j + 1];
+      r1 += sc[4 * j + 2] + sc[4 * j + 3];
+    }
+    l0 = l0 * alpha0 + r0;
+    l1 = l1 * alpha1 + r1;
+    m0 = mn0;
+    m1 = mn1;
+  };
 
   // Softmax of the scores in s (tile `it`, ring stage st): masks, updates m/l, leaves p in s.
   auto softmax = [&](int it, int st, float& alpha0, float& alpha1) {
@@ -286,67 +389,63 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
         }
       }
     }
-    // row maxima as four independent chains per row (a chain of 16 dependent fmaxf is latency-bound)
-    float c0[4], c1[4];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float a = fmaxf(s[4 * j], s[4 * j + 1]), b = fmaxf(s[4 * j + 2], s[4 * j + 3]);
-      c0[j % 4] = j < 4 ? a : fmaxf(c0[j % 4], a);
-      c1[j % 4] = j < 4 ? b : fmaxf(c1[j % 4], b);
-    }
-    float mx0 = fmaxf(fmaxf(c0[0], c0[1]), fmaxf(c0[2], c0[3]));
-    float mx1 = fmaxf(fmaxf(c1[0], c1[1]), fmaxf(c1[2], c1[3]));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * sl2);  // scale > 0: max(s) * scale == max(s * scale)
-    const float mn1 = fmaxf(m1, mx1 * sl2);
-    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    alpha0 = mn0 == m0 ? 1.f : ex2(m0 - ms0);  // exactly 1 when the row max did not change
-    alpha1 = mn1 == m1 ? 1.f : ex2(m1 - ms1);
-    float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      s[4 * j] = ex2(fmaf(s[4 * j], sl2, -ms0));
-      s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], sl2, -ms0));
-      s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], sl2, -ms1));
-      s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], sl2, -ms1));
-      r0 += s[4 * j] + s[4 * j + 1];
-      r1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l0 = l0 * alpha0 + r0;
-    l1 = l1 * alpha1 + r1;
-    m0 = mn0;
-    m1 = mn1;
+    update(Cols<16>{}, alpha0, alpha1);
   };
 
-  // S = Q K^T of ring slot st, Q at qa (this warpgroup's rows of a Q buffer)
-  auto issue_qk = [&](int st, uint32_t qa) {
+  // The sink step's softmax: keys 0..15 of key tile 0 in ss, visible below the sinks unless the window run starts
+  // at tile 0 (it holds the sinks then); the rows are past the sinks (the step's tile is never the diagonal's).
+  auto softmax_sink = [&](float& alpha0, float& alpha1) {
+    const int sk = tr.n_lo > 0 ? sinks : 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (8 * j + 2 * qd + (e & 1) >= sk) ss[4 * j + e] = -INFINITY;
+      }
+    }
+    update(Cols<2>{}, alpha0, alpha1);
+  };
+
+  // S = Q K^T of ring slot st, Q at qa (this warpgroup's rows of a Q buffer): all 128 keys into s (J = 16), or the
+  // first 16 into ss (J = 2, the sink step)
+  auto issue_qk_cols = [&](auto cols, int st, uint32_t qa) {
     const uint64_t qd0 = make_desc(qa, 16, 1024), kd0 = make_desc(sk + st * kTile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       // k-step kk: column half kk/4, 32 bytes per 16 columns inside the 128-byte swizzled row
       const uint32_t off = (kk >> 2) * kHalfBytes + (kk & 3) * 32;
-      wgmma_ss<BF16>(s, desc_advance(qd0, off), desc_advance(kd0, off), kk > 0);
+      if constexpr (decltype(cols)::value == 16) {
+        wgmma_ss<BF16>(s, desc_advance(qd0, off), desc_advance(kd0, off), kk > 0);
+      } else {
+        wgmma_ss16<BF16>(ss, desc_advance(qd0, off), desc_advance(kd0, off), kk > 0);
+      }
     }
   };
-  auto issue_pv = [&](int st) {
+  auto issue_qk = [&](int st, uint32_t qa) { issue_qk_cols(Cols<16>{}, st, qa); };
+  // a work tile's first key tile: the sink step under SINK_STEP
+  auto issue_qk_first = [&](int st, uint32_t qa) { issue_qk_cols(Cols<SINK_STEP ? 2 : 16>{}, st, qa); };
+  // O += P V of ring slot st over the first J / 2 k-steps of 16 keys (the sink step: one)
+  auto issue_pv_cols = [&](auto cols, int st) {
     const uint64_t vd0 = make_desc(sv + st * kTile, kHalfBytes, 1024);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < decltype(cols)::value / 2; ++kk) {
       // 16 keys per k-step (2 groups of 8 rows, SBO 1024); the two 64-column halves LBO apart; N = D (o's size)
       wgmma_rs<BF16>(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], desc_advance(vd0, kk * 2048));
     }
   };
-  auto convert_p = [&]() {
+  auto issue_pv = [&](int st) { issue_pv_cols(Cols<16>{}, st); };
+  auto convert_p_cols = [&](auto cols) {
+    auto& sc = scores(cols);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      pa[2 * j] = pack2<BF16>(s[4 * j], s[4 * j + 1]);
-      pa[2 * j + 1] = pack2<BF16>(s[4 * j + 2], s[4 * j + 3]);
+    for (int j = 0; j < decltype(cols)::value; ++j) {
+      pa[2 * j] = pack2<BF16>(sc[4 * j], sc[4 * j + 1]);
+      pa[2 * j + 1] = pack2<BF16>(sc[4 * j + 2], sc[4 * j + 3]);
     }
   };
+  auto convert_p = [&]() { convert_p_cols(Cols<16>{}); };
+  // reg_fence of the registers a product of J column groups uses (the sink step's leave the others free)
+  auto fence_p = [&](auto cols) { reg_fence_first<2 * decltype(cols)::value>(pa); };
+  auto fence_first_scores = [&]() { reg_fence(scores(Cols<SINK_STEP ? 2 : 16>{})); };
   auto release = [&](uint32_t bar) {
     if (lane == 0) mbar_arrive(bar);
   };
@@ -375,17 +474,17 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
     fence_gathered(0);
     named_sync(bar_mine, 256);
     wg_fence();
-    issue_qk(0, q_rows(0));
+    issue_qk_first(0, q_rows(0));
     wg_commit();
     named_arrive(bar_other, 256);
     wg_wait<0>();
-    reg_fence(s);
+    fence_first_scores();
   }
   int cnt = 0, local = 0;
   for (int w = blockIdx.x; w < p.total_work; w += gridDim.x, ++local) {
     int m, bh;
     work_coords(p, w, m, bh);
-    tr = tile_range<LISTED>(p, m, bh);
+    tr = tile_range<LISTED, SINK_STEP>(p, m, bh);
     nsel = nsel_next;
     const int ntiles = nsel + tr.count;
     row0 = m * kBlockM + lrow0;
@@ -416,29 +515,40 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       const int st = cnt % kS;
       release_k_early(0, st);
       if (ntiles == 1) release(bar_qempty);
-      softmax(0, st, a0, a1);
+      if constexpr (SINK_STEP) {
+        softmax_sink(a0, a1);
+      } else {
+        softmax(0, st, a0, a1);
+      }
       release_k_late(0, st);
     }
-    for (int it = 1; it < ntiles; ++it) {
+    // Q K_it^T with P_{it-1} V_{it-1}; prev: tile it - 1's columns (Cols<2>: the sink step)
+    auto step = [&](int it, auto prev) {
       const int c = cnt + it;
       const int st = c % kS, pst = (c - 1) % kS;
       // the previous iteration's tail: P_{it-2} V_{it-2} ran during the softmax of tile it-1
       wg_wait<0>();
       reg_fence(o);
-      reg_fence(pa);
+      fence_p(prev);
       if (it >= 2) release(sm.bar_vempty + 8 * ((c - 2) % kS));
       rescale(a0, a1);
-      convert_p();
+      convert_p_cols(prev);
       mbar_wait(sm.bar_kfull + 8 * st, (c / kS) & 1);
       mbar_wait(sm.bar_vfull + 8 * pst, ((c - 1) / kS) & 1);
       fence_gathered(it - 1);  // tile it is gathered only if tile it - 1 is
       named_sync(bar_mine, 256);
       reg_fence(o);
-      reg_fence(pa);
+      fence_p(prev);
       wg_fence();
+      if constexpr (decltype(prev)::value == 2) {
+        // s has held no score since the last tile's P: a new definition here (no instruction) ends its live range
+        // there, else it stays allocated across the epilogue and the sink step (ptxas then serializes wgmma)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) asm volatile("" : "=f"(s[i]));
+      }
       issue_qk(st, q_rows(local));
       wg_commit();
-      issue_pv(pst);
+      issue_pv_cols(prev, pst);
       wg_commit();
       named_arrive(bar_other, 256);
       wg_wait<1>();
@@ -447,7 +557,15 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       if (it == ntiles - 1) release(bar_qempty);
       softmax(it, st, a0, a1);
       release_k_late(it, st);
+    };
+    // under SINK_STEP every work tile has the sink step and at least one window tile: the step after the sink step
+    // is peeled, so the narrow P V is not behind a branch
+    int it1 = 1;
+    if constexpr (SINK_STEP) {
+      step(1, Cols<2>{});
+      it1 = 2;
     }
+    for (int it = it1; it < ntiles; ++it) step(it, Cols<16>{});
     // ---------------- epilogue: O / l, lse of this work tile
     auto epilogue = [&]() {
       l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -508,7 +626,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       issue_pv(pst);
       wg_commit();
       // after the last work tile: a product whose scores nobody reads (slot st0 and this Q hold stale tiles)
-      issue_qk(st0, q_rows(has_next ? local + 1 : local));
+      issue_qk_first(st0, q_rows(has_next ? local + 1 : local));
       wg_commit();
       named_arrive(bar_other, 256);
       wg_wait<1>();
@@ -517,7 +635,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p, const Smem& sm,
       release(sm.bar_vempty + 8 * pst);
       epilogue();
       wg_wait<0>();  // in the block that issued it: a wait past the loop edge serializes every wgmma
-      reg_fence(s);
+      fence_first_scores();
     }
     cnt += ntiles;
   }
@@ -573,6 +691,8 @@ inline bool prepare_fwd(FwdParams& p, CUtensorMap& tq, CUtensorMap& tk, CUtensor
     return false;
   }
   grid = p.total_work < sms ? p.total_work : sms;
+  p.div_grid = FastDiv(grid);
+  set_work_order(p, sk90w::kOrderStatic);
   return true;
 }
 

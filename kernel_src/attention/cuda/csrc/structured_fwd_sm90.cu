@@ -46,11 +46,12 @@ using Smem = FwdSmem<kBarBytes, 2, 2, D>;
 // block_diagonal 512-1024 (256-512 keys).
 constexpr long long kLongRowKeys = 2048;
 
-// Persistent: CTA c computes work tiles c, c + gridDim.x, ... The K/V ring and its barrier phases run
-// on across work tiles (counter `cnt`), and the producer loads the next tile's Q (into the other Q buffer,
-// once both consumers have finished the last Q K^T of the tile before) and first K/V tiles while the consumers
-// work on the current one.
-template <bool BF16, bool LISTED, bool WG_UNIFORM, int D>
+// Persistent: CTA c computes work tiles c, c + gridDim.x, ... in the order the host chose (sm90_work_order.h:
+// static, or blocks of gridDim.x tiles in alternating directions where that balances the CTAs' loads). The K/V
+// ring and its barrier phases run on across work tiles (counter `cnt`), and the producer loads the next tile's Q
+// (into the other Q buffer, once both consumers have finished the last Q K^T of the tile before) and first K/V
+// tiles while the consumers work on the current one.
+template <bool BF16, bool LISTED, bool WG_UNIFORM, int D, bool SINK_STEP = false>
 __global__ void __launch_bounds__(kThreads, 1)
     structured_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         work_coords(p, w, m, bh);
         const int b = p.div_hq.div(bh), h = bh - b * p.Hq;
         const int kvh = p.div_group.div(h);
-        const TileRange tr = tile_range<LISTED>(p, m, bh);
+        const TileRange tr = tile_range<LISTED, SINK_STEP>(p, m, bh);
         sm.load_q(&tm_q, local, m, h, b);
         for (int it = 0; it < tr.count; ++it, ++cnt) {
           const int s = cnt % Sm::kRing;
@@ -91,20 +92,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  fwd_consumer<BF16, false, LISTED, WG_UNIFORM>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
+  fwd_consumer<BF16, false, LISTED, WG_UNIFORM, SINK_STEP>(p, sm, nullptr, nullptr, [](int, int) { return 0; });
 }
 
-// The structured (not listed) kernel of head dim D for a launch: WG_UNIFORM for rows of kLongRowKeys keys or more
-// on average.
-template <int D>
+// The structured (not listed) kernel of head dim D and sink step SINK_STEP for a launch: WG_UNIFORM for rows of
+// kLongRowKeys keys or more on average.
+template <int D, bool SINK_STEP>
 int launch_structured(bool bf16, bool uniform, int grid, void* stream, char* err, int errlen, const CUtensorMap& tq,
                       const CUtensorMap& tk, const CUtensorMap& tv, const FwdParams& p) {
-  const auto kernel = uniform ? (bf16 ? structured_fwd_kernel<true, false, true, D>
-                                      : structured_fwd_kernel<false, false, true, D>)
-                              : (bf16 ? structured_fwd_kernel<true, false, false, D>
-                                      : structured_fwd_kernel<false, false, false, D>);
+  const auto kernel = uniform ? (bf16 ? structured_fwd_kernel<true, false, true, D, SINK_STEP>
+                                      : structured_fwd_kernel<false, false, true, D, SINK_STEP>)
+                              : (bf16 ? structured_fwd_kernel<true, false, false, D, SINK_STEP>
+                                      : structured_fwd_kernel<false, false, false, D, SINK_STEP>);
   return launch_kernel(kernel, grid, kThreads, Smem<D>::kBytes, stream, err, errlen, tq, tk, tv, p);
 }
+
+// Streaming with up to this many sinks takes fwd_consumer's SINK_STEP kernels (one step of 16 keys for the sinks
+// instead of a key tile of 128).
+constexpr int kSinkStepMax = 16;
 
 }  // namespace sk90
 
@@ -128,12 +133,22 @@ extern "C" int sk90_structured_fwd(const void* q, const void* k, const void* v, 
   if (!prepare_fwd(p, tq, tk, tv, grid, q, k, v, out, lse, strides, B, Hq, Hkv, S, bf16, pattern, window, sinks, scale,
                    err, errlen, D))
     return 1;
+  const int order = sk90w::choose_work_order(pattern, window, sinks, S, B, Hq, Hkv, grid);
+  if (order < 0) {
+    snprintf(err, errlen, "SPARSE_K_WORK_ORDER=%s: static, snake or head_snake (or unset) is allowed",
+             getenv("SPARSE_K_WORK_ORDER"));
+    return 1;
+  }
+  set_work_order(p, order);
   // rows of kLongRowKeys keys or more on average: fwd_consumer's WG_UNIFORM variant (sm90_fwd_mainloop.cuh)
   const long long span = window < S ? window : S;
   const long long row_keys = pattern == 0 ? S / 2 : pattern == 3 ? span / 2 : span;
   const bool uniform = row_keys >= kLongRowKeys;
-  return D == 64 ? launch_structured<64>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p)
-                 : launch_structured<128>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p);
+  if (pattern == 2 && sinks >= 1 && sinks <= kSinkStepMax)
+    return D == 64 ? launch_structured<64, true>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p)
+                   : launch_structured<128, true>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p);
+  return D == 64 ? launch_structured<64, false>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p)
+                 : launch_structured<128, false>(bf16, uniform, grid, stream, err, errlen, tq, tk, tv, p);
 }
 
 // Host entry point of the listed forward (bigbird): the block layout's full / partial key tile counts

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-  fwd_consumer<BF16, true, false, true>(p, sm, sbias, sthr, [&](int m, int bh) {
+  fwd_consumer<BF16, true, false, true, false>(p, sm, sbias, sthr, [&](int m, int bh) {
     long long ioff, woff;
     const int b = p.div_hq.div(bh);
     return cdiv(sel_slots(p, m, b, p.div_group.div(bh - b * p.Hq), ioff, woff), kBlockN);
