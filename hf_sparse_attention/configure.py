@@ -133,7 +133,10 @@ def configure(
                 raise TypeError(f"configure(): `dense_layers` must be a list of layer indices, got {value!r}")
             cfg[name] = list(value) if name == "dense_layers" else value
     configs = _configs(target)
-    _check_layer_range(validate_sparse_config(cfg), _num_layers(configs))
+    checked = validate_sparse_config(cfg)
+    _check_layer_range(checked, _num_layers(configs))
+    if "dense_layers" in cfg:  # as plain ints (numpy integers are accepted): the config stays JSON-friendly
+        cfg["dense_layers"] = checked["dense_layers"]
     if isinstance(target, torch.nn.Module):
         _switch_to_sparse(target)
     for config in configs:

@@ -62,12 +62,14 @@ def validate_sparse_config(cfg: dict | None) -> dict:
         _check_causal(_layer_pattern(spec), f"config.sparse_attention['layers'][{key!r}]")
         norm_layers[str(idx)] = spec
     cfg["layers"] = norm_layers
-    dense = cfg.get("dense_layers") or []
-    if not isinstance(dense, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+    dense = cfg.get("dense_layers")
+    dense = [] if dense is None else dense
+    if not isinstance(dense, (list, tuple)) or not all(_is_index(i) for i in dense):
         raise TypeError(f"config.sparse_attention['dense_layers'] must be a list of ints, got {dense!r}")
+    dense = [operator.index(i) for i in dense]  # numpy integers as plain ints: the config stays JSON-friendly
     if any(i < 0 for i in dense):
-        raise ValueError(f"config.sparse_attention['dense_layers'] must hold layer indices >= 0, got {list(dense)}")
-    cfg["dense_layers"] = list(dense)
+        raise ValueError(f"config.sparse_attention['dense_layers'] must hold layer indices >= 0, got {dense}")
+    cfg["dense_layers"] = dense
     selector_path = cfg.get("selector_path")
     if selector_path is not None and not isinstance(selector_path, str):
         raise TypeError(f"config.sparse_attention['selector_path'] must be a file path (str) or None, got {selector_path!r}")
@@ -94,6 +96,11 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     return cfg
 
 
+def _is_index(value) -> bool:
+    """An integer a layer index can be: an int or a numpy integer, not a bool, float or string."""
+    return not isinstance(value, (bool, str)) and hasattr(type(value), "__index__")
+
+
 def layer_index(key, where: str) -> int:
     """A ``layers`` key: a layer index, or its decimal string (a JSON key), as an int >= 0. ValueError for a string
     that is not one or a negative index, TypeError for any other type (a float or a bool is not an index)."""
@@ -102,7 +109,7 @@ def layer_index(key, where: str) -> int:
             idx = int(key)
         except ValueError:
             raise ValueError(f"{where} keys must be layer indices, got {key!r}") from None
-    elif isinstance(key, bool) or not hasattr(type(key), "__index__"):
+    elif not _is_index(key):
         raise TypeError(f"{where} keys must be layer indices (int), got {key!r}")
     else:
         idx = operator.index(key)

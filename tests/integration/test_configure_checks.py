@@ -59,6 +59,8 @@ def test_layer_keys_and_dense_layers_accept_index_likes():
     cfg = hf_sparse_attention.configure(copy.deepcopy(model), "dense", layers={np.int64(1): "sliding_window"},
                                         dense_layers=range(1))
     assert cfg["layers"] == {"1": "sliding_window"} and cfg["dense_layers"] == [0]
+    cfg = hf_sparse_attention.configure(copy.deepcopy(model), "dense", dense_layers=np.array([1, 0]))
+    assert cfg["dense_layers"] == [1, 0] and all(type(i) is int for i in cfg["dense_layers"])
     with pytest.raises(TypeError, match="layer indices"):
         hf_sparse_attention.configure(model, "dense", layers={True: "dense"})
     with pytest.raises(TypeError, match="dense_layers"):
