@@ -185,9 +185,10 @@ __device__ __forceinline__ int ordered_work(const FwdParams& p, int w) {
 
 // Host: p's work-order fields for sm90_work_order.h's `order` (after prepare_fwd's total_work, num_q_tiles, Hq, Hkv).
 inline void set_work_order(FwdParams& p, int order) {
+  const sk90w::OrderBlocks blocks = sk90w::order_blocks(order, (p.Hq / p.Hkv) * p.num_q_tiles, p.total_work);
   p.order = order;
-  p.period = order == sk90w::kOrderHeadSnake ? (p.Hq / p.Hkv) * p.num_q_tiles : p.total_work;
-  p.span = order == sk90w::kOrderStatic ? 0 : p.period;
+  p.period = blocks.period;
+  p.span = blocks.span;
   p.div_period = FastDiv(p.period);
 }
 

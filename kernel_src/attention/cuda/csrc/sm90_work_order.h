@@ -34,14 +34,24 @@ constexpr double kWorkTileCost = 1.0;
 // arithmetic and the tiles it moves cost a little that the model leaves out.
 constexpr double kMinGain = 0.01;
 
-// Work tile w -> the natural work tile under `order` (see above).
-inline int ordered_tile(int order, int w, int grid, int period, int total) {
-  if (order == kOrderStatic) return w;
-  const int base = order == kOrderHeadSnake ? w / period * period : 0;
-  const int span = order == kOrderHeadSnake ? period : total;
+// The blocks an order reverses, as the kernel reads them (FwdParams' period, span): blocks of `grid` work tiles
+// counted from multiples of `period` (one KV head's `head_period` tiles for head_snake, else all `total`), the odd
+// ones that end inside `span` reversed (static: span 0, none).
+struct OrderBlocks {
+  int period, span;
+};
+inline OrderBlocks order_blocks(int order, int head_period, int total) {
+  const int period = order == kOrderHeadSnake ? head_period : total;
+  return {period, order == kOrderStatic ? 0 : period};
+}
+
+// Work tile w -> the natural work tile under `order` (see above); the device's ordered_work with plain divisions.
+inline int ordered_tile(int order, int w, int grid, int head_period, int total) {
+  const OrderBlocks b = order_blocks(order, head_period, total);
+  const int base = w / b.period * b.period;
   const int k = w - base;
   const int block = k / grid;
-  if ((block & 1) && (block + 1) * grid <= span) return base + block * grid + (grid - 1) - (k - block * grid);
+  if ((block & 1) && (block + 1) * grid <= b.span) return base + block * grid + (grid - 1) - (k - block * grid);
   return w;
 }
 
