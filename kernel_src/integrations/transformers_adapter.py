@@ -47,6 +47,7 @@ import torch
 from ..api import sparse_attention
 from ..layouts.geometry import row_geometry
 from ..layouts.patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
+from ..selection.beam_rows import realign, remember
 from ..selection.step_state import new_state_dict
 from ..warn import warn_once
 from .cache_protocol import announced_layer
@@ -411,8 +412,16 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module,
         state = module.__dict__.get(SELECTION_STATE_ATTR)
         if state is None:
             state = new_state_dict(module, SELECTION_STATE_ATTR)
-    return build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo,
-                           state=state, state_slots=cache_slots)
+    # Memos of a block's first query follow the cache's rows when beam search reorders them (selection.beam_rows).
+    memos = [memo, getattr(selector, "_block_memo", None) if selector is not None else None]
+    for m in memos:
+        realign(m, key, geometry.k_start, pattern.query_block)
+    layout = build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo,
+                             state=state, state_slots=cache_slots)
+    memos[1] = getattr(selector, "_block_memo", None) if selector is not None else None  # made by the first call
+    for m in memos:
+        remember(m, key, geometry.k_start, pattern.query_block)
+    return layout
 
 
 def attention_forward(

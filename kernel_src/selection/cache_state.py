@@ -104,6 +104,10 @@ class CachedSelection:
                 self.memo[name].copy_(pick(self.memo[name]))
         for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
             self.memo.pop(name, None)
+        index_memo = getattr(self._index_owner, "_block_memo", None)  # a DSA indexer's block-first query memo
+        for name in ("block", "q", "w") if isinstance(index_memo, dict) else ():
+            if name in index_memo and index_memo[name].shape[0] == beam_idx.shape[0]:
+                index_memo[name].copy_(pick(index_memo[name]))
         if self._first_query is not None:
             self._first_query = (self._first_query[0], pick(self._first_query[1]))
         if self.state is not None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hf_sparse_attention
+from hf_sparse_attention.selectors import attach_selectors, create_selectors
 from tiny_models import FIXED_PATTERNS, VOCAB, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -112,3 +113,50 @@ def test_learned_pattern_generate_equals_recompute(name):
     with torch.no_grad():
         learned = model(gen).logits
     assert (learned - static_only).abs().max() > 1e-2
+
+
+LEARNED_PARAMS = {"sinks": 2, "window": 8, "top_k": 4, "query_block": 4}
+
+
+def _beam_setup(name, trained, seed):
+    model = _setup("llama", name, LEARNED_PARAMS if name in ("sparse_k", "dsa") else GEN_PATTERNS[name], seed=seed)
+    if trained:  # random selectors, weights large enough that their choices differ from the training-free ones
+        torch.manual_seed(seed)
+        selectors = create_selectors(model)
+        for sel in selectors.values():
+            for w in sel.parameters():
+                torch.nn.init.normal_(w, std=0.5)
+        attach_selectors(model, selectors)
+    return model
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "sparse"])
+@pytest.mark.parametrize("name,trained", [("streaming", False), ("bigbird", False), ("sparse_k", False), ("dsa", False),
+                                          ("sparse_k", True), ("dsa", True)])
+def test_beam_search_with_cache_equals_beam_search_recomputed(name, trained, cache):
+    """``num_beams`` reorders the cache's rows between steps (``reorder_cache``); the selection's memo of a query
+    block's first query must follow them (blocks of 4 queries span several decode steps), so the beams equal those
+    of a search that recomputes every prefix."""
+    for seed in range(2):
+        model = _beam_setup(name, trained, seed)
+        ids = torch.randint(1, VOCAB, (2, 13))
+        kw = dict(max_new_tokens=14, min_new_tokens=14, do_sample=False, pad_token_id=0, num_beams=3)
+        extra = {"dynamic": {}, "static": {"cache_implementation": "static"},
+                 "sparse": {"past_key_values": hf_sparse_attention.SparseCache(model)}}[cache]
+        with torch.no_grad():
+            cached = model.generate(ids, **extra, **kw)
+            recomputed = model.generate(ids, use_cache=False, **kw)
+        assert torch.equal(cached, recomputed), (seed, cached, recomputed)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "sparse_k"])
+def test_prompt_lookup_decoding_equals_greedy(name):
+    """Prompt-lookup (assisted) decoding drafts tokens and crops the cache where the model rejects them; greedy
+    decoding must come out the same."""
+    model = _setup("llama", name, LEARNED_PARAMS if name == "sparse_k" else GEN_PATTERNS[name], seed=5)
+    ids = torch.randint(1, VOCAB, (1, 6)).repeat(1, 4)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        drafted = model.generate(ids, prompt_lookup_num_tokens=3, **kw)
+        greedy = model.generate(ids, **kw)
+    assert torch.equal(drafted, greedy)
