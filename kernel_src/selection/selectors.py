@@ -238,10 +238,14 @@ def build_selection(
         return memo["layout"]
     first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
     if selector is None:
+        per_query = pattern.query_block == 1 and getattr(pattern, "refine", 0) >= 8
         warn_once(
             f"{pattern.name}: no trained selector for layer {layer_idx} (and maybe others); using the training-free "
             "query-aware page selection (Quest-style, see sparse_k.selection.page_selection); trained selectors do better: "
-            "train one with scripts/train_selector.py and set config.sparse_attention['selector_path'].",
+            "train one with scripts/train_selector.py and set config.sparse_attention['selector_path']."
+            + ("" if per_query else " Blocks of queries that share one selection miss facts far back in the context; "
+               "query_block=1, refine=8 selects per query and retrieves like dense attention, at several times its "
+               "prefill cost (docs/selection.md)."),
             key=f"{pattern.name}: training-free selection",
         )
         layout = quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, K, span, memo=memo,

@@ -68,7 +68,16 @@ def test_fallback_is_the_page_selection_and_warns_once():
         build_selection(pattern, q, k, v, geo, layer_idx=5)
     msgs = [str(w.message) for w in rec if "training-free" in str(w.message)]
     assert len(msgs) == 1 and "trained selectors do better" in msgs[0]
+    assert "query_block=1, refine=8" in msgs[0]  # the training-free setting that retrieves
     assert lay.weights is None and int(lay.counts.max()) > 0
+
+    per_query = sparse_k.SparseK(sinks=2, window=8, top_k=5, query_block=1, refine=8)
+    _WARNED.discard("sparse_k: training-free selection")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        build_selection(per_query, q, k, v, geo, layer_idx=5)
+    msgs = [str(w.message) for w in rec if "training-free" in str(w.message)]
+    assert len(msgs) == 1 and "refine=8 selects per query" not in msgs[0]  # already the per-query setting
 
 
 def test_dsa_selection_matches_definition_and_is_shared_by_heads():
