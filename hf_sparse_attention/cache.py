@@ -235,10 +235,16 @@ class SelectionLayer(_KeptKeysLayer):
         self.selection.reorder(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove <= 0 and not self.selection.evicted:
+        """Transformers' convention: ``-n`` drops the last ``n`` tokens; a positive value (Transformers before 5.18)
+        is the number of tokens to keep. Raises ``ValueError`` once keys were evicted, or where the cut lands inside a
+        query block whose first query the selection no longer holds (``CachedSelection.crop``)."""
+        seen = self.cumulative_length
+        length = seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        if tokens_to_remove == 0 or length >= seen:
             return
-        length = self.cumulative_length - max(tokens_to_remove, 0)
-        self.selection.crop(length)  # raises once keys were evicted
+        if length < 0:
+            raise ValueError(f"SparseCache: cannot drop {-tokens_to_remove} tokens from a layer that holds {seen}")
+        self.selection.crop(length, seen)
         self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
         self.cumulative_length = length
 

@@ -113,10 +113,21 @@ class CachedSelection:
         if self.state is not None:
             self.state.select_rows(beam_idx)
 
-    def crop(self, length: int) -> None:
-        """The cache was cut back to its first ``length`` tokens (only before any eviction)."""
+    def crop(self, length: int, seen: int) -> None:
+        """The cache was cut back from ``seen`` tokens to its first ``length`` (only before any eviction, and not
+        inside a query block whose first query a later block's replaced in the memo: the next call would continue
+        that block without it)."""
         if self.evicted:
             raise ValueError("a SparseCache layer that evicted keys cannot be cropped")
+        qb = self.pattern.query_block
+        first_query_memo = ("block" in self.memo or self._first_query is not None
+                            or isinstance(getattr(self._index_owner, "_block_memo", None), dict))
+        if first_query_memo and length % qb and (seen - 1) // qb > length // qb:
+            raise ValueError(
+                f"SparseCache: cannot cut back to {length} tokens, inside query block {length // qb} "
+                f"(query_block={qb}): the selection keeps the first query of the latest block only, and that block is "
+                f"now {(seen - 1) // qb}; cut at a multiple of query_block, or use query_block=1"
+            )
         self.state = None  # rebuilt from scratch at the next call
         if self.index_keys is not None:
             self.index_keys = self.index_keys[:, :length]

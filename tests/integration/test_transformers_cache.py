@@ -190,3 +190,28 @@ def test_beam_reorder_drops_the_reused_decode_layout():
     cache.reorder_cache(torch.tensor([1, 0]))
     assert all("layout" not in m and "layout_key" not in m for m in memos)
     assert all(torch.equal(m["block"], b.flip(0)) for m, b in zip(memos, block))
+
+
+@pytest.mark.parametrize("name", ["sparse_k", "dsa"])
+def test_learned_layers_crop_like_transformers_and_refuse_a_lost_block_start(name):
+    """``cache.crop(-n)`` (Transformers' convention: drop the last n tokens; positive = tokens to keep, before 5.18)
+    rolls a learned SparseCache layer back like a DynamicCache; a cut inside a query block whose first query the
+    memo has already replaced by a later block's raises instead of continuing that block without it."""
+    model = tiny_model("llama", seed=5)
+    hf_sparse_attention.configure(model, name, sinks=2, window=8, top_k=4, query_block=4)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(1, VOCAB, (1, 26))
+    with torch.no_grad():
+        for drop, keep in ((-6, 20), (20, 20), (-1, 25)):  # to a block start (twice), then inside the latest block
+            cache = SparseCache(model, evict=False)
+            model(ids[:, :20], past_key_values=cache)
+            model(ids[:, 20:], past_key_values=cache)  # draft tokens 20-25 (blocks 5 and 6)
+            cache.crop(drop)
+            assert cache.get_seq_length() == keep
+            out = model(ids[:, keep:keep + 1], past_key_values=cache).logits[:, -1]
+            ref = model(ids[:, :keep + 1], use_cache=False).logits[:, -1]
+            assert (out - ref).abs().max() < 1e-5, (drop, (out - ref).abs().max())
+        cache = SparseCache(model, evict=False)
+        model(ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="inside query block 5"):
+            cache.crop(-5)  # to 21: block 5's first query (position 20) is no longer in the memo (block 6's is)
