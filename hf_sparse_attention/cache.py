@@ -55,7 +55,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from sparse_k.integrations.cache_protocol import announce
 from sparse_k.integrations.config import validate_sparse_config
@@ -72,7 +72,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch.Tensor:
-    """Move RoPE-rotated ``keys (B, H, n, D)`` by ``shift`` positions (``rotate_half`` convention)."""
+    """Move RoPE-rotated ``keys (B, H, n, D)`` by ``shift`` positions (``rotate_half`` convention, every one of the
+    ``D`` dimensions rotated: ``inv_freq`` has ``D / 2`` entries)."""
+    if 2 * inv_freq.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"SparseCache(mode='rolling') re-rotates whole keys, but this model's rotary embedding covers "
+            f"{2 * inv_freq.shape[-1]} of the keys' {keys.shape[-1]} dimensions (partial rotary or MLA); "
+            "use mode='original' (cache_positions='original')"
+        )
     angle = shift * inv_freq.to(device=keys.device, dtype=torch.float64)
     angle = torch.cat((angle, angle))
     cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)
@@ -290,6 +297,19 @@ def _model_windows(config, n_layers):
     return [window if t == "sliding_attention" else None for t in types], list(types)
 
 
+def _check_attention_only(config) -> None:
+    """``ValueError`` for a model with layers that are not plain attention (Mamba, linear attention, hybrids): the
+    layer Transformers' own cache gives them carries recurrent state that ``SparseCache`` does not keep."""
+    plain = ("DynamicLayer", "DynamicSlidingWindowLayer")
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        if type(layer).__name__ not in plain:
+            raise ValueError(
+                f"SparseCache: layer {i} of this {getattr(config, 'model_type', 'model')} model is not a plain attention "
+                f"layer (Transformers caches it as {type(layer).__name__}); SparseCache takes attention-only models: "
+                "use the model's own cache (the default DynamicCache) with attn_implementation='sparse_k'"
+            )
+
+
 def _inv_freq(model, layer_type):
     for module in model.modules():
         if module.__class__.__name__.endswith("RotaryEmbedding"):
@@ -320,6 +340,7 @@ class SparseCache(Cache):
         if mode not in ("original", "rolling"):
             raise ValueError(f"SparseCache: `mode` must be 'original' or 'rolling', got {mode!r}")
         n_layers = config.num_hidden_layers
+        _check_attention_only(config)
         windows, types = _model_windows(config, n_layers)
         modules = {}
         if isinstance(model, torch.nn.Module):

@@ -215,3 +215,31 @@ def test_learned_layers_crop_like_transformers_and_refuse_a_lost_block_start(nam
         model(ids, past_key_values=cache)
         with pytest.raises(ValueError, match="inside query block 5"):
             cache.crop(-5)  # to 21: block 5's first query (position 20) is no longer in the memo (block 6's is)
+
+
+def test_hybrid_models_are_refused_by_name():
+    """A model with Mamba / linear-attention layers: SparseCache refuses it at construction, naming the layer and the
+    cache layer Transformers gives it (the recurrent state SparseCache does not keep), instead of failing in generate."""
+    import model_families as mf
+
+    try:
+        model = mf.build("qwen3_next", "sparse_k")
+    except Exception as exc:  # noqa: BLE001 - an older transformers without the model, or without its tiny config
+        pytest.skip(f"qwen3_next not buildable here: {exc}")
+    kinds = [type(layer).__name__ for layer in transformers.DynamicCache(config=model.config).layers]
+    if all(k in ("DynamicLayer", "DynamicSlidingWindowLayer") for k in kinds):
+        pytest.skip(f"this transformers caches qwen3_next's layers as {kinds}: nothing to refuse")
+    with pytest.raises(ValueError, match=r"layer 0 of this qwen3_next model is not a plain attention layer"):
+        SparseCache(model)
+
+
+def test_rolling_positions_refuse_partial_rotary_keys():
+    """``mode="rolling"`` re-rotates whole keys: a model whose rotary embedding covers part of the head (phi) gets a
+    ValueError naming both sizes at the first re-rotation, not a shape error."""
+    import model_families as mf
+
+    model = mf.build("phi", "sparse_k")
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+    ids, _ = mf._inputs()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"covers 8 of the keys' 16 dimensions"):
+        model.generate(ids, past_key_values=SparseCache(model), max_new_tokens=4, do_sample=False, pad_token_id=0)
