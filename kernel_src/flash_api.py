@@ -10,7 +10,9 @@
 ``window_size=(left, right)`` follows FlashAttention: key ``j`` is attended by query ``i`` when
 ``i - left <= j <= i + right`` (``-1`` = unbounded). Causal with a finite ``left`` is the
 ``sliding_window`` pattern with ``window = left + 1``; non-causal with ``left == right`` is the
-bidirectional ``sliding_window`` with ``window = left``. Other patterns go through ``pattern=``.
+bidirectional ``sliding_window`` with ``window = left``. Other patterns go through ``pattern=`` (a name, dict or
+pattern object) and keep their own causality, except that ``causal=True`` makes a bidirectional one causal (``False``
+is FlashAttention's default, so it changes nothing: ``pattern={"pattern": "dense", "causal": False}`` for two-way).
 Queries are aligned bottom-right, as in FlashAttention 2.1+.
 """
 
@@ -25,11 +27,11 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 
 
 def _pattern_from_window(window_size, causal: bool, pattern) -> Pattern:
-    if pattern is not None:
+    if pattern is not None:  # the pattern's own causality; causal=True (FlashAttention's default is False) forces it
         p = get_pattern(pattern)
         if window_size not in ((-1, -1), [-1, -1]):
             raise ValueError("pass either `pattern` or `window_size`, not both")
-        return p
+        return p.replace(causal=True) if causal and not p.causal else p
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"`window_size` must be a pair (left, right), got {window_size!r}")
     left, right = (int(x) for x in window_size)
