@@ -413,12 +413,12 @@ def _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module,
         if state is None:
             state = new_state_dict(module, SELECTION_STATE_ATTR)
     # Memos of a block's first query follow the cache's rows when beam search reorders them (selection.beam_rows).
-    memos = [memo, getattr(selector, "_block_memo", None) if selector is not None else None]
+    memos = [memo, getattr(selector, "_block_memo", None)]
     for m in memos:
         realign(m, key, geometry.k_start, pattern.query_block)
     layout = build_selection(pattern, query, key, value, geometry, layer_idx=layer_idx, selector=selector, memo=memo,
                              state=state, state_slots=cache_slots)
-    memos[1] = getattr(selector, "_block_memo", None) if selector is not None else None  # made by the first call
+    memos[1] = getattr(selector, "_block_memo", None)  # made by the first call
     for m in memos:
         remember(m, key, geometry.k_start, pattern.query_block)
     return layout

@@ -24,7 +24,7 @@ import torch
 from ..layouts.token_layout import TokenLayout
 from .step_state import state_buffers
 
-__all__ = ["FINGERPRINT", "ROW_ENTRIES", "realign", "remember"]
+__all__ = ["FINGERPRINT", "ROW_ENTRIES", "realign", "remember", "select_rows"]
 
 #: The memo entry holding each row's fingerprint ``(B, Hkv, D)``.
 FINGERPRINT = "row_key"
@@ -61,13 +61,19 @@ def realign(memo: dict | None, key: torch.Tensor, k_start: torch.Tensor, query_b
     rows = torch.arange(B, device=key.device)
     dist[rows, rows] = torch.where(dist[rows, rows] <= dist.amin(1), -1.0, dist[rows, rows])  # ties: the row itself
     src = torch.where(torch.isfinite(dist).any(1), dist.argmin(1), rows)  # (B,) old row of each new row
-    for name in ROW_ENTRIES:  # by name: a traced step reads (and guards on) only these entries
-        value = memo.get(name)
-        if isinstance(value, torch.Tensor) and value.shape[:1] == (B,):
-            value.copy_(value.index_select(0, src))  # buffers written in place (step_state: CUDA-graph safe)
+    select_rows(memo, src)
     layout = memo.get("layout")  # the reused decode layout (eager decode over a dynamic cache only)
     if isinstance(layout, TokenLayout) and layout.indices.shape[0] == B:
         memo["layout"] = _layout_rows(layout, src)
+
+
+def select_rows(memo: dict, rows: torch.Tensor) -> None:
+    """Row ``i`` of every per-row entry of ``memo`` becomes the old row ``rows[i]`` (in place: the buffers may sit in a
+    captured step, ``step_state``). By name: a traced step reads (and guards on) only these entries."""
+    for name in ROW_ENTRIES:
+        value = memo.get(name)
+        if isinstance(value, torch.Tensor) and value.shape[:1] == rows.shape:
+            value.copy_(value.index_select(0, rows.to(value.device)))
 
 
 def _layout_rows(layout: TokenLayout, src: torch.Tensor) -> TokenLayout:

@@ -29,6 +29,7 @@ import torch
 from ..layouts.geometry import row_geometry
 from ..layouts.patterns import DSA, SparseK
 from ..layouts.token_layout import TokenLayout
+from .beam_rows import select_rows
 from .decode_selection import SparseKDecodeState
 from .page_selection import most_probable, refine_probabilities, static_positions
 from .selectors import build_selection, pool_pattern
@@ -99,15 +100,12 @@ class CachedSelection:
         """Reorder the rows (beam search): row ``i`` becomes the old row ``beam_idx[i]``."""
         pick = lambda t: None if t is None else t.index_select(0, beam_idx.to(t.device))
         self.front_pos, self.index_keys = pick(self.front_pos), pick(self.index_keys)
-        for name in ("block", "q"):
-            if name in self.memo:  # buffers written in place (step_state)
-                self.memo[name].copy_(pick(self.memo[name]))
+        select_rows(self.memo, beam_idx)
         for name in ("layout_key", "layout"):  # the reused decode layout belongs to the old row order
             self.memo.pop(name, None)
         index_memo = getattr(self._index_owner, "_block_memo", None)  # a DSA indexer's block-first query memo
-        for name in ("block", "q", "w") if isinstance(index_memo, dict) else ():
-            if name in index_memo and index_memo[name].shape[0] == beam_idx.shape[0]:
-                index_memo[name].copy_(pick(index_memo[name]))
+        if isinstance(index_memo, dict):
+            select_rows(index_memo, beam_idx)
         if self._first_query is not None:
             self._first_query = (self._first_query[0], pick(self._first_query[1]))
         if self.state is not None:
