@@ -29,9 +29,9 @@ __all__ = ["FINGERPRINT", "ROW_ENTRIES", "realign", "remember", "select_rows"]
 #: The memo entry holding each row's fingerprint ``(B, Hkv, D)``.
 FINGERPRINT = "row_key"
 
-#: The per-row tensors of the memos (``page_selection``: block, first query and the ``OBS`` ring; the DSA indexer's:
-#: block, indexer query, head weights); each is ``(B, ...)``.
-ROW_ENTRIES = ("block", "q", "w", "obs", "ovalid", "oblock", "ring", "rvalid", "ring_end")
+#: The per-row tensors of the memos (``block_ring``'s latest block, ring block ids and first queries, with the DSA
+#: indexer's head weights; ``page_selection``'s ``OBS`` ring); each is ``(B, ...)``.
+ROW_ENTRIES = ("block", "blocks", "q", "w", "obs", "ovalid", "oblock", "ring", "rvalid", "ring_end")
 
 
 def _block_slots(memo: dict, key: torch.Tensor, k_start: torch.Tensor, query_block: int):

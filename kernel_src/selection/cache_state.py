@@ -30,6 +30,7 @@ from ..layouts.geometry import row_geometry
 from ..layouts.patterns import DSA, SparseK
 from ..layouts.token_layout import TokenLayout
 from .beam_rows import select_rows
+from .block_ring import ring_blocks
 from .decode_selection import SparseKDecodeState
 from .page_selection import most_probable, refine_probabilities, static_positions
 from .selectors import build_selection, pool_pattern
@@ -64,7 +65,7 @@ class CachedSelection:
         self.index_keys: torch.Tensor | None = None
         self.memo: dict = {}  # training-free selection: the current block's first query (page_selection)
         self._index_owner = None
-        self._first_query: tuple[int, torch.Tensor] | None = None  # refine: (block, its first query (B, Hq, D))
+        self._first_queries: dict[int, torch.Tensor] = {}  # refine: block -> its first query (B, Hq, D), the last few
 
     @property
     def evicted(self) -> bool:
@@ -106,26 +107,27 @@ class CachedSelection:
         index_memo = getattr(self._index_owner, "_block_memo", None)  # a DSA indexer's block-first query memo
         if isinstance(index_memo, dict):
             select_rows(index_memo, beam_idx)
-        if self._first_query is not None:
-            self._first_query = (self._first_query[0], pick(self._first_query[1]))
+        self._first_queries = {blk: pick(q) for blk, q in self._first_queries.items()}
         if self.state is not None:
             self.state.select_rows(beam_idx)
 
     def crop(self, length: int, seen: int) -> None:
         """The cache was cut back from ``seen`` tokens to its first ``length`` (only before any eviction, and not
-        inside a query block whose first query a later block's replaced in the memo: the next call would continue
-        that block without it)."""
+        inside a query block whose first query the memo no longer keeps: it keeps the last ``block_ring.ring_blocks``
+        blocks', and the next call would continue that block without it)."""
         if self.evicted:
             raise ValueError("a SparseCache layer that evicted keys cannot be cropped")
         qb = self.pattern.query_block
-        first_query_memo = ("block" in self.memo or self._first_query is not None
+        kept = ring_blocks(qb)
+        first_query_memo = ("blocks" in self.memo or self._first_queries
                             or isinstance(getattr(self._index_owner, "_block_memo", None), dict))
-        if first_query_memo and length % qb and (seen - 1) // qb > length // qb:
+        if first_query_memo and length % qb and (seen - 1) // qb - length // qb >= kept:
             raise ValueError(
                 f"SparseCache: cannot cut back to {length} tokens, inside query block {length // qb} "
-                f"(query_block={qb}): the selection keeps the first query of the latest block only, and that block is "
-                f"now {(seen - 1) // qb}; cut at a multiple of query_block, or use query_block=1"
+                f"(query_block={qb}): the selection keeps the first queries of the last {kept} blocks only, and the "
+                f"latest is block {(seen - 1) // qb}; cut at a multiple of query_block, or by fewer tokens"
             )
+        self._first_queries = {blk: q for blk, q in self._first_queries.items() if blk * qb < length}
         self.state = None  # rebuilt from scratch at the next call
         if self.index_keys is not None:
             self.index_keys = self.index_keys[:, :length]
@@ -200,18 +202,19 @@ class CachedSelection:
         return torch.cat(outs, 2)
 
     def _keep_first_query(self, query, seen) -> None:
-        """``refine``: keep the first query of the block of the call's last query when the call holds it."""
+        """``refine``: keep the first queries of the last ``block_ring.ring_blocks`` blocks (those the call holds)."""
         if not getattr(self.pattern, "refine", 0):
             return
         bq, q0 = self.pattern.query_block, seen - query.shape[2]
-        blk = (seen - 1) // bq
-        if blk * bq >= q0:
-            self._first_query = (blk, query[:, :, blk * bq - q0].detach().clone())
+        last, kept = (seen - 1) // bq, ring_blocks(bq)
+        for blk in range(max(-(-q0 // bq), last - kept + 1), last + 1):
+            self._first_queries[blk] = query[:, :, blk * bq - q0].detach().clone()
+        self._first_queries = {blk: q for blk, q in self._first_queries.items() if blk > last - kept}
 
     def _kept_first_query(self, blk: int) -> torch.Tensor:
-        if self._first_query is None or self._first_query[0] != blk:
+        if blk not in self._first_queries:
             raise RuntimeError(f"SparseCache: the first query of block {blk} was not kept (refine needs it)")
-        return self._first_query[1]
+        return self._first_queries[blk]
 
     def _refine(self, first, key, positions, blk: int, seen: int):
         """The ``top_k`` of the block's pool ``positions (B, Hkv, Kp)`` with the largest attention probability of the

@@ -34,9 +34,9 @@ retrieve in the screening). With ``OBS`` the decode memo also keeps a ring of th
 last ``OBS`` queries and the current block's observation queries.
 
 Decoding: a call that starts inside a block needs that block's first query, which an earlier call
-saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: the block and
-the first queries of each row's last block, ``(B, Hq, D)``); without a matching memo it uses the
-call's first query and warns once (as the DSA indexer does). The memo's tensors are buffers written in
+saw. ``quest_layout`` reads and updates a *memo* (a dict the caller keeps per layer: a ``block_ring`` of the first
+queries ``(Hq, D)`` of each row's last few blocks, so that assisted decoding can cut back into an earlier block);
+without a matching memo it uses the call's first query and warns once (as the DSA indexer does). The memo's tensors are buffers written in
 place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
 
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
@@ -55,6 +55,7 @@ import torch
 from ..layouts.geometry import host_rows
 from ..warn import warn_once
 from .kernel_module import KernelModule, interpreter_on
+from . import block_ring
 from .step_state import state_buffers
 
 __all__ = ["DEFAULT_PAGE", "block_queries", "expand_pages", "most_probable", "obs_page_scores", "observe", "page_size",
@@ -532,8 +533,9 @@ def _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O):
 def block_queries(query, q_pos0, block_start, host, query_block, memo, first, block_ok, G):
     """First query of every block ``(B, Hkv, NB, G, D)``; reads and updates ``memo`` (module docstring).
 
-    Host-known offsets: the memo's block ids are compared on the host (``memo["block_host"]``), so
-    nothing reads the device; with device-only offsets the memo is applied where it matches, unchecked.
+    The memo is a ``block_ring`` of the last few blocks' first queries. Host-known offsets: whether it holds the
+    block a call starts inside is checked on the host (its mirror), so nothing reads the device; with device-only
+    offsets the memo is applied where it matches, unchecked.
     """
     B, Hq, Sq, D = query.shape
     qi = block_start - q_pos0[:, None]  # (B, NB) query tensor index of each block's first query
@@ -541,29 +543,23 @@ def block_queries(query, q_pos0, block_start, host, query_block, memo, first, bl
     g = qi.clamp(0, Sq - 1)[:, None, :, None].expand(B, Hq, qi.shape[1], D)
     qb = _compute(query.gather(2, g))  # (B, Hq, NB, D)
     need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
-    rows_host = None
+    p0 = None
     if host is not None:
         p0 = [max(0, qs - ks) for qs, ks, _ in host_rows(host)]
         p0 = p0 * (B if len(p0) == 1 else 1)
-        rows_host = {"first": [p // query_block for p in p0], "mid": [p % query_block != 0 for p in p0],
-                     "last": [(p + Sq - 1) // query_block for p in p0]}
-    usable = memo is not None and state_buffers(
-        memo, {"block": ((B,), torch.int64, -1), "q": ((B, Hq, D), qb.dtype, 0.0)}, first.device)
-    if usable and rows_host is not None and any(rows_host["mid"]):
-        known = memo.get("block_host")
-        if known is None or any(m and kb != fb for m, kb, fb in zip(rows_host["mid"], known, rows_host["first"])):
-            _warn_memo()
-    elif rows_host is not None and any(rows_host["mid"]):
+    values = {"q": ((Hq, D), qb.dtype)}
+    usable = memo is not None and block_ring.prepare(memo, B, query_block, values, first.device)
+    if p0 is not None and any(p % query_block for p in p0) and not (usable and block_ring.host_has(memo, p0, query_block)):
         _warn_memo()
     if memo is not None:  # buffers written in place (sparse_k.selection.step_state: CUDA-graph safe)
-        use = need & (memo["block"] == first)
-        qb[:, :, 0] = torch.where(use[:, None, None], memo["q"], qb[:, :, 0])
+        found, (q_memo,) = block_ring.lookup(memo, first, ["q"])
+        qb[:, :, 0] = torch.where((need & found)[:, None, None], q_memo, qb[:, :, 0])
         last = block_ok.sum(-1) - 1  # (B,) each row's last block
-        seen = inside.gather(1, last[:, None]).squeeze(1)
-        q_last = qb[torch.arange(B, device=query.device), :, last]  # (B, Hq, D)
-        memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
-        memo["q"].copy_(torch.where(seen[:, None, None], q_last.detach(), memo["q"]))
-        memo["block_host"] = None if rows_host is None else list(rows_host["last"])
+        block_ring.store(memo, first, last, inside, {"q": qb.transpose(1, 2)})
+        if p0 is None:
+            memo["blocks_host"] = None
+        else:
+            block_ring.host_store(memo, p0, Sq, query_block, fresh=not usable)
     return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
 
 

@@ -54,6 +54,7 @@ from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
+from . import block_ring
 from .page_selection import REFINE_LIST_ENTRIES, observe as _observe, block_queries, front_pack, most_probable, page_size, \
     page_summaries, quest_layout, refine_probabilities, row_kernels, static_positions, top_indices as _top_indices, top_mask, \
     top_pages
@@ -743,31 +744,20 @@ def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_b
     memo = indexer._block_memo
     if memo is None:
         memo = new_state_dict(indexer, "_block_memo")
-    # Buffers written in place (sparse_k.selection.step_state: CUDA-graph safe), block ids -1 until a block's first query is seen.
-    memo_ok = state_buffers(memo, {"block": ((B,), torch.int64, -1), "q": (tuple(qb.shape[:1] + qb.shape[2:]), qb.dtype, 0.0),
-                                   "w": ((B, wb.shape[-1]), wb.dtype, 0.0)}, first.device)
-    if host is not None:
-        p0 = [qs - ks for qs, ks, _ in host_rows(host)]
-        if any(p > 0 and p % query_block != 0 for p in p0):
-            if memo_ok and bool((memo["block"][need] == first[need]).all()):
-                qb[:, 0] = torch.where(need[:, None, None], memo["q"], qb[:, 0])
-                wb[:, 0] = torch.where(need[:, None], memo["w"], wb[:, 0])
-            else:
-                warn_once(
-                    "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
-                    "selector on every call of a generation); using the call's first query for that block"
-                )
-    else:
-        use = need & (memo["block"] == first)
-        qb[:, 0] = torch.where(use[:, None, None], memo["q"], qb[:, 0])
-        wb[:, 0] = torch.where(use[:, None], memo["w"], wb[:, 0])
-    last = block_ok.sum(-1) - 1  # (B,) each row's last block
-    ql = qi.gather(1, last[:, None]).squeeze(1)
-    seen = (ql >= 0) & (ql < Sq)  # rows whose last block's first query is in this call
-    rows = torch.arange(B, device=query.device)
-    memo["block"].copy_(torch.where(seen, first + last, memo["block"]))
-    memo["q"].copy_(torch.where(seen[:, None, None], qb[rows, last].detach(), memo["q"]))
-    memo["w"].copy_(torch.where(seen[:, None], wb[rows, last].detach(), memo["w"]))
+    # A block_ring of the last blocks' first queries, in buffers written in place (step_state: CUDA-graph safe).
+    values = {"q": (tuple(qb.shape[2:]), qb.dtype), "w": (tuple(wb.shape[2:]), wb.dtype)}
+    memo_ok = block_ring.prepare(memo, B, query_block, values, first.device)
+    found, (q_memo, w_memo) = block_ring.lookup(memo, first, ["q", "w"])
+    use = need & found
+    if host is not None and any(p > 0 and p % query_block != 0 for p in (qs - ks for qs, ks, _ in host_rows(host))):
+        if not (memo_ok and bool((found | ~need).all())):
+            warn_once(
+                "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
+                "selector on every call of a generation); using the call's first query for that block"
+            )
+    qb[:, 0] = torch.where(use[:, None, None], q_memo, qb[:, 0])
+    wb[:, 0] = torch.where(use[:, None], w_memo, wb[:, 0])
+    block_ring.store(memo, first, block_ok.sum(-1) - 1, inside, {"q": qb, "w": wb})
     return qb, wb
 
 

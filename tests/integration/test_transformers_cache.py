@@ -11,6 +11,7 @@ import torch
 import hf_sparse_attention
 from hf_sparse_attention import SparseCache
 from hf_sparse_attention.cache import BoundedLayer
+from sparse_k.selection import block_ring
 from tiny_models import VOCAB, model_windows, one_thread, tiny_model  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -195,14 +196,17 @@ def test_beam_reorder_drops_the_reused_decode_layout():
 @pytest.mark.parametrize("name", ["sparse_k", "dsa"])
 def test_learned_layers_crop_like_transformers_and_refuse_a_lost_block_start(name):
     """``cache.crop(-n)`` (Transformers' convention: drop the last n tokens; positive = tokens to keep, before 5.18)
-    rolls a learned SparseCache layer back like a DynamicCache; a cut inside a query block whose first query the
-    memo has already replaced by a later block's raises instead of continuing that block without it."""
+    rolls a learned SparseCache layer back like a DynamicCache, also into a block before the latest (the memo keeps
+    the last blocks' first queries: ``block_ring``); a cut inside a block older than the memo keeps raises instead of
+    continuing that block without its first query."""
     model = tiny_model("llama", seed=5)
     hf_sparse_attention.configure(model, name, sinks=2, window=8, top_k=4, query_block=4)
     model.set_attn_implementation("sparse_k")
     ids = torch.randint(1, VOCAB, (1, 26))
     with torch.no_grad():
-        for drop, keep in ((-6, 20), (20, 20), (-1, 25)):  # to a block start (twice), then inside the latest block
+        # to a block start (twice), inside the latest block, inside the block before it (block 5: position 20 started
+        # it; the drafts also started block 6)
+        for drop, keep in ((-6, 20), (20, 20), (-1, 25), (-5, 21)):
             cache = SparseCache(model, evict=False)
             model(ids[:, :20], past_key_values=cache)
             model(ids[:, 20:], past_key_values=cache)  # draft tokens 20-25 (blocks 5 and 6)
@@ -211,10 +215,12 @@ def test_learned_layers_crop_like_transformers_and_refuse_a_lost_block_start(nam
             out = model(ids[:, keep:keep + 1], past_key_values=cache).logits[:, -1]
             ref = model(ids[:, :keep + 1], use_cache=False).logits[:, -1]
             assert (out - ref).abs().max() < 1e-5, (drop, (out - ref).abs().max())
+        kept = block_ring.ring_blocks(4)
+        long_ids = torch.randint(1, VOCAB, (1, 4 * (kept + 1) + 2))  # the latest block is kept + 1 blocks after block 0
         cache = SparseCache(model, evict=False)
-        model(ids, past_key_values=cache)
-        with pytest.raises(ValueError, match="inside query block 5"):
-            cache.crop(-5)  # to 21: block 5's first query (position 20) is no longer in the memo (block 6's is)
+        model(long_ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="inside query block 0"):
+            cache.crop(1 - long_ids.shape[1])  # to one token: block 0's first query left the memo
 
 
 def test_hybrid_models_are_refused_by_name():
