@@ -19,6 +19,7 @@ import sys
 import torch
 
 from sparse_k.integrations.transformers_adapter import STATIC_SLOTS_DTYPE, attention_forward
+from sparse_k.warn import warn_once
 
 __all__ = ["ATTN_IMPLEMENTATION", "ModelNotSupportedError", "attention_forward", "check_model_support", "key_mask", "register"]
 
@@ -184,11 +185,33 @@ def check_model_support(model) -> None:
         )
 
 
+def warn_if_sparse_config_unused(model) -> None:
+    """One-time warning when ``model`` is built without an ``attn_implementation`` (Transformers' default, ``sdpa``,
+    runs) although its config carries ``sparse_attention``: a model saved with sparse attention and reloaded by a
+    plain ``from_pretrained`` would otherwise run dense attention without a word. An explicitly requested
+    implementation (``"sdpa"`` for a dense baseline, say) is the caller's choice and is not warned about."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    configs = [config, get_text() if get_text is not None else None]
+    if all(getattr(c, "sparse_attention", None) is None for c in configs):
+        return
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+    warn_once(
+        f"this {model_type} config carries sparse_attention, but the model was built without attn_implementation, "
+        f"so it runs Transformers' default dense attention and ignores it; pass "
+        f'attn_implementation="{ATTN_IMPLEMENTATION}" to from_pretrained / from_config, or call '
+        f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") on the loaded model'
+    )
+
+
 def _install_load_check() -> None:
-    """Make ``from_pretrained``/``set_attn_implementation`` with ``"sparse_k"`` call ``check_model_support``.
+    """Make ``from_pretrained``/``set_attn_implementation`` with ``"sparse_k"`` call ``check_model_support``, and
+    a model built without an ``attn_implementation`` whose config carries ``sparse_attention`` warn
+    (``warn_if_sparse_config_unused``).
 
     Wraps ``PreTrainedModel.get_correct_attn_implementation`` (called by every Transformers 5.x
-    model's ``__init__`` and by ``set_attn_implementation``), once.
+    model's ``__init__``, with ``None`` when no implementation was requested, and by ``set_attn_implementation``),
+    once.
     """
     from transformers import PreTrainedModel
 
@@ -199,6 +222,8 @@ def _install_load_check() -> None:
     def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
         if requested_attention == ATTN_IMPLEMENTATION:
             check_model_support(self)
+        elif requested_attention is None:
+            warn_if_sparse_config_unused(self)
         return original(self, requested_attention, *args, **kwargs)
 
     get_correct_attn_implementation._sparse_k_checked = True

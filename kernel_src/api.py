@@ -12,6 +12,8 @@ builds (or fetches from cache) the layout, and dispatches to a backend:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .attention.backends import _AUTO_ORDER, _BACKENDS, AttentionCall, available_backends, register_backend
@@ -56,6 +58,8 @@ def _validate(q, k, v, attention_mask, sink_logits, softcap, scale, layer_idx):
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if Sq == 0 or k.shape[2] == 0:
         raise ValueError(f"sequence lengths must be >= 1, got Sq={Sq}, Skv={k.shape[2]}")
+    if D == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1, got D={D} for q and k, {v.shape[3]} for v")
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"`attention_mask` must be a tensor, got {type(attention_mask).__name__}")
@@ -75,10 +79,9 @@ def _validate(q, k, v, attention_mask, sink_logits, softcap, scale, layer_idx):
             raise ValueError(f"`sink_logits` must be a tensor of shape ({Hq},) (one per query head), got {shape}")
         if sink_logits.device != q.device:
             raise ValueError(f"`sink_logits` is on {sink_logits.device}, inputs on {q.device}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
-        raise ValueError(f"`softcap` must be a positive number or None, got {softcap!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
-        raise ValueError(f"`scale` must be a positive number or None, got {scale!r}")
+    for name, x in (("softcap", softcap), ("scale", scale)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf):
+            raise ValueError(f"`{name}` must be a positive finite number or None, got {x!r}")
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
         raise ValueError(f"`layer_idx` must be a non-negative int, got {layer_idx!r}")
 
@@ -101,14 +104,46 @@ def _resolve_pattern(pattern, causal, k) -> Pattern:
 
 
 def _check_selection(selection, pattern: Pattern, k: torch.Tensor) -> None:
+    """A selection belongs to a learned pattern and was built for it: the pattern's ``query_block`` (or one block,
+    ``NB == 1``, at least that long, shared by every query of the call) and at most its ``top_k`` keys per block."""
     if selection is None:
         return
     if not isinstance(selection, TokenLayout):
         raise TypeError(f"`selection` must be a TokenLayout, got {type(selection).__name__}")
+    if not pattern.learned:
+        raise ValueError(
+            f"`selection` is only for the learned patterns sparse_k and dsa, got pattern {pattern.name!r} "
+            "(its rule alone decides its keys: pass selection=None)"
+        )
     B, Hkv = k.shape[:2]
     if selection.indices.shape[:2] != (B, Hkv):
         raise ValueError(
             f"`selection` must have (B, Hkv) = ({B}, {Hkv}) leading dims, got {tuple(selection.indices.shape[:2])}"
+        )
+    one_block = selection.indices.shape[2] == 1 and selection.query_block >= pattern.query_block
+    if selection.query_block != pattern.query_block and not one_block:
+        raise ValueError(
+            f"`selection` has query_block={selection.query_block}, the pattern query_block={pattern.query_block}: "
+            "build the selection for this pattern (build_selection)"
+        )
+    if selection.top_k > pattern.top_k:
+        raise ValueError(
+            f"`selection` holds {selection.top_k} keys per block (top_k), more than the pattern's top_k={pattern.top_k}"
+        )
+
+
+def _check_q_start(q_start, q_len: int, kv_len: int) -> None:
+    """``q_start`` in ``[-q_len, kv_len - q_len]``: the queries end at or before the last key (queries before key 0
+    only as bottom-right alignment puts them there when ``Sq > Skv``). Only an int is checked: a tensor is not read
+    (a decode step reads nothing on the host, whatever the device), and ``row_geometry`` names a wrong type or shape."""
+    if not isinstance(q_start, int) or isinstance(q_start, bool):
+        return
+    lo = hi = q_start
+    if lo < -q_len or hi > kv_len - q_len:
+        bad = hi if hi > kv_len - q_len else lo
+        raise ValueError(
+            f"`q_start` (key index of query 0) must lie in [-Sq, Skv - Sq] = [{-q_len}, {kv_len - q_len}] "
+            f"(the queries end at or before the last key), got {bad}"
         )
 
 
@@ -168,7 +203,8 @@ def sparse_attention(
             or a pattern object such as ``SlidingWindow(window=1024)``.
         causal: for a name or dict, ``False`` picks the bidirectional version; a pattern object keeps
             its own unless this is given.
-        scale: softmax scale, default ``D ** -0.5``. softcap: ``softcap * tanh(s / softcap)``.
+        scale: softmax scale, default ``D ** -0.5``. softcap: ``softcap * tanh(s / softcap)``. Both positive and
+            finite.
         sink_logits: ``(Hq,)`` logits that join each row's softmax denominator once (gpt-oss ``s_aux``).
         attention_mask: ``(B, Skv)`` bool/int, Transformers' convention (True/1 = the key takes part).
             Left padding moves each row's positions to start at its first valid key.
@@ -177,8 +213,10 @@ def sparse_attention(
         layer_idx: layer index (seeds bigbird's random blocks).
         return_lse: also return ``lse (B, Hq, Sq)`` (natural log; includes the sink logit).
         backend: ``"auto"``, ``"reference"``, ``"torch"`` or a registered kernel backend.
-        selection: a ``TokenLayout`` with the learned top-k keys (``sparse_k``/``dsa``).
-        q_start: key index of query 0 (int or ``(B,)``); default ``Skv - Sq`` (bottom-right).
+        selection: a ``TokenLayout`` with the learned top-k keys of a ``sparse_k``/``dsa`` pattern, built for
+            it (its ``query_block``, at most its ``top_k`` keys per block); any other pattern refuses one.
+        q_start: key index of query 0 (int or ``(B,)``); default ``Skv - Sq`` (bottom-right). It must lie in
+            ``[-Sq, Skv - Sq]``, checked for an int (a tensor is not read: no host sync).
     Returns:
         ``out (B, Hq, Sq, D)`` in the input dtype, and ``lse`` when ``return_lse``.
     """
@@ -201,6 +239,7 @@ def sparse_attention(
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         out, lse = _packed(q, k, v, p, cu_seqlens_q, cu_seqlens_k, scale, softcap, sink_logits, layer_idx, backend, selection, key_mask, q_start)
     else:
+        _check_q_start(q_start, q.shape[2], k.shape[2])
         geo = row_geometry(q.shape[0], q.shape[2], k.shape[2], key_mask, q_start, device=q.device)
         call = AttentionCall(
             q=q, k=k, v=v, pattern=p, geometry=geo, scale=scale, softcap=softcap, sink_logits=sink_logits,
@@ -239,6 +278,8 @@ def _packed(q, k, v, p, cu_q, cu_k, scale, softcap, sink_logits, layer_idx, back
     for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[2]), ("cu_seqlens_k", cu_k, k.shape[2])):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
             raise TypeError(f"`{name}` must be a 1-D integer tensor of offsets")
+        if cu.numel() < 2:
+            raise ValueError(f"`{name}` must hold N + 1 >= 2 offsets (0, then each sequence's end), got {cu.tolist()}")
         if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"`{name}` must rise from 0 to {total} (the packed length), got {cu.tolist()}")
     if cu_q.shape != cu_k.shape:

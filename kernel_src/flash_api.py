@@ -18,6 +18,8 @@ Queries are aligned bottom-right, as in FlashAttention 2.1+.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .api import sparse_attention
@@ -109,6 +111,55 @@ def flash_attn_varlen_func(
     return (out, lse[0]) if return_attn_probs else out
 
 
+def _cache_lengths(cache_seqlens, batch: int, slots: int, n_new: int, device) -> torch.Tensor:
+    """``cache_seqlens`` as ``(B,)`` int64 on ``device``: None (the cache's ``slots`` less the ``n_new`` new keys), an
+    int, or an integer tensor of shape ``(B,)``, each value in ``[0, slots - n_new]``. The values are read from an
+    int or a CPU tensor, and from a CUDA tensor only when new keys are written (the write is checked); a CUDA tensor
+    with no new keys is checked for dtype and shape only (no host synchronisation)."""
+    if cache_seqlens is None:
+        return torch.full((batch,), slots - n_new, dtype=torch.int64, device=device)
+    if not isinstance(cache_seqlens, (torch.Tensor, bool)):
+        try:
+            cache_seqlens = operator.index(cache_seqlens)
+        except TypeError:
+            raise TypeError(f"`cache_seqlens` must be an int or an integer tensor of shape ({batch},), "
+                            f"got {type(cache_seqlens).__name__}") from None
+    if isinstance(cache_seqlens, bool):
+        raise TypeError(f"`cache_seqlens` must be an int or an integer tensor of shape ({batch},), got a bool")
+    if isinstance(cache_seqlens, int):
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
+        bad = not 0 <= cache_seqlens <= slots - n_new
+    else:
+        if cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype.is_complex or cache_seqlens.dtype == torch.bool:
+            raise TypeError(f"`cache_seqlens` must hold integers, got dtype {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"`cache_seqlens` must have shape ({batch},) (one length per batch row), "
+                             f"got {tuple(cache_seqlens.shape)}")
+        lens = cache_seqlens.to(device=device, dtype=torch.int64)
+        read = cache_seqlens.device.type == "cpu" or n_new > 0
+        bad = read and bool(((lens < 0) | (lens > slots - n_new)).any())
+    if bad:
+        new = f", {n_new} of them for the new keys" if n_new else ""
+        shown = cache_seqlens if isinstance(cache_seqlens, int) else cache_seqlens.tolist()
+        raise ValueError(f"`cache_seqlens` must lie in [0, {slots - n_new}] (a cache of {slots} slots{new}), got {shown}")
+    return lens
+
+
+def _check_new_keys(k, v, k_cache, v_cache) -> None:
+    """``k``/``v`` ``(B, Sq_new, Hkv, D)``: given together, shaped and typed as the cache they are written into."""
+    if k is None and v is None:
+        return
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        raise ValueError("k and v must be given together, as tensors of shape (B, Sq_new, Hkv, D)")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dim() != 4 or t.shape[0] != cache.shape[0] or t.shape[2:] != cache.shape[2:] or t.shape[1] != k.shape[1]:
+            raise ValueError(f"`{name}` must have shape (B, Sq_new, Hkv, D) = ({cache.shape[0]}, {k.shape[1]}, "
+                             f"{cache.shape[2]}, {cache.shape[3]}) like its cache, got {tuple(t.shape)}")
+        if t.dtype != cache.dtype or t.device != cache.device:
+            raise TypeError(f"`{name}` ({t.dtype} on {t.device}) must have the dtype and device of its cache "
+                            f"({cache.dtype} on {cache.device})")
+
+
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
@@ -117,30 +168,28 @@ def flash_attn_with_kvcache(
 ):
     """Attention of ``q (B, Sq, Hq, D)`` against a cache ``(B, S_cache, Hkv, D)``.
 
-    ``cache_seqlens`` (int or ``(B,)``): valid keys per row before this call (default: the whole cache).
-    With ``k``/``v`` ``(B, Sq_new, Hkv, D)`` they are written into the cache in place at
-    ``cache_seqlens`` and attended too. The cache is read through strided views, never copied.
+    ``cache_seqlens`` (int or integer ``(B,)`` tensor): valid keys per row before this call, in
+    ``[0, S_cache - Sq_new]`` (default: the whole cache). With ``k``/``v`` ``(B, Sq_new, Hkv, D)`` (the cache's
+    dtype) they are written into the cache in place at ``cache_seqlens`` and attended too. The cache is read
+    through strided views, never copied. The lengths' values are checked for an int or a CPU tensor, and for a
+    CUDA tensor only when ``k``/``v`` are written; without new keys a CUDA tensor is checked for dtype and shape
+    only, so the call reads nothing back to the host.
     """
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("rotary embedding inside the call is not supported; apply RoPE before calling")
     if cache_batch_idx is not None or block_table is not None or cache_leftpad is not None:
         raise ValueError("cache_batch_idx, block_table and cache_leftpad are not supported")
     _check_unsupported(0.0, alibi_slopes)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
+    _check_new_keys(k, v, k_cache, v_cache)
     B, S_cache = k_cache.shape[:2]
     Sq = q.shape[1]
     dev = q.device
-    if cache_seqlens is None:
-        lens = torch.full((B,), S_cache - (0 if k is None else k.shape[1]), dtype=torch.int64, device=dev)
-    elif isinstance(cache_seqlens, int):
-        lens = torch.full((B,), cache_seqlens, dtype=torch.int64, device=dev)
-    else:
-        lens = cache_seqlens.to(device=dev, dtype=torch.int64)
+    lens = _cache_lengths(cache_seqlens, B, S_cache, 0 if k is None else k.shape[1], dev)
     if k is not None:
-        if v is None or k.shape[:2] != v.shape[:2]:
-            raise ValueError("k and v must be given together with shapes (B, Sq_new, Hkv, D)")
         n_new = k.shape[1]
-        if bool((lens + n_new > S_cache).any()):
-            raise ValueError(f"the cache ({S_cache} slots) cannot take {n_new} new keys after {lens.tolist()}")
         pos = lens[:, None] + torch.arange(n_new, device=dev)
         rows = torch.arange(B, device=dev)[:, None].expand_as(pos)
         k_cache[rows, pos] = k

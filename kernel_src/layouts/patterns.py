@@ -14,12 +14,15 @@ Every pattern is a frozen dataclass (hashable, so layouts can be cached by it) w
 
 ``sparse_k`` and ``dsa`` are learned: their static part (sinks + window) is a ``streaming`` rule;
 the data-dependent selection travels beside it as a ``TokenLayout``.
+
+Integer parameters are bounded (``ValueError`` naming the value): windows, blocks, counts and the reaches computed
+from them at most ``MAX_SIZE`` (2**62), ``sinks`` any int64, bigbird's ``random_blocks`` at most ``MAX_RANDOM_BLOCKS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import ClassVar
 
 import torch
@@ -42,11 +45,32 @@ __all__ = [
 ]
 
 
-def _check_int(owner: str, name: str, value, minimum: int) -> None:
+#: Largest window, block, count or offset (in tokens or blocks) a pattern takes: far past any sequence (a window or block
+#: longer than the sequence selects what one as long as the sequence does), with room for the int64 arithmetic on
+#: positions (``i - window``, ``block * window_blocks``...) not to overflow.
+MAX_SIZE = 1 << 62
+
+#: Largest ``sinks``: only compared with key positions (``j < sinks``), so any int64 (``sys.maxsize``: "every key").
+MAX_SINKS = (1 << 63) - 1
+
+#: Most random blocks per query block of ``bigbird`` (its table holds ``random_blocks`` entries per query block and KV
+#: head; a budget-matched bigbird at 1M tokens, block 128, draws about 3,000).
+MAX_RANDOM_BLOCKS = 4096
+
+
+def _check_int(owner: str, name: str, value, minimum: int, maximum: int = MAX_SIZE) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
         raise ValueError(f"{owner}: `{name}` must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{owner}: `{name}` must be <= {maximum}, got {value}")
+
+
+def _check_span(owner: str, what: str, value: int) -> None:
+    """``value``, a reach computed from several parameters (``what`` names the product), at most ``MAX_SIZE``."""
+    if value > MAX_SIZE:
+        raise ValueError(f"{owner}: {what} = {value} must be <= {MAX_SIZE} (2**62)")
 
 
 def _check_bool(owner: str, name: str, value) -> None:
@@ -199,7 +223,7 @@ class Streaming(Pattern):
     window: int = 4096
 
     def _validate(self):
-        _check_int(self.name, "sinks", self.sinks, 0)
+        _check_int(self.name, "sinks", self.sinks, 0, MAX_SINKS)
         _check_int(self.name, "window", self.window, 1)
 
     def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
@@ -246,7 +270,8 @@ class BigBird(Pattern):
     A key block is attended when it is in the window (``qb - window_blocks <= kb <= qb``; bidirectional:
     ``|qb - kb| <= window_blocks``), global (``kb < global_blocks``), or one of ``random_blocks`` blocks
     drawn per (seed, layer, KV head, absolute qb) among the blocks not already allowed (all of them
-    when there are fewer). Random draws are deterministic, so decoding equals recomputing.
+    when there are fewer; ``random_blocks`` is at most ``MAX_RANDOM_BLOCKS``). Random draws are deterministic, so
+    decoding equals recomputing.
     """
 
     name: ClassVar[str] = "bigbird"
@@ -263,8 +288,10 @@ class BigBird(Pattern):
         _check_int(self.name, "block", self.block, 1)
         _check_int(self.name, "window_blocks", self.window_blocks, 0)
         _check_int(self.name, "global_blocks", self.global_blocks, 0)
-        _check_int(self.name, "random_blocks", self.random_blocks, 0)
+        _check_int(self.name, "random_blocks", self.random_blocks, 0, MAX_RANDOM_BLOCKS)
         _check_int(self.name, "seed", self.seed, 0)
+        _check_span(self.name, "block * (window_blocks + 1)", self.block * (self.window_blocks + 1))
+        _check_span(self.name, "block * global_blocks", self.block * self.global_blocks)
 
     def random_table(self, layer_idx: int, num_kv_heads: int, num_q_blocks: int, num_k_blocks: int | None = None, device=None):
         """Random key blocks, ``(num_kv_heads, num_q_blocks, random_blocks)`` int64, -1 where none.
@@ -419,8 +446,10 @@ def bigbird_draws(r: int, g: int, w: int, causal: bool, seed: int, num_kv_heads:
     seed_mix = _mix(torch.tensor(seed, device=device))
     base = _mix(seed_mix + heads * 1000003 + qb * 9176)  # (H, NQB)
     table = torch.full((num_kv_heads, num_q_blocks, r), -1, dtype=torch.int64, device=device)
-    # Floyd's sampling of r distinct indices in [0, count): for t = count-r .. count-1.
-    for j in range(r):
+    # Floyd's sampling of r distinct indices in [0, count): for t = count-r .. count-1. No row has more than
+    # `most` candidates (host-known): with r >= most every row takes all of them (below) and nothing is drawn.
+    most = max(0, num_q_blocks - w - g) if causal else max(0, (num_k_blocks or num_q_blocks) - g)
+    for j in range(r if r < most else 0):
         t = count - r + j
         x = _mix(base + (j + 1) * 7777) % (t + 1).clamp_min(1)
         seen = (table[..., :j] == x.unsqueeze(-1)).any(-1) if j else torch.zeros_like(x, dtype=torch.bool)
@@ -451,6 +480,7 @@ class Dilated(Pattern):
         _check_int(self.name, "scales", self.scales, 1)
         if self.scales > 30:
             raise ValueError(f"dilated: `scales` must be <= 30, got {self.scales}")
+        _check_span(self.name, "window * 2**(scales - 1)", self.reach)
 
     @property
     def reach(self) -> int:
@@ -494,6 +524,7 @@ class L2Aligned(Pattern):
         _check_int(self.name, "block", self.block, 1)
         _check_int(self.name, "window_blocks", self.window_blocks, 1)
         _check_int(self.name, "anchor", self.anchor, 0)
+        _check_span(self.name, "block * window_blocks", self.block * self.window_blocks)
         if self.segment is not None:
             _check_int(self.name, "segment", self.segment, 1)
             if self.anchor > self.segment:
@@ -568,13 +599,24 @@ class _Learned(Pattern):
     top_k: int = 256
     query_block: int = 64
     refine: int = 0
+    #: Not a parameter: trained selector files are named by ``selector_path`` (a non-None value raises TypeError).
+    selector: InitVar[str | None] = None
+
+    def __post_init__(self, selector=None) -> None:
+        if selector is not None:
+            raise TypeError(
+                f"{self.name}: `selector` is not a pattern parameter (got {selector!r}); name a trained selector file "
+                "with selector_path: configure(model, ..., selector_path=...) or config.sparse_attention['selector_path']"
+            )
+        super().__post_init__()
 
     def _validate(self):
-        _check_int(self.name, "sinks", self.sinks, 0)
+        _check_int(self.name, "sinks", self.sinks, 0, MAX_SINKS)
         _check_int(self.name, "window", self.window, 1)
         _check_int(self.name, "top_k", self.top_k, 0)
         _check_int(self.name, "query_block", self.query_block, 1)
         _check_int(self.name, "refine", self.refine, 0)
+        _check_span(self.name, "refine * top_k (the first stage's pool)", self.refine * self.top_k)
 
     def static_part(self) -> Streaming:
         """The sinks + window rule that stays a block layout beside the selection."""
@@ -598,10 +640,9 @@ class _Learned(Pattern):
 class SparseK(_Learned):
     """Learned SparseK selection (design §6): per query block, the ``top_k`` keys with the largest
     SparseK weights among the candidates outside sinks and window; the weight ``p_j`` enters as
-    ``log p_j`` on the logit. ``selector`` names the scorer weights file (None: training-free score)."""
+    ``log p_j`` on the logit. Trained scorers come from ``selector_path`` (none: the training-free score)."""
 
     name: ClassVar[str] = "sparse_k"
-    selector: str | None = None
 
 
 @dataclass(frozen=True)
@@ -612,7 +653,6 @@ class DSA(_Learned):
     name: ClassVar[str] = "dsa"
     indexer_heads: int = 4
     indexer_dim: int = 32
-    selector: str | None = None
 
     def _validate(self):
         super()._validate()
@@ -642,7 +682,7 @@ def get_pattern(pattern: "str | Pattern | dict", **overrides) -> Pattern:
     if cls is None:
         raise ValueError(f"unknown pattern {pattern!r}; available: {', '.join(_PATTERNS)}")
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(overrides) - names
+    unknown = set(overrides) - names - ({"selector"} if cls.learned else set())  # its TypeError names selector_path
     if unknown:
         raise ValueError(f"pattern {pattern!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(names)}")
     return cls(**overrides)

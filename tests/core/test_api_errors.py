@@ -49,6 +49,12 @@ def test_bad_tensors(make, exc, words):
         ({"cu_seqlens_q": torch.tensor([0, 8])}, ValueError, "both cu_seqlens_q and cu_seqlens_k"),
         ({"q_start": torch.zeros(3, dtype=torch.long)}, ValueError, "q_start"),
         ({"selection": "top"}, TypeError, "TokenLayout"),
+        ({"scale": float("nan")}, ValueError, "`scale` must be a positive finite number or None, got nan"),
+        ({"scale": float("inf")}, ValueError, "`scale` must be a positive finite number"),
+        ({"softcap": float("nan")}, ValueError, "`softcap` must be a positive finite number or None, got nan"),
+        ({"softcap": float("inf")}, ValueError, "`softcap` must be a positive finite number"),
+        ({"q_start": 1000}, ValueError, r"`q_start` .* must lie in \[-Sq, Skv - Sq\] = \[-8, 0\] .*got 1000"),
+        ({"q_start": -9}, ValueError, r"= \[-8, 0\] .*got -9"),
     ],
 )
 def test_bad_options(kwargs, exc, words):
@@ -64,6 +70,42 @@ def test_non_positive_window_is_rejected_through_the_api():
         sk.sparse_attention(q, k, v, {"pattern": "sliding_window", "window": 0})
 
 
+def test_zero_head_dim_is_a_value_error():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head dims must be >= 1, got D=0"):
+        sk.sparse_attention(q[..., :0], k[..., :0], v[..., :0], "dense")
+    with pytest.raises(ValueError, match="head dims must be >= 1, got D=16 for q and k, 0 for v"):
+        sk.sparse_attention(q, k, v[..., :0], "dense")
+
+
+def test_q_start_inside_the_range_is_accepted():
+    """The bounds themselves: the queries end at the last key, or (Sq > Skv) start before key 0 as bottom-right does."""
+    q, k, v = random_qkv(1, 2, 1, 4, 8, 8, dtype=torch.float64)
+    for q_start in (0, 4, torch.tensor([4])):
+        out = sk.sparse_attention(q, k, v, "dense", q_start=q_start, backend="reference")
+        ref = sk.sparse_attention(q, k[:, :, : int(q_start) + 4], v[:, :, : int(q_start) + 4], "dense", backend="reference")
+        assert (out - ref).abs().max() < 1e-12
+    assert sk.sparse_attention(q, k[:, :, :2], v[:, :, :2], "dense", q_start=-4).shape == q.shape
+
+
+def test_selection_must_belong_to_the_pattern():
+    """A selection changed a non-learned pattern's output without a word, and one built for another query_block or
+    top_k was taken as is."""
+    q, k, v = random_qkv(1, 2, 1, 40, 40, 16)
+    built_for = sk.SparseK(sinks=2, window=8, top_k=6, query_block=16)
+    sel = sk.build_selection(built_for, q, k, v, sk.row_geometry(1, 40, 40), layer_idx=0)
+    assert sk.sparse_attention(q, k, v, built_for, selection=sel).shape == q.shape
+    with pytest.raises(ValueError, match="only for the learned patterns sparse_k and dsa, got pattern 'sliding_window'"):
+        sk.sparse_attention(q, k, v, sk.SlidingWindow(window=8), selection=sel)
+    with pytest.raises(ValueError, match="query_block=16, the pattern query_block=8"):
+        sk.sparse_attention(q, k, v, built_for.replace(query_block=8), selection=sel)
+    with pytest.raises(ValueError, match="holds 6 keys per block .*top_k=4"):
+        sk.sparse_attention(q, k, v, built_for.replace(top_k=4), selection=sel)
+    # One block shared by every query of the call (what SparseCache passes) may be longer than the pattern's.
+    one = sk.TokenLayout(sel.indices[:, :, 1:2], sel.counts[:, :, 1:2], 1 << 30, torch.zeros(1, dtype=torch.int64))
+    assert sk.sparse_attention(q[:, :, 16:32], k[:, :, :32], v[:, :, :32], built_for, selection=one).shape == (1, 2, 16, 16)
+
+
 def test_packed_sequences_need_batch_one_and_matching_offsets():
     q, k, v = _qkv()
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -71,6 +113,9 @@ def test_packed_sequences_need_batch_one_and_matching_offsets():
         sk.sparse_attention(q, k, v, "dense", cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match="rise from 0 to 8"):
         sk.sparse_attention(q[:1], k[:1], v[:1], "dense", cu_seqlens_q=torch.tensor([0, 9]), cu_seqlens_k=cu)
+    empty = torch.tensor([], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`cu_seqlens_q` must hold N \+ 1 >= 2 offsets .*got \[\]"):
+        sk.sparse_attention(q[:1], k[:1], v[:1], "dense", cu_seqlens_q=empty, cu_seqlens_k=empty)
 
 
 def test_learned_pattern_without_selection_warns_once():

@@ -45,6 +45,52 @@ def test_bad_parameters_name_the_value(name, kwargs, exc, words):
         sk.get_pattern(name, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "name, kwargs, words",
+    [
+        ("sliding_window", {"window": 2**63}, "`window` must be <= 4611686018427387904"),
+        ("sliding_window", {"window": 10**30}, "`window` must be <="),
+        ("block_diagonal", {"block": 2**63}, "`block` must be <="),
+        ("streaming", {"sinks": 2**63}, r"`sinks` must be <= 9223372036854775807"),
+        ("bigbird", {"random_blocks": 10**6}, "`random_blocks` must be <= 4096"),
+        ("bigbird", {"block": 2**40, "global_blocks": 2**30}, r"block \* global_blocks"),
+        ("bigbird", {"block": 2**40, "window_blocks": 2**30}, r"block \* \(window_blocks \+ 1\)"),
+        ("dilated", {"window": 2**40, "scales": 30}, r"window \* 2\*\*\(scales - 1\)"),
+        ("l2_aligned", {"block": 2**40, "window_blocks": 2**30}, r"block \* window_blocks"),
+        ("sparse_k", {"top_k": 2**40, "refine": 2**30}, r"refine \* top_k"),
+        ("dsa", {"query_block": 2**62 + 1}, "`query_block` must be <="),
+    ],
+)
+def test_int_parameters_have_an_upper_bound(name, kwargs, words):
+    """Past int64 a value wrapped (window=2**63 selected other keys than dense; block=2**63 split the PyTorch path
+    from the reference), and bigbird's draws cost random_blocks squared (10**6 hung)."""
+    with pytest.raises(ValueError, match=words):
+        sk.get_pattern(name, **kwargs)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("sliding_window", {"window": 2**62}), ("block_diagonal", {"block": 2**62}), ("streaming", {"sinks": 2**63 - 1}),
+    ("bigbird", {"block": 16, "random_blocks": 4096, "window_blocks": 2**40}), ("dilated", {"window": 2**33, "scales": 30}),
+])
+def test_largest_int_parameters_select_what_the_sequence_allows(name, kwargs):
+    """At the bounds a window / block past the sequence is dense causal attention, on both exact paths."""
+    q, k, v = (torch.randn(1, h, 20, 8, dtype=torch.float64) for h in (2, 1, 1))
+    p = sk.get_pattern(name, **kwargs)
+    dense = sk.sparse_attention(q, k, v, "dense", backend="reference")
+    for backend in ("reference", "torch"):
+        assert (sk.sparse_attention(q, k, v, p, backend=backend) - dense).abs().max() < 1e-12, (p, backend)
+
+
+def test_learned_patterns_refuse_selector_and_point_to_selector_path():
+    """``selector=`` was a field nothing read: a file named there was silently ignored."""
+    for make in (lambda: sk.DSA(selector="/nonexistent"), lambda: sk.get_pattern("sparse_k", selector="w.safetensors"),
+                 lambda: sk.pattern_from_dict({"pattern": "dsa", "selector": "w.safetensors"})):
+        with pytest.raises(TypeError, match="selector_path"):
+            make()
+    assert sk.get_pattern("sparse_k", selector=None) == sk.SparseK()  # a config written with "selector": null loads
+    assert "selector" not in sk.DSA().to_dict()
+
+
 def test_unknown_pattern_lists_the_allowed_ones():
     with pytest.raises(ValueError, match="unknown pattern 'swa'.*sliding_window"):
         sk.get_pattern("swa")

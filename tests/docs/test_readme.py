@@ -14,8 +14,8 @@ import pytest
 import sparse_k as sk
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-#: Pattern fields the table leaves out: the causal flag (its own column) and the selector weights file.
-_NOT_IN_TABLE = {"causal", "selector"}
+#: Pattern fields the table leaves out: the causal flag (its own column).
+_NOT_IN_TABLE = {"causal"}
 
 
 def _section(title: str) -> str:

