@@ -19,6 +19,16 @@ import warnings
 import torch
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _time(fn, reps):
     fn()
     torch.cuda.synchronize()
@@ -48,15 +58,17 @@ def _syncs(fn) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--contexts", type=_positive_int, nargs="+", default=[32768, 131072])
     p.add_argument("--selectors", nargs="+", default=["sparse_k", "sparse_k_full", "dsa", "dsa_paged", "training_free"],
                    choices=["sparse_k", "sparse_k_full", "dsa", "dsa_paged", "training_free", "per_query"],
                    help="sparse_k (default path: prefix scan on long rows), sparse_k_full (top-k over whole rows), dsa "
                         "(default: exact), dsa_paged (DSA_PRESELECT on), training_free, per_query (training-free, "
                         "query_block=1, refine=8, sinks 4 + window 256 + top_k 256)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=_positive_int, default=5)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU: it times CUDA kernels with CUDA events (torch.cuda.is_available() is False)")
     import sparse_k
     import sparse_k.selection.selectors as sel
     from sparse_k.selection.scorers import LightningIndexer, SparseKScorer

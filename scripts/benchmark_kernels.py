@@ -12,7 +12,8 @@ where it is a CUDA kernel, the Triton kernel is timed beside it (``cuda=False``)
 Sections (each fits in a few minutes on an H100):
 
 * ``--section fwd``: prefill forward, ``S`` in 4K/16K/64K/128K (+1M for window patterns, ours only
-  where baselines cannot run), patterns dense, sliding_window, streaming, bigbird.
+  where baselines cannot run), patterns dense, sliding_window, streaming, bigbird (``--patterns``: any of
+  ``_patterns``, also block_diagonal, dilated and l2_aligned, in the fwd, bwd, tune, tune_structured and padded sections).
   ``--patterns token`` adds the token layout (query_block 128, top-2048 + window 1024) beside our own
   sliding window 3072 (effective TFLOP/s ratio), at each ``--head-dims`` entry.
 * ``--section bwd``: backward only (gradients of q, k, v given the forward's graph).
@@ -105,6 +106,7 @@ B_PREFILL, HQ, HKV = 1, 32, 8
 
 
 def _patterns(window: int, sinks: int):
+    """The patterns ``--patterns`` names (``window`` and ``sinks``: the flags)."""
     return {
         "dense": get_pattern("dense"),
         "sliding_window": get_pattern("sliding_window", window=window),
@@ -113,7 +115,34 @@ def _patterns(window: int, sinks: int):
         # blocks as long as the window, so each query row does the same work as sliding_window's
         "block_diagonal": get_pattern("block_diagonal", block=window),
         "dilated": get_pattern("dilated", window=window // 4, scales=3),
+        # the window in blocks of 128 plus the default anchors; segments sized to this GPU's L2 for D=128 bf16 K and V
+        "l2_aligned": sparse_k.resolve_l2_segment(
+            get_pattern("l2_aligned", block=128, window_blocks=max(1, window // 128)), 2 * HKV * 128 * 2),
     }
+
+
+DEFAULT_PATTERNS = ["dense", "sliding_window", "streaming", "bigbird"]
+L2_SECTION_PATTERNS = ("dense", "sliding_window", "l2_aligned")
+
+
+def check_patterns(ap: argparse.ArgumentParser, args) -> None:
+    """Fill ``args.patterns`` (default: ``L2_SECTION_PATTERNS`` for ``--section l2``, else ``DEFAULT_PATTERNS``) and
+    check every name against the section's patterns (``_patterns``; ``token`` too for ``fwd``, only
+    ``L2_SECTION_PATTERNS`` for ``l2``): a bad name, window or sink count ends the process through ``ap.error``."""
+    try:
+        names = list(_patterns(args.window, args.sinks))
+    except ValueError as exc:
+        ap.error(f"--window {args.window} / --sinks {args.sinks}: {exc}")
+    if args.section == "l2":
+        names = list(L2_SECTION_PATTERNS)
+    elif args.section == "fwd":
+        names.append("token")
+    if args.patterns is None:
+        args.patterns = list(L2_SECTION_PATTERNS if args.section == "l2" else DEFAULT_PATTERNS)
+    unknown = [n for n in args.patterns if n not in names]
+    if unknown:
+        ap.error(f"argument --patterns: unknown pattern(s) {unknown} for --section {args.section}; "
+                 f"a comma list of {', '.join(names)}")
 
 
 def bench(fn, warmup_ms=25, rep_ms=200) -> float:
@@ -1310,7 +1339,8 @@ def main(argv=None):
     ap.add_argument("--section", choices=("fwd", "bwd", "decode", "tune", "tune_bwd", "tune_structured", "tune_structured_bwd", "l2", "sparsek", "layouts", "padded"), required=True)
     ap.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536, 131072])
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
-    ap.add_argument("--patterns", type=lambda s: s.split(","), default=["dense", "sliding_window", "streaming", "bigbird"])
+    ap.add_argument("--patterns", type=lambda s: s.split(","), default=None,
+                    help="comma list; default dense,sliding_window,streaming,bigbird (l2: dense,sliding_window,l2_aligned)")
     ap.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
     ap.add_argument("--window", type=int, default=4096)
     ap.add_argument("--sinks", type=int, default=128)
@@ -1335,6 +1365,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.fa4_rounds < 1:
         ap.error(f"--fa4-rounds {args.fa4_rounds}: at least 1 round is required")
+    check_patterns(ap, args)
     if not torch.cuda.is_available():
         print("benchmark_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -308,9 +308,27 @@ def _ab_rounds(kind, row, S, calls, outputs):
              nan=any(bool(t.isnan().any()) for t in first[m]))
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["ab"]:
-        groups, specs = ab_args(sys.argv[2:])
+def main(argv) -> int:
+    """The command line (module docstring): ``build``, ``bench`` or ``ab ...``; ``-h`` / ``--help`` prints the
+    docstring. A bad command, or a timing command without a GPU, ends with an error line (exit status 1)."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    command = argv[0] if argv else None
+    if command not in ("build", "bench", "ab"):
+        got = "no command" if command is None else f"unknown command {command!r}"
+        raise SystemExit(f"cuda_build_and_time.py: expected build, bench or ab, got {got} (--help describes them)")
+    if command == "ab":
+        groups, specs = ab_args(argv[1:])
         ab(specs, groups)
-    else:
-        {"build": build, "bench": bench}[sys.argv[1]]()
+        return 0
+    if argv[1:]:
+        raise SystemExit(f"{command}: takes no arguments, got {argv[1:]}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{command}: needs an sm_90 GPU (torch.cuda.is_available() is False)")
+    {"build": build, "bench": bench}[command]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

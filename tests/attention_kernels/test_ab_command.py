@@ -57,3 +57,24 @@ def test_names_must_be_new(tmp_path):
         proc = _ab(["--rows=bwd", *specs], tmp_path)
         assert proc.returncode != 0 and "is not name=dir with a new name (not 'tree')" in proc.stderr, (specs,
                                                                                                          proc.stderr)
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          check=False)
+
+
+def test_help_and_unknown_commands(tmp_path):
+    for flag in ("--help", "-h"):
+        proc = _run([flag], tmp_path)
+        assert proc.returncode == 0 and "First-call build times" in proc.stdout and "``ab``" in proc.stdout, proc.stderr
+    for args, message in ((["nope"], "got unknown command 'nope'"), ([], "got no command"),
+                          (["bench", "x"], "bench: takes no arguments, got ['x']")):
+        proc = _run(args, tmp_path)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message printed on a machine without a GPU")
+def test_bench_needs_a_gpu_here(tmp_path):
+    proc = _run(["bench"], tmp_path)
+    assert proc.returncode != 0 and "bench: needs an sm_90 GPU" in proc.stderr and "Traceback" not in proc.stderr

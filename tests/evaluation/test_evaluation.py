@@ -297,9 +297,25 @@ def _bad_flags(monkeypatch, capsys, tool: str, argv: list[str]) -> str:
     ("hfsa-evaluate", ["--model", "no-org/no-such-model"], "argument --model: cannot read the config of 'no-org/no-such-model': "),
     ("hfsa-evaluate", ["--random-weights", "nope"], "argument --random-weights: --random-weights 'nope' is neither a preset"),
     ("evaluate_perplexity", [*TINY, "--corpus", "missing/plays.txt"], "argument --corpus: 'missing/plays.txt' does not exist"),
+    ("hfsa-evaluate", [*TINY, "--device", "gpu"], "argument --device: device 'gpu' is not a device: expected auto, cpu"),
+    ("benchmark_model", [*TINY, "--device", "cuda:x"], "argument --device: device 'cuda:x' is not a device"),
+    pytest.param("evaluate_retrieval", [*TINY, "--device", "cuda"],
+                 "argument --device: device 'cuda' requested but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")),
 ])
 def test_bad_flags_fail_in_one_line_before_loading(monkeypatch, capsys, tool, argv, words):
     assert words in _bad_flags(monkeypatch, capsys, tool, argv)
+
+
+def test_learned_selection_is_asked_about_the_variants_that_ran(monkeypatch, tmp_path):
+    """The learned-selection note (and a shipped selector's warning, which names the window) sees the run's budget."""
+    from hf_sparse_attention.evaluation import cli
+    from hf_sparse_attention.evaluation.variants import make_variants
+
+    asked = []
+    monkeypatch.setattr(cli, "learned_selection", lambda model, variants: asked.extend(variants) or cli.TRAINING_FREE)
+    _run_tool("evaluate_perplexity", [*TINY, "--ppl-tokens", "300", "--budget", "96", "--patterns", "sparse_k"], tmp_path)
+    assert [(v.pattern, v.params) for v in asked] == [(v.pattern, v.params) for v in make_variants(["sparse_k"], 96)]
 
 
 def test_contexts_are_checked_against_the_default_model_header(monkeypatch, capsys):
@@ -360,6 +376,18 @@ def test_metrics_load_offline(monkeypatch, tiny):
     assert sparse["tokens"] == dense["tokens"] and sparse["perplexity"] != dense["perplexity"]
     with pytest.raises(ValueError, match="no parameter"):
         ppl.compute(predictions=[text], random_weights="tiny", pattern="sliding_window", pattern_params={"sinks": 2})
+
+
+def test_sparse_perplexity_of_no_text_is_a_value_error(monkeypatch):
+    """An empty list divided by zero (ZeroDivisionError) after loading the model; now refused before."""
+    import evaluate
+
+    from hf_sparse_attention.metrics import metric_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ppl = evaluate.load(metric_path("sparse_perplexity"))
+    with pytest.raises(ValueError, match="predictions is empty: pass at least one text"):
+        ppl.compute(predictions=[], random_weights="tiny", device="cpu")
 
 
 # ----- real model ----------------------------------------------------------------------------------

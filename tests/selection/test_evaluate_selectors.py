@@ -1,8 +1,11 @@
 """hf_sparse_attention.evaluation.evaluate_selectors (``scripts/evaluate_selectors.py``): the variants it
 evaluates follow the selector files, the table and the flags (no model run)."""
 
+import re
+
 import pytest
 import sparse_k
+import torch
 from helpers import tiny_llama
 
 from hf_sparse_attention.evaluation import evaluate_selectors as mod
@@ -85,6 +88,13 @@ def test_sweep_settings_and_acceptance_check():
     for bad in ("qb=16,pages=8", "heads=mean", "qb"):
         with pytest.raises(argparse.ArgumentTypeError):
             mod._setting(bad)
+    for bad, message in [("page=0", "page= takes an integer >= 1, got '0' in 'page=0'"),
+                         ("qb=0,page=16", "qb= takes an integer >= 1, got '0'"), ("page=x", "page= takes an integer >= 1"),
+                         ("refine=-1", "refine= takes an integer >= 0"), ("obs=-4", "obs= takes an integer >= 0"),
+                         ("dense=-1", "dense= takes an integer >= 0"), ("dense=3-1", "dense= takes an integer >= 3")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            mod._setting(bad)
+    assert mod._setting("page=1,dense=2")["page"] == 1 and mod._setting("dense=2")["dense"] == [2]
     with pytest.raises(argparse.ArgumentTypeError):
         mod._cell("4096:4:256")
 
@@ -99,6 +109,44 @@ def test_sweep_settings_and_acceptance_check():
     assert [r["check"]["perplexity"] for r in runs] == [True, True, False]
     assert lines[2].endswith("| yes |") and "no: retrieval" in lines[3] and "no: perplexity" in lines[4]
     assert abs(runs[0]["check"]["ppl_ratio_mean"] - (0.04 + 0.04 + 1.4 / 30) / 3) < 1e-9 and "7/20 (10)" in lines[2]
+
+
+def test_sweep_refuses_page_0_on_the_command_line(tmp_path, capsys, monkeypatch):
+    from hf_sparse_attention.evaluation import sweep_training_free as sweep
+
+    def no_run(argv):
+        raise AssertionError("a run started before the settings were checked")
+
+    monkeypatch.setattr(mod, "main", no_run)
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--cells", "4096:4:256:256", "--settings", "page=0", "--output", str(tmp_path / "sweep.json")])
+    assert exc.value.code == 2
+    assert "argument --settings: page= takes an integer >= 1, got '0'" in capsys.readouterr().err
+    assert not (tmp_path / "sweep.json").exists()
+
+
+def _refused_before_loading(monkeypatch, capsys, argv) -> str:
+    """``evaluate_selectors.main(argv)`` ends with exit status 2 before any model is loaded; its stderr."""
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(mod, "load_model", no_load)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_missing_selector_files_and_bad_devices_are_refused_before_loading(tmp_path, monkeypatch, capsys):
+    missing = str(tmp_path / "missing.safetensors")
+    err = _refused_before_loading(monkeypatch, capsys, ["--selector", f"dsa={missing}"])
+    assert f"argument --selector: no selector file {missing!r} (in 'dsa={missing}')" in err
+    err = _refused_before_loading(monkeypatch, capsys, ["--training-free", "sparse_k", "--device", "gpu"])
+    assert "argument --device: device 'gpu' is not a device: expected auto, cpu, cuda or cuda:N" in err
+    if not torch.cuda.is_available():
+        err = _refused_before_loading(monkeypatch, capsys, ["--training-free", "sparse_k", "--device", "cuda"])
+        assert "argument --device: device 'cuda' requested but CUDA is not available" in err
 
 
 def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):

@@ -129,6 +129,63 @@ def test_lm_loss_reaches_scorers_and_dsa_distill(tiny_model, tmp_path):
         assert all(0 < json.loads(line)["loss"] < float("inf") for line in f)
 
 
+def _refused(capsys, argv) -> str:
+    """The ``error:`` line of ``trainer.main(argv)``, which must end with exit status 2."""
+    with pytest.raises(SystemExit) as exc:
+        trainer.main(argv)
+    assert exc.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_bad_sizes_are_refused_before_the_model_loads(tmp_path, capsys):
+    """Every size is checked by the argument parser: ``--model`` names no model, so reaching the load would raise."""
+    out = str(tmp_path / "run")
+    missing = str(tmp_path / "no_model")
+    for extra, message in [
+        (["--query-block", "0"], "argument --query-block: expected a positive integer, got 0"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+        (["--top-k", "0"], "argument --top-k: expected a positive integer, got 0"),
+        (["--window", "-3"], "argument --window: expected a positive integer, got -3"),
+        (["--sinks", "-1"], "argument --sinks: expected an integer >= 0, got -1"),
+        (["--save-every", "0"], "argument --save-every: expected a positive integer, got 0"),
+        (["--log-every", "0"], "argument --log-every: expected a positive integer, got 0"),
+        (["--lr", "-1"], "argument --lr: expected a number >= 0, got -1.0"),
+        (["--seq-len", "20"], "--seq-len 20 is too short for --loss distill"),
+        (["--seq-len", "38", "--query-block", "1"], "(with --query-block 1: --seq-len >= 39)"),
+        (["--seq-len", "60", "--passkey-style", "landmark"], "--passkey-style landmark needs --seq-len >= 64"),
+        (["--pattern", "dsa", "--indexer-dim", "3"], "--init attention needs an even indexer dim"),
+        (["--resume", str(tmp_path / "nope")], "no such checkpoint directory"),
+    ]:
+        argv = _args(missing, out, 1, *extra)
+        assert message in _refused(capsys, argv), extra
+    # The shortest sequences that leave a block with more than top_k candidates pass.
+    assert trainer.parse_args(_args(missing, out, 1, "--seq-len", "39", "--query-block", "1", "--passkey-fraction", "0"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message printed on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused(tmp_path, capsys):
+    err = _refused(capsys, _args(str(tmp_path / "no_model"), str(tmp_path / "run"), 1, "--device", "cuda"))
+    assert "--device cuda: CUDA is not available here" in err
+
+
+def test_a_fresh_run_never_reuses_an_earlier_run(tiny_model, tmp_path, capsys):
+    """A fresh run refuses a folder holding a run; ``--overwrite`` deletes that run's files only, so its log starts
+    at step 1 and ``--resume latest`` picks the new run's checkpoint, not the old run's later one."""
+    out = tmp_path / "run"
+    assert trainer.main(_args(tiny_model, str(out), 4, "--save-every", "2")) == 0
+    (out / "notes.txt").write_text("the user's own file\n")
+    err = _refused(capsys, _args(tiny_model, str(out), 1))
+    assert "holds an earlier run" in err and "--resume latest" in err and "--overwrite" in err
+    assert "pass one of them" in _refused(capsys, _args(tiny_model, str(out), 1, "--overwrite", "--resume", "latest"))
+    assert trainer.main(_args(tiny_model, str(out), 1, "--overwrite")) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000001"]
+    assert (out / "notes.txt").exists()
+    assert trainer.main(_args(tiny_model, str(out), 2, "--resume", "latest")) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000001", "checkpoint-000002"]
+
+
 def test_passkey_samples_mark_their_answer_queries(tiny_model):
     from transformers import AutoTokenizer
 
