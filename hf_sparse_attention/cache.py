@@ -22,7 +22,8 @@ Position modes:
   ``first_window_position - sinks + s``), so the query sees the cache as one contiguous sequence.
   A decode step equals recomputing the cache content ``[sinks, window, new token]`` as a fresh
   sequence at positions ``0 .. n-1`` (exactly so for the first layer, whose keys depend only on
-  the token and its position). Needs the model's rotary frequencies (Llama-style ``rotate_half`` RoPE).
+  the token and its position). Needs the model's rotary frequencies (Llama-style ``rotate_half`` RoPE, probed when
+  the cache is built: another convention raises ValueError); a layer without RoPE (NoPE) keeps its keys as they are.
 
 Learned layers (``sparse_k``, ``dsa``) get a ``SelectionLayer``, which the attention function
 finds through ``sparse_k.integrations.cache_protocol`` (the layer announces the key tensor it just
@@ -52,6 +53,7 @@ raises ``ValueError``); no
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -311,13 +313,54 @@ def _check_attention_only(config) -> None:
 
 
 def _inv_freq(model, layer_type):
+    """``(inv_freq, rotary module)`` of ``layer_type``'s rotary embedding, or ``(None, None)``."""
     for module in model.modules():
         if module.__class__.__name__.endswith("RotaryEmbedding"):
             if layer_type is not None and hasattr(module, f"{layer_type}_inv_freq"):
-                return getattr(module, f"{layer_type}_inv_freq")
+                return getattr(module, f"{layer_type}_inv_freq"), module
             if hasattr(module, "inv_freq"):
-                return module.inv_freq
-    return None
+                return module.inv_freq, module
+    return None, None
+
+
+def _rotates_keys(attention) -> bool:
+    """False for an attention module that applies no rotary embedding (NoPE layers: ``use_rope`` off, as smollm3 and
+    llama4 mark them; exaone4's global layers, ``sliding_window`` set on a layer that is not sliding)."""
+    if not getattr(attention, "use_rope", True):
+        return False
+    return not (getattr(attention, "is_sliding", None) is False and getattr(attention, "sliding_window", None) is not None)
+
+
+def _check_rotation_convention(attention, rotary, inv_freq, layer_type, layer_idx: int) -> None:
+    """Refuse the rolling mode when ``rotate_keys`` does not move this model's keys: the attention module's own
+    ``apply_rotary_pos_emb`` (its modeling file's) rotates one probe key to two positions with the model's rotary
+    embedding, and ``rotate_keys`` must carry the first onto the second (models that pair interleaved dimensions,
+    cohere and helium say, do not follow ``rotate_half``). Nothing is checked where the modeling file has no such
+    function or its rotary embedding takes other arguments."""
+    apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
+    if apply is None or rotary is None:
+        return
+    shift, dim = 7, 2 * inv_freq.shape[-1]
+    probe = torch.randn(1, 1, 1, dim, generator=torch.Generator().manual_seed(0)).to(inv_freq.device).expand(1, 1, 2, dim)
+    pos = torch.tensor([[3, 3 + shift]], device=inv_freq.device)
+    try:
+        with torch.no_grad():
+            try:  # one rotary embedding per layer type (gemma3) takes the type
+                cos, sin = rotary(probe, pos, layer_type) if layer_type is not None else rotary(probe, pos)
+            except TypeError:
+                cos, sin = rotary(probe, pos)
+            _, k = apply(probe, probe, cos, sin)
+    except Exception:  # noqa: BLE001 - another rotary / apply signature: nothing to compare with
+        return
+    if k.shape != probe.shape:
+        return
+    moved = rotate_keys(k[:, :, :1].double(), inv_freq, shift)
+    if not torch.allclose(moved.float(), k[:, :, 1:].float(), atol=1e-4, rtol=1e-4):
+        raise ValueError(
+            f"SparseCache(mode='rolling') re-rotates sink keys with the rotate_half convention, but layer {layer_idx} "
+            f"of this {type(attention).__module__.rsplit('.', 1)[-1].removeprefix('modeling_')} model rotates its "
+            "keys otherwise (interleaved dimension pairs, say); use mode='original' (cache_positions='original')"
+        )
 
 
 class SparseCache(Cache):
@@ -361,13 +404,16 @@ class SparseCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=pattern.window) if local else DynamicLayer())
                 continue
             inv_freq = None
-            if mode == "rolling" and keep[0] > 0:
+            layer_mode = mode if i not in modules or _rotates_keys(modules[i]) else "original"  # NoPE: nothing to re-rotate
+            if layer_mode == "rolling" and keep[0] > 0:
                 if not isinstance(model, torch.nn.Module):
                     raise TypeError("SparseCache(mode='rolling') needs the model (for its rotary frequencies), not a config")
-                inv_freq = _inv_freq(model, types[i])
+                inv_freq, rotary = _inv_freq(model, types[i])
                 if inv_freq is None:
                     raise ValueError("SparseCache(mode='rolling') found no rotary embedding (`inv_freq`) in the model")
-            layers.append(BoundedLayer(keep[0], keep[1], mode, inv_freq, modules.get(i)))
+                if i in modules:
+                    _check_rotation_convention(modules[i], rotary, inv_freq, types[i], i)
+            layers.append(BoundedLayer(keep[0], keep[1], layer_mode, inv_freq, modules.get(i)))
             self.bounded_layers.append(i)
         self.mode = mode
         super().__init__(layers=layers)

@@ -249,3 +249,44 @@ def test_rolling_positions_refuse_partial_rotary_keys():
     ids, _ = mf._inputs()
     with torch.no_grad(), pytest.raises(ValueError, match=r"covers 8 of the keys' 16 dimensions"):
         model.generate(ids, past_key_values=SparseCache(model), max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "helium"])
+def test_rolling_positions_refuse_other_rotation_conventions(model_type):
+    """``mode="rolling"`` re-rotates sink keys the ``rotate_half`` way; a model that rotates interleaved dimension pairs
+    is refused when the cache is built (its own ``apply_rotary_pos_emb`` is probed), instead of generating with keys
+    rotated the wrong way; ``mode="original"`` re-rotates nothing and still works."""
+    import model_families as mf
+
+    model = mf.build(model_type, "sparse_k")
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+    with pytest.raises(ValueError, match=rf"layer 0 of this {model_type} model rotates its keys otherwise"):
+        SparseCache(model)
+    assert SparseCache(model, mode="original").mode == "original"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3", "qwen2", "mistral"])
+def test_rolling_positions_accept_rotate_half_models(model_type):
+    """The rotation probe passes where ``rotate_keys`` is the model's own convention (one rotary embedding per layer
+    type for gemma3)."""
+    import model_families as mf
+
+    model = mf.build(model_type, "sparse_k")
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+    assert SparseCache(model).mode == "rolling"
+
+
+@pytest.mark.parametrize("model_type, nope_layer", [("smollm3", 1), ("exaone4", 1)])
+def test_rolling_positions_leave_nope_layers_unrotated(model_type, nope_layer):
+    """A layer without rotary embedding (smollm3's ``no_rope_layers``, exaone4's global layers) has no phase to move:
+    its bounded layer keeps the original mode in a rolling cache instead of rotating sink keys that were never
+    rotated; the layers with RoPE roll."""
+    import model_families as mf
+
+    model = mf.build(model_type, "sparse_k")
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+    cache = SparseCache(model)
+    assert cache.layers[nope_layer].mode == "original"
+    tiny = tiny_model("llama", seed=0)
+    hf_sparse_attention.configure(tiny, "streaming", sinks=2, window=5, cache_positions="rolling")
+    assert all(layer.mode == "rolling" for layer in SparseCache(tiny).layers)
