@@ -82,7 +82,7 @@ def store(memo: dict, first: torch.Tensor, last: torch.Tensor, inside: torch.Ten
     for name, v in values.items():
         picked = v.gather(1, jc.view(B, R, *([1] * (v.dim() - 2))).expand(B, R, *v.shape[2:]))
         memo[name].copy_(torch.where(ok.view(B, R, *([1] * (v.dim() - 2))), picked.detach(), memo[name]))
-    seen = inside.gather(1, last[:, None]).squeeze(1)
+    seen = inside.gather(1, last.clamp_min(0)[:, None]).squeeze(1) & (last >= 0)
     memo["block"].copy_(torch.where(seen, top, memo["block"]))
 
 

@@ -1,0 +1,57 @@
+"""block_ring: the first queries of each row's last blocks, written in place and found by block id."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_k.selection import block_ring
+
+
+def _call(memo, p0: list[int], Sq: int, qb: int, values: torch.Tensor):
+    """One call whose rows start at positions ``p0``; ``values (B, Sq, E)`` stand for each position's first query."""
+    B = len(p0)
+    first = torch.tensor([p // qb for p in p0])
+    NB = max((p + Sq - 1) // qb - p // qb + 1 for p in p0)
+    starts = (first[:, None] + torch.arange(NB)) * qb  # (B, NB) first position of each block
+    qi = starts - torch.tensor(p0)[:, None]
+    inside = (qi >= 0) & (qi < Sq)
+    last = torch.tensor([(p + Sq - 1) // qb - p // qb for p in p0])
+    per_block = values.gather(1, qi.clamp(0, Sq - 1)[..., None].expand(B, NB, values.shape[-1]))
+    fresh = not block_ring.prepare(memo, B, qb, {"q": ((values.shape[-1],), values.dtype)}, torch.device("cpu"))
+    block_ring.store(memo, first, last, inside, {"q": per_block})
+    block_ring.host_store(memo, p0, Sq, qb, fresh)
+
+
+def test_a_call_back_inside_an_older_block_finds_its_first_query():
+    qb, B, E = 4, 2, 3
+    R = block_ring.ring_blocks(qb)
+    seq = torch.randn(B, 200, E)
+    memo = {}
+    _call(memo, [0, 0], 10, qb, seq[:, :10])  # prefill: blocks 0-2
+    _call(memo, [10, 10], 7, qb, seq[:, 10:17])  # drafts: blocks 2 (inside), 3 and 4 start
+    for block in (0, 1, 2, 3, 4):
+        found, (q,) = block_ring.lookup(memo, torch.full((B,), block), ["q"])
+        assert found.all(), block
+        assert torch.equal(q, seq[:, block * qb]), block
+    assert memo["block"].tolist() == [4, 4]
+    assert block_ring.host_has(memo, [13, 13], qb) and block_ring.host_has(memo, [5, 5], qb)
+    found, _ = block_ring.lookup(memo, torch.full((B,), 5), ["q"])
+    assert not found.any()  # block 5 was never started
+    _call(memo, [17, 17], 4 * (R + 1), qb, seq[:, 17:17 + 4 * (R + 1)])  # R + 1 more blocks: block 4 leaves the ring
+    found, _ = block_ring.lookup(memo, torch.full((B,), 4), ["q"])
+    assert not found.any() and not block_ring.host_has(memo, [17, 17], qb)
+
+
+def test_a_new_generation_forgets_the_old_blocks():
+    qb, E = 8, 2
+    memo = {}
+    _call(memo, [0], 40, qb, torch.randn(1, 40, E))  # blocks 0-4
+    _call(memo, [0], 3, qb, torch.randn(1, 3, E))  # a new prompt: block 0 only
+    found, _ = block_ring.lookup(memo, torch.tensor([2]), ["q"])
+    assert not found.any() and not block_ring.host_has(memo, [17], qb)
+
+
+def test_ring_sizes():
+    assert block_ring.ring_blocks(1) == 1
+    assert block_ring.ring_blocks(64) * 64 >= block_ring.SPAN
+    assert block_ring.ring_blocks(2) == block_ring.MAX_BLOCKS
