@@ -43,7 +43,7 @@ returned) and which keeps the layer's decode state between steps
   cached tokens are kept, so a decode step computes them for its new tokens only.
 * either pattern without a trained selector (the query-aware training-free default,
   ``sparse_k.selection.page_selection``): nothing is evicted (a page that scores low for one block may score
-  high for a later query); the layer keeps the memo of the current block's first query, so a
+  high for a later query); the layer keeps the memo of the last blocks' first queries (``sparse_k.selection.block_ring``), so a
   decode step selects exactly as the recompute does.
 
 Limitations: batches without padding (a padded row would count its padding as sinks; a padded batch

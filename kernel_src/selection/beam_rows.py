@@ -1,6 +1,6 @@
 """Keep a per-layer decode memo in step with the cache's rows when something reorders them (beam search).
 
-A memo of the current block's first query (``page_selection.block_queries``, the DSA indexer's
+A memo of the last blocks' first queries (``block_ring``: ``page_selection.block_queries``, the DSA indexer's
 ``_block_memo``) lives on the attention module when the cache is one of Transformers' own
 (``DynamicCache``, ``StaticCache``): nothing tells the module when ``generate(num_beams=...)`` calls
 ``cache.reorder_cache(beam_idx)``, so without this the memo of row ``i`` would describe another beam's

@@ -12,7 +12,7 @@
   block attends to the ``top_k`` keys of it that its first query gives the most attention probability
   (``selectors._refined_layout``'s rule; the block's first query is kept for the calls that start inside the block);
 * ``dsa`` with a trained indexer: the indexer keys of the cached tokens (a call computes its new ones only);
-* no trained selector (either pattern, ``page_selection``): the memo of the current block's first query.
+* no trained selector (either pattern, ``page_selection``): the memo of the last blocks' first queries (``block_ring``).
 
 Slots of the cached key tensor: a *front* of ``F`` slots (the sinks and the kept selection, at
 positions ``front_pos (B, Hkv, F)``, ascending; empty slots at ``BIG``), then the *tail*: the
@@ -63,7 +63,7 @@ class CachedSelection:
         self.tail_start = 0
         self.state: SparseKDecodeState | None = None
         self.index_keys: torch.Tensor | None = None
-        self.memo: dict = {}  # training-free selection: the current block's first query (page_selection)
+        self.memo: dict = {}  # training-free selection: the last blocks' first queries (block_ring)
         self._index_owner = None
         self._first_queries: dict[int, torch.Tensor] = {}  # refine: block -> its first query (B, Hq, D), the last few
 
@@ -134,7 +134,7 @@ class CachedSelection:
 
     def _attend_from_scratch(self, query, key, value, run, selector, layer_idx, new_tokens):
         """Selection from scratch each call (``dsa``, and the training-free default of both patterns),
-        with the memo of the current block's first query (training-free) or the cached indexer keys."""
+        with the memo of the last blocks' first queries (training-free) or the cached indexer keys."""
         index_keys = None
         if selector is not None and isinstance(self.pattern, DSA):
             old = key.shape[2] - new_tokens

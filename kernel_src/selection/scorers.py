@@ -152,7 +152,7 @@ class LightningIndexer(nn.Module):
             self.q_proj = nn.Linear(num_q_heads * head_dim, indexer_heads * indexer_dim, bias=False)
             self.w_proj = nn.Linear(num_q_heads * head_dim, indexer_heads)
             self.k_proj = nn.Linear(num_kv_heads * head_dim, indexer_dim, bias=False)
-        # Decode memo: the indexer query of the current block's first query, for calls that start
+        # Decode memo: the indexer queries of the last blocks' first queries (block_ring), for calls that start
         # inside a block (the block's first query arrived in an earlier call). Not a module buffer: a dict of
         # tensors written in place (sparse_k.selection.step_state), created at the first call; None resets it.
         self._block_memo: dict | None = None
