@@ -290,3 +290,22 @@ def test_rolling_positions_leave_nope_layers_unrotated(model_type, nope_layer):
     tiny = tiny_model("llama", seed=0)
     hf_sparse_attention.configure(tiny, "streaming", sinks=2, window=5, cache_positions="rolling")
     assert all(layer.mode == "rolling" for layer in SparseCache(tiny).layers)
+
+
+def test_moshi_window_is_not_the_cache_window():
+    """moshi's config carries sliding_window but its layers attend globally (the attention function runs the user's
+    pattern without a model window): SparseCache keeps what that pattern needs, so generation equals recomputation."""
+    import model_families as mf
+
+    model = mf.build("moshi", "sparse_k")
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5)
+    model.generation_config.eos_token_id = None
+    ids, _ = mf._inputs()
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=SparseCache(model), max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, pad_token_id=0)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(12):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
