@@ -60,7 +60,7 @@ from .page_selection import REFINE_LIST_ENTRIES, observe as _observe, block_quer
     top_pages
 from . import selection_state as sst
 from .sparsek import sparsek
-from .step_state import new_state_dict, state_buffers
+from .step_state import new_state_dict
 from ..layouts.token_layout import TokenLayout
 
 __all__ = ["build_selection", "pool_pattern", "selection_blocks", "selection_from_scores", "training_free_scores"]
