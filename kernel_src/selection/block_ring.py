@@ -12,16 +12,19 @@ own first query with a warning (as a call without a memo does).
 Entries of a memo dict (every one ``(B, ...)``, a buffer written in place: ``step_state``, CUDA-graph safe):
 ``"blocks" (B, R)`` int64 block ids, and per value name ``v`` (``"q"``, ``"w"``) ``(B, R, ...)``. The dict's
 ``"block" (B,)`` stays each row's latest block (``beam_rows`` fingerprints it). ``"blocks_host"``: the ring's block
-ids per row on the host when the calls' offsets were host-known (None otherwise).
+ids per row on the host when the calls' offsets were host-known (None otherwise): with it, whether the ring holds
+the block a call starts inside is known without a device read (``host_missing``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..layouts.geometry import host_rows
 from .step_state import state_buffers
 
-__all__ = ["MAX_BLOCKS", "SPAN", "host_has", "host_store", "lookup", "prepare", "ring_blocks", "ring_spec", "store"]
+__all__ = ["MAX_BLOCKS", "SPAN", "host_has", "host_missing", "host_starts", "host_store", "lookup", "prepare",
+           "ring_blocks", "ring_spec", "store"]
 
 #: Tokens the ring covers at least (a rejected draft up to this long continues exactly).
 SPAN = 128
@@ -86,9 +89,22 @@ def store(memo: dict, first: torch.Tensor, last: torch.Tensor, inside: torch.Ten
     memo["block"].copy_(torch.where(seen, top, memo["block"]))
 
 
-def host_store(memo: dict, p0: list[int], Sq: int, query_block: int, fresh: bool) -> None:
+def host_starts(host: tuple | None, batch: int) -> list[int] | None:
+    """Each of the ``batch`` rows' first query position (0 for a row whose call starts in its padding) from
+    ``host``, ``RowGeometry.host_offsets()``; None when only the device knows the offsets."""
+    if host is None:
+        return None
+    p0 = [max(0, qs - ks) for qs, ks, _ in host_rows(host)]
+    return p0 * batch if len(p0) == 1 else p0
+
+
+def host_store(memo: dict, p0: list[int] | None, Sq: int, query_block: int, fresh: bool) -> None:
     """Mirror ``store`` on the host for host-known offsets: ``p0`` the call's first query position per row (or one
-    for all rows), ``fresh`` the buffers were just made (the ring was empty)."""
+    for all rows; None: only the device knows them, and the mirror is dropped), ``fresh`` the buffers were just made
+    (the ring was empty)."""
+    if p0 is None:
+        memo["blocks_host"] = None
+        return
     R = memo["blocks"].shape[1]
     old = memo.get("blocks_host")
     rings = [list(r) for r in old] if old is not None and not fresh and len(old) == len(p0) else [[-1] * R for _ in p0]
@@ -106,3 +122,12 @@ def host_has(memo: dict, p0: list[int], query_block: int) -> bool:
         return False
     R = len(rings[0])
     return all(p % query_block == 0 or rings[i][(p // query_block) % R] == p // query_block for i, p in enumerate(p0))
+
+
+def host_missing(memo: dict | None, p0: list[int] | None, query_block: int, usable: bool) -> bool:
+    """Whether a row's call starts inside a block whose first query the ring does not hold, judged on the host
+    (``host_has``; no device read): ``p0`` from ``host_starts`` (None: not known, and False), ``usable`` the ring
+    holds earlier calls' blocks (``prepare`` returned True)."""
+    if p0 is None or not any(p % query_block for p in p0):
+        return False
+    return not (usable and memo is not None and host_has(memo, p0, query_block))

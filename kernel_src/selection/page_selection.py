@@ -543,23 +543,17 @@ def block_queries(query, q_pos0, block_start, host, query_block, memo, first, bl
     g = qi.clamp(0, Sq - 1)[:, None, :, None].expand(B, Hq, qi.shape[1], D)
     qb = _compute(query.gather(2, g))  # (B, Hq, NB, D)
     need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
-    p0 = None
-    if host is not None:
-        p0 = [max(0, qs - ks) for qs, ks, _ in host_rows(host)]
-        p0 = p0 * (B if len(p0) == 1 else 1)
+    p0 = block_ring.host_starts(host, B)
     values = {"q": ((Hq, D), qb.dtype)}
     usable = memo is not None and block_ring.prepare(memo, B, query_block, values, first.device)
-    if p0 is not None and any(p % query_block for p in p0) and not (usable and block_ring.host_has(memo, p0, query_block)):
+    if block_ring.host_missing(memo, p0, query_block, usable):
         _warn_memo()
     if memo is not None:  # buffers written in place (sparse_k.selection.step_state: CUDA-graph safe)
         found, (q_memo,) = block_ring.lookup(memo, first, ["q"])
         qb[:, :, 0] = torch.where((need & found)[:, None, None], q_memo, qb[:, :, 0])
         last = block_ok.sum(-1) - 1  # (B,) each row's last block
         block_ring.store(memo, first, last, inside, {"q": qb.transpose(1, 2)})
-        if p0 is None:
-            memo["blocks_host"] = None
-        else:
-            block_ring.host_store(memo, p0, Sq, query_block, fresh=not usable)
+        block_ring.host_store(memo, p0, Sq, query_block, fresh=not usable)
     return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
 
 

@@ -729,8 +729,9 @@ def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_b
     """Indexer queries ``(B, NB, H, d_I)`` and head weights ``(B, NB, H)`` of every block's first query
     (design §7; module docstring).
 
-    Reads the device only when a row starts inside a block and the offsets are host-known (to check
-    the memo and warn); with device-only offsets the memo is applied where it matches, without a check.
+    The memo is a ``block_ring`` of the last few blocks' first queries. Host-known offsets: whether it holds the
+    block a call starts inside is checked on the host (its mirror), so nothing reads the device; with device-only
+    offsets the memo is applied where it matches, unchecked.
     """
     B, _, Sq, _ = query.shape
     q_index, w = indexer.index_queries(query)  # (B, Sq, H_I, d_I), (B, Sq, H_I)
@@ -747,17 +748,18 @@ def _dsa_block_queries(indexer: LightningIndexer, query, geometry, host, query_b
     # A block_ring of the last blocks' first queries, in buffers written in place (step_state: CUDA-graph safe).
     values = {"q": (tuple(qb.shape[2:]), qb.dtype), "w": (tuple(wb.shape[2:]), wb.dtype)}
     memo_ok = block_ring.prepare(memo, B, query_block, values, first.device)
+    p0 = block_ring.host_starts(host, B)
+    if block_ring.host_missing(memo, p0, query_block, memo_ok):
+        warn_once(
+            "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
+            "selector on every call of a generation); using the call's first query for that block"
+        )
     found, (q_memo, w_memo) = block_ring.lookup(memo, first, ["q", "w"])
     use = need & found
-    if host is not None and any(p > 0 and p % query_block != 0 for p in (qs - ks for qs, ks, _ in host_rows(host))):
-        if not (memo_ok and bool((found | ~need).all())):
-            warn_once(
-                "dsa: a call starts inside a query block whose first query the indexer has not seen (run the "
-                "selector on every call of a generation); using the call's first query for that block"
-            )
     qb[:, 0] = torch.where(use[:, None, None], q_memo, qb[:, 0])
     wb[:, 0] = torch.where(use[:, None], w_memo, wb[:, 0])
     block_ring.store(memo, first, block_ok.sum(-1) - 1, inside, {"q": qb, "w": wb})
+    block_ring.host_store(memo, p0, Sq, query_block, fresh=not memo_ok)
     return qb, wb
 
 

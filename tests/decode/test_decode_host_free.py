@@ -13,12 +13,11 @@ that the integer launch arguments that change from step to step are all ``do_not
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import host_reads
 from triton_interp import KERNEL_TEST, ON_GPU, import_kernels, run_file_interpreted
 
 HAVE_TRITON, IN_PROCESS, _kernels = import_kernels("attention.triton.fwd")
@@ -318,39 +317,6 @@ def test_decode_tile_bound_covers_every_query_tile():
 
 
 # ----- no host reads on the decode path ------------------------------------------------------------
-
-_OURS = (os.sep + "kernel_src" + os.sep, os.sep + "hf_sparse_attention" + os.sep, os.sep + "sparse_k" + os.sep)
-#: ``RowGeometry.host_offsets`` reads offsets that live on the CPU (on a GPU it returns None instead).
-_CPU_ONLY = ("host_offsets",)
-
-
-@contextlib.contextmanager
-def host_reads():
-    """Record every ``Tensor.item / tolist / __bool__ / __int__ / __index__ / __float__`` and ``torch.equal``
-    called from the package's own code (on a GPU each is a device synchronisation)."""
-    hits, saved = [], []
-
-    def wrap(owner, name):
-        orig = getattr(owner, name)
-        saved.append((owner, name, orig))
-
-        def spy(*a, **kw):
-            frame = sys._getframe(1)
-            path = frame.f_code.co_filename
-            if any(r in path for r in _OURS) and frame.f_code.co_name not in _CPU_ONLY:
-                hits.append(f"{name} at {os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})")
-            return orig(*a, **kw)
-
-        setattr(owner, name, spy)
-
-    for n in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
-        wrap(torch.Tensor, n)
-    wrap(torch, "equal")
-    try:
-        yield hits
-    finally:
-        for owner, name, orig in saved:
-            setattr(owner, name, orig)
 
 
 def _module(pattern: dict):

@@ -55,3 +55,23 @@ def test_ring_sizes():
     assert block_ring.ring_blocks(1) == 1
     assert block_ring.ring_blocks(64) * 64 >= block_ring.SPAN
     assert block_ring.ring_blocks(2) == block_ring.MAX_BLOCKS
+
+
+def test_host_starts_and_missing():
+    """``host_starts``: each row's first query position from host offsets (0 in the padding); ``host_missing``: a row
+    starts inside a block the mirror lacks (False when the offsets are device-only or no row starts inside one)."""
+    qb = 8
+    assert block_ring.host_starts(None, 2) is None
+    assert block_ring.host_starts(([37], [0], [38]), 3) == [37, 37, 37]
+    assert block_ring.host_starts(([37, 37], [0, 3], [38, 38]), 2) == [37, 34]
+    assert block_ring.host_starts(([0, 0], [0, 5], [9, 9]), 2) == [0, 0]
+    memo = {}
+    assert not block_ring.host_missing(memo, None, qb, usable=False)
+    assert not block_ring.host_missing(memo, [16, 8], qb, usable=False)
+    assert block_ring.host_missing(None, [17, 8], qb, usable=False)
+    _call(memo, [0, 0], 20, qb, torch.randn(2, 20, 3))  # blocks 0-2
+    assert not block_ring.host_missing(memo, [20, 17], qb, usable=True)
+    assert block_ring.host_missing(memo, [20, 17], qb, usable=False)  # the buffers were just made: an empty ring
+    assert block_ring.host_missing(memo, [20, 25], qb, usable=True)  # block 3 was never started
+    block_ring.host_store(memo, None, 1, qb, fresh=False)  # a call with device-only offsets: the mirror is dropped
+    assert block_ring.host_missing(memo, [20, 17], qb, usable=True)

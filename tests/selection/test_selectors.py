@@ -234,6 +234,46 @@ def test_decode_equals_recompute_dsa_with_memo():
     _decode_vs_recompute(pattern, LightningIndexer(4, 2, 6, indexer_heads=2, indexer_dim=4), seed=3)
 
 
+def test_dsa_memo_check_reads_nothing_from_the_device():
+    """A DSA call that starts inside a query block checks the indexer's memo on the host (``block_ring``'s mirror):
+    no device read in ``_dsa_block_queries``; it warns only where the memo lacks the block (a fresh indexer, or a draft
+    cut back past the ring)."""
+    from helpers import host_reads
+    from sparse_k.selection import block_ring
+    from sparse_k.warn import _WARNED
+
+    qb = 8
+    pattern = sparse_k.DSA(sinks=2, window=9, top_k=6, query_block=qb, indexer_heads=2, indexer_dim=4)
+    B, S = 2, 45 + qb * block_ring.ring_blocks(qb)
+    q, k, v = _inputs(B, 4, 2, S, S, 6, seed=7)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :3] = False
+
+    def call(indexer, t0, t1):
+        geo = sparse_k.row_geometry(B, t1 - t0, t1, mask[:, :t1])
+        with torch.no_grad():
+            build_selection(pattern, q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], geo, layer_idx=0, selector=indexer)
+
+    def warned(indexer, t0, t1):
+        for key in [w for w in _WARNED if w.startswith("dsa: a call starts inside")]:
+            _WARNED.discard(key)
+        with warnings.catch_warnings(record=True) as rec, host_reads() as hits:
+            warnings.simplefilter("always")
+            call(indexer, t0, t1)
+        assert not [h for h in hits if "_dsa_block_queries" in h], hits
+        return any("dsa: a call starts inside" in str(w.message) for w in rec)
+
+    indexer = LightningIndexer(4, 2, 6, indexer_heads=2, indexer_dim=4)
+    call(indexer, 0, 37)  # prefill: rows at positions 0-36 and 0-33, both end inside a block
+    assert not warned(indexer, 37, 38)
+    assert not warned(indexer, 38, 45)  # a draft of 7 tokens from inside the block
+    fresh = LightningIndexer(4, 2, 6, indexer_heads=2, indexer_dim=4)
+    fresh.load_state_dict(indexer.state_dict())
+    assert warned(fresh, 38, 39)  # this indexer saw no earlier call
+    call(indexer, 45, S)  # the ring moves past the blocks of position 37
+    assert warned(indexer, 37, 38)  # cut back into a block the ring no longer holds
+
+
 @pytest.mark.parametrize("Sq", [150, 1])
 def test_torch_path_equals_reference_and_gradients_reach_scorer(Sq):
     pattern = sparse_k.SparseK(sinks=3, window=21, top_k=13, query_block=16)
