@@ -61,9 +61,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from sparse_k.integrations.cache_protocol import announce
 from sparse_k.integrations.config import validate_sparse_config
-from sparse_k.integrations.transformers_adapter import (
-    GLOBAL_DESPITE_WINDOW, WithinWindow, layer_pattern, translation_invariant,
-)
+from sparse_k.integrations.transformers_adapter import WithinWindow, config_window, layer_pattern, translation_invariant
 from sparse_k.layouts.patterns import SlidingWindow, Streaming
 from sparse_k.selection.cache_state import CachedSelection
 
@@ -294,16 +292,11 @@ def _text_model_config(model_or_config):
 
 
 def _model_windows(config, n_layers):
-    """Per layer, the model's own sliding window (None: global) and layer type, as the attention function sees them: a
-    model that attends globally despite ``config.sliding_window`` (``GLOBAL_DESPITE_WINDOW``: moshi) has none, and
-    ``use_sliding_window=False`` turns the window off."""
+    """Per layer, the model's own sliding window (None: global; ``config_window``, the rule the adapter reads when a
+    model passes no window) and layer type (None without ``config.layer_types``)."""
     types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW or getattr(config, "use_sliding_window", True) is False:
-        window = None
-    if types is None:
-        return [window] * n_layers, [None] * n_layers
-    return [window if t == "sliding_attention" else None for t in types], list(types)
+    windows = [config_window(config, i) for i in range(n_layers)]
+    return windows, ([None] * n_layers if types is None else list(types))
 
 
 def _check_attention_only(config) -> None:

@@ -53,8 +53,8 @@ from ..warn import warn_once
 from .cache_protocol import announced_layer
 from .config import pattern_for_layer, validate_sparse_config
 
-__all__ = ["SELECTOR_PROVIDERS", "WithinChunk", "WithinWindow", "attention_forward", "layer_pattern", "restrict_pattern",
-           "translation_invariant"]
+__all__ = ["SELECTOR_PROVIDERS", "WithinChunk", "WithinWindow", "attention_forward", "config_window", "layer_pattern",
+           "restrict_pattern", "translation_invariant"]
 
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
@@ -206,25 +206,35 @@ NOT_PASSED = object()
 GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
 
 
-def _own_window(module, config, layer_idx):
-    """The sliding window of a layer whose model does not pass ``sliding_window=`` (phimoe, qwen2_moe).
+def config_window(config, layer_idx: int | None) -> int | None:
+    """The sliding window ``config`` gives layer ``layer_idx`` as the model's attention function sees it (None: global).
 
-    In order: the module's own ``sliding_window`` attribute; ``config.sliding_window`` on layers that
-    ``config.layer_types`` marks ``"sliding_attention"``; else ``config.sliding_window`` unless
-    ``config.use_sliding_window`` is False. None when the layer is global or the model type is in
-    ``GLOBAL_DESPITE_WINDOW``.
+    ``config.sliding_window`` on layers that ``config.layer_types`` marks ``"sliding_attention"`` (None on the
+    others); without layer types (or without ``layer_idx``), ``config.sliding_window`` unless
+    ``config.use_sliding_window`` is False. None when the model type is in ``GLOBAL_DESPITE_WINDOW``.
+    ``SparseCache`` sizes its layers by it; ``_own_window`` falls back to it.
     """
-    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+    if config is None or getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
         return None
-    if "sliding_window" in getattr(module, "__dict__", {}):
-        return module.__dict__["sliding_window"]
-    window = getattr(config, "sliding_window", None) if config is not None else None
+    window = getattr(config, "sliding_window", None)
     if window is None:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
         return window if layer_types[layer_idx] == "sliding_attention" else None
     return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def _own_window(module, config, layer_idx):
+    """The sliding window of a layer whose model does not pass ``sliding_window=`` (phimoe, qwen2_moe): the module's
+    own ``sliding_window`` attribute, else ``config_window``. None when the layer is global or the model type is in
+    ``GLOBAL_DESPITE_WINDOW``.
+    """
+    if getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+        return None
+    if "sliding_window" in getattr(module, "__dict__", {}):
+        return module.__dict__["sliding_window"]
+    return config_window(config, layer_idx)
 
 
 def _layer_locality(config, layer_idx, sliding_window):

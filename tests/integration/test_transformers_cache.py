@@ -309,3 +309,29 @@ def test_moshi_window_is_not_the_cache_window():
         for _ in range(12):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, seq)
+
+
+def test_cache_windows_are_the_adapter_windows():
+    """SparseCache sizes each layer by the window the adapter reads when a model passes none (one rule,
+    ``config_window``): none for moshi (global despite its window) or use_sliding_window=False without layer types;
+    with layer types, the window on the sliding layers only (there the model passes it, use_sliding_window or not)."""
+    from types import SimpleNamespace
+
+    from hf_sparse_attention.cache import _model_windows
+    from sparse_k.integrations.transformers_adapter import _own_window
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    cases = [
+        (SimpleNamespace(model_type="moshi", sliding_window=5), [None] * 3),
+        (SimpleNamespace(model_type="moshi", sliding_window=5, layer_types=types), [None] * 3),
+        (SimpleNamespace(model_type="qwen2", sliding_window=5, use_sliding_window=False), [None] * 3),
+        (SimpleNamespace(model_type="qwen2", sliding_window=5, use_sliding_window=True), [5] * 3),
+        (SimpleNamespace(model_type="mistral", sliding_window=None), [None] * 3),
+        (SimpleNamespace(model_type="gemma3", sliding_window=5, layer_types=types), [5, None, 5]),
+        (SimpleNamespace(model_type="qwen2", sliding_window=5, use_sliding_window=False, layer_types=types), [5, None, 5]),
+    ]
+    module = torch.nn.Module()  # no window of its own: the adapter falls back to the config
+    for cfg, want in cases:
+        windows, _ = _model_windows(cfg, 3)
+        assert windows == [_own_window(module, cfg, i) for i in range(3)] == want, cfg
+
