@@ -363,6 +363,22 @@ def _check_rotation_convention(attention, rotary, inv_freq, layer_type, layer_id
         )
 
 
+def _rolling_inv_freq(model, attention, layer_type, layer_idx: int, probed: set) -> torch.Tensor:
+    """``inv_freq`` of the rotary embedding that re-rotates a rolling layer's sink keys. ``attention``: the layer's
+    attention module (None when unknown); its rotation convention is checked (``_check_rotation_convention``) once per
+    attention class and layer type, the pairs in ``probed`` (updated here): the same modeling file's
+    ``apply_rotary_pos_emb`` with the same rotary embedding gives the same answer."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("SparseCache(mode='rolling') needs the model (for its rotary frequencies), not a config")
+    inv_freq, rotary = _inv_freq(model, layer_type)
+    if inv_freq is None:
+        raise ValueError("SparseCache(mode='rolling') found no rotary embedding (`inv_freq`) in the model")
+    if attention is not None and (type(attention), layer_type) not in probed:
+        _check_rotation_convention(attention, rotary, inv_freq, layer_type, layer_idx)
+        probed.add((type(attention), layer_type))
+    return inv_freq
+
+
 class SparseCache(Cache):
     """A cache whose streaming / sliding-window layers keep only what their pattern can still use.
 
@@ -391,6 +407,7 @@ class SparseCache(Cache):
 
             modules = attention_modules(model)
         layers, self.bounded_layers, self.selection_layers = [], [], []
+        probed = set()  # (attention class, layer type) pairs whose rotation convention was checked
         for i in range(n_layers):
             pattern = layer_pattern(config, i, windows[i])
             if pattern.learned and i in modules:
@@ -406,13 +423,7 @@ class SparseCache(Cache):
             inv_freq = None
             layer_mode = mode if i not in modules or _rotates_keys(modules[i]) else "original"  # NoPE: nothing to re-rotate
             if layer_mode == "rolling" and keep[0] > 0:
-                if not isinstance(model, torch.nn.Module):
-                    raise TypeError("SparseCache(mode='rolling') needs the model (for its rotary frequencies), not a config")
-                inv_freq, rotary = _inv_freq(model, types[i])
-                if inv_freq is None:
-                    raise ValueError("SparseCache(mode='rolling') found no rotary embedding (`inv_freq`) in the model")
-                if i in modules:
-                    _check_rotation_convention(modules[i], rotary, inv_freq, types[i], i)
+                inv_freq = _rolling_inv_freq(model, modules.get(i), types[i], i, probed)
             layers.append(BoundedLayer(keep[0], keep[1], layer_mode, inv_freq, modules.get(i)))
             self.bounded_layers.append(i)
         self.mode = mode

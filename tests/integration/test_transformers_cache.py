@@ -335,3 +335,27 @@ def test_cache_windows_are_the_adapter_windows():
         windows, _ = _model_windows(cfg, 3)
         assert windows == [_own_window(module, cfg, i) for i in range(3)] == want, cfg
 
+
+def test_rotation_probe_runs_once_per_attention_class_and_layer_type(monkeypatch):
+    """``mode="rolling"`` probes the model's ``apply_rotary_pos_emb`` once per (attention class, layer type), not once
+    per bounded layer: of four gemma3 layers, the two global ones re-rotate sink keys (the sliding ones keep no sink
+    past their window): one probe; every layer still rolls."""
+    import hf_sparse_attention.cache as cache_module
+    import model_families as mf
+
+    probes, probe = [], cache_module._check_rotation_convention
+
+    def counted(attention, rotary, inv_freq, layer_type, layer_idx):
+        probes.append((type(attention).__name__, layer_type))
+        probe(attention, rotary, inv_freq, layer_type, layer_idx)
+
+    monkeypatch.setattr(cache_module, "_check_rotation_convention", counted)
+    cfg = mf.tiny_config("gemma3")
+    text = cfg.get_text_config()
+    text.num_hidden_layers, text.layer_types = 4, ["sliding_attention", "full_attention"] * 2
+    model = mf.model_class("gemma3")._from_config(cfg, attn_implementation="sparse_k").eval()
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+    cache = SparseCache(model)
+    assert cache.bounded_layers == [0, 1, 2, 3] and all(layer.mode == "rolling" for layer in cache.layers)
+    assert [layer.inv_freq is not None for layer in cache.layers] == [False, True, False, True]
+    assert probes == [("Gemma3Attention", "full_attention")]
