@@ -620,7 +620,8 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * (REFINE_LIST_ENTRIES if kern else D))))
         if O:
             step = max(1, min(step, limit // max(1, B * Hkv * per_q * (n_pre * page + pattern.sinks + pattern.window))))
-    pos_parts, cnt_parts = [], []
+    indices = torch.empty((B, Hkv, NB, width), dtype=torch.int32, device=key.device)
+    counts = torch.empty((B, Hkv, NB), dtype=torch.int32, device=key.device)
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
@@ -636,8 +637,8 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
                                        n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window, flag)
             else:
                 pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
-            pos_parts.append(pos_c)
-            cnt_parts.append(cnt_c)
+            _finish_chunk(indices[:, :, c0:c1], counts[:, :, c0:c1], pos_c, cnt_c, lo[:, c0:c1], hi[:, c0:c1], bo,
+                          n_keys, k_start, pattern.top_k)
             continue
         cand_pages = ok[:, :, None, :] & ((p_idx + 1) * page - 1 <= hi[:, None, c0:c1, None]) & bo[:, None, :, None]
         if O:
@@ -661,16 +662,22 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         else:
             pages, chosen = top_pages(scores, cand_pages, pattern.top_k // page)
             pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
-        pos_parts.append(pos_c)
-        cnt_parts.append(cnt_c)
-    pos, cnt = torch.cat(pos_parts, 2), torch.cat(cnt_parts, 2)
-    # With at most top_k candidates: all of them.
-    n_cand = (torch.minimum(hi, n_keys[:, None] - 1) - lo + 1).clamp_min(0) * block_ok  # (B, NB)
-    all_pos = lo[..., None] + torch.arange(width, device=key.device)  # (B, NB, width)
-    all_ok = torch.arange(width, device=key.device) < n_cand[..., None]
-    take_all = (n_cand <= pattern.top_k)[:, None, :, None]
+        _finish_chunk(indices[:, :, c0:c1], counts[:, :, c0:c1], pos_c, cnt_c, lo[:, c0:c1], hi[:, c0:c1], bo, n_keys,
+                      k_start, pattern.top_k)
+    return TokenLayout(indices=indices, counts=counts, query_block=pattern.query_block, first_block=first, weights=None)
+
+
+def _finish_chunk(indices, counts, pos, cnt, lo, hi, block_ok, n_keys, k_start, top_k: int) -> None:
+    """Write a chunk of blocks' layout: ``indices (B, Hkv, C, width)`` int32 key tensor indices (-1 past the count) and
+    ``counts (B, Hkv, C)`` int32 (views into the whole layout), from the chosen candidate positions ``pos (B, Hkv, C,
+    width)`` ascending (-1 after) and ``cnt (B, Hkv, C)``; a block with at most ``top_k`` candidates in ``[lo, hi]``
+    ``(B, C)`` takes all of them. Chunk by chunk, so no temporary spans every block (the layout of a per-query
+    selection at 128K is gigabytes)."""
+    width = indices.shape[-1]
+    n_cand = (torch.minimum(hi, n_keys[:, None] - 1) - lo + 1).clamp_min(0) * block_ok  # (B, C)
+    all_pos = lo[..., None] + torch.arange(width, device=lo.device)  # (B, C, width)
+    all_ok = torch.arange(width, device=lo.device) < n_cand[..., None]
+    take_all = (n_cand <= top_k)[:, None, :, None]
     pos = torch.where(take_all, torch.where(all_ok, all_pos, -1)[:, None], pos)
-    cnt = torch.where(take_all[..., 0], n_cand[:, None], cnt)
-    idx = torch.where(pos >= 0, pos + k_start[:, None, None, None], -1)
-    return TokenLayout(indices=idx.to(torch.int32), counts=cnt.to(torch.int32), query_block=pattern.query_block,
-                       first_block=first, weights=None)
+    indices.copy_(torch.where(pos >= 0, pos + k_start[:, None, None, None], -1))
+    counts.copy_(torch.where(take_all[..., 0], n_cand[:, None], cnt))

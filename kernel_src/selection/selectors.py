@@ -47,6 +47,8 @@ the SparseK weights (``log p`` is added to the logit by the attention paths).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -110,15 +112,39 @@ def _host_extent(pattern, host, q_len: int, kv_len: int):
     return nb, n_cand, min(max(span, 1), kv_len)
 
 
-def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
-    """The query blocks of a call and their candidate masks.
+@dataclass(frozen=True)
+class BlockCandidates:
+    """The candidate mask of a call's query blocks, built a chunk of blocks at a time: with one query per block the
+    whole ``(B, NB, Skv)`` mask would be ``S x S`` (17 GB of bools at 128K).
 
-    Returns ``first_block (B,)`` int64, ``block_start (B, NB)`` int64 positions, ``block_ok (B, NB)``
-    bool (the block holds a query of this row), ``cand (B, NB, Skv)`` bool candidate mask on key
-    tensor indices and ``kpos (B, Skv)`` key positions. ``nb``: the number of blocks (default: from
-    ``geometry.host_offsets()``, or a bound when only the device knows the offsets); nothing here
-    reads the device.
+    ``lo, hi (B, NB)`` candidate positions (``pattern.candidate_range``), ``block_ok (B, NB)``, ``kpos, valid (B, Skv)``
+    key positions and validity.
     """
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    block_ok: torch.Tensor
+    kpos: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def blocks(self) -> int:
+        return self.lo.shape[1]
+
+    def rows(self, c0: int, c1: int) -> "BlockCandidates":
+        """The candidates of blocks ``[c0, c1)``."""
+        return BlockCandidates(self.lo[:, c0:c1], self.hi[:, c0:c1], self.block_ok[:, c0:c1], self.kpos, self.valid)
+
+    def mask(self, c0: int = 0, c1: int | None = None, span: int | None = None) -> torch.Tensor:
+        """``(B, c1 - c0, span)`` bool: key ``j < span`` is a candidate of block ``c0 + i``."""
+        c1 = self.blocks if c1 is None else c1
+        kp, ok = self.kpos[:, None, :span], self.valid[:, None, :span]
+        lo, hi, bo = self.lo[:, c0:c1, None], self.hi[:, c0:c1, None], self.block_ok[:, c0:c1, None]
+        return (kp >= lo) & (kp <= hi) & ok & bo
+
+
+def block_candidates(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
+    """``selection_blocks`` with the candidates as a ``BlockCandidates`` (no mask over every block)."""
     bq = pattern.query_block
     if nb is None:
         nb = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)[0]
@@ -131,9 +157,21 @@ def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len:
     lo, hi = pattern.candidate_range(block_start)
     kpos = geometry.k_positions(kv_len).expand(batch, kv_len)
     valid = geometry.key_valid(kv_len).expand(batch, kv_len)
-    kp = kpos[:, None, :]
-    cand = (kp >= lo[..., None]) & (kp <= hi[..., None]) & valid[:, None, :] & block_ok[..., None]
-    return first, block_start, block_ok, cand, kpos
+    return first, block_start, block_ok, BlockCandidates(lo, hi, block_ok, kpos, valid), kpos
+
+
+def selection_blocks(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
+    """The query blocks of a call and their candidate masks.
+
+    Returns ``first_block (B,)`` int64, ``block_start (B, NB)`` int64 positions, ``block_ok (B, NB)``
+    bool (the block holds a query of this row), ``cand (B, NB, Skv)`` bool candidate mask on key
+    tensor indices and ``kpos (B, Skv)`` key positions. ``nb``: the number of blocks (default: from
+    ``geometry.host_offsets()``, or a bound when only the device knows the offsets); nothing here
+    reads the device. The mask spans every block: for analyses (oracles, distillation); the selection
+    itself builds it per chunk of blocks (``block_candidates``).
+    """
+    first, block_start, block_ok, cand, kpos = block_candidates(pattern, geometry, batch, q_len, kv_len, nb)
+    return first, block_start, block_ok, cand.mask(), kpos
 
 
 def _check_inputs(pattern, query, key, value, geometry, layer_idx, selector):
@@ -237,7 +275,7 @@ def build_selection(
     if reuse_key is not None and memo.get("layout_key") == reuse_key:
         _observe(memo, query, geometry)  # page_selection.OBS: the observation ring still moves
         return memo["layout"]
-    first, block_start, block_ok, cand, kpos = selection_blocks(pattern, geometry, B, Sq, Skv, nb)
+    first, block_start, block_ok, cand, kpos = block_candidates(pattern, geometry, B, Sq, Skv, nb)
     if selector is None:
         per_query = pattern.query_block == 1 and getattr(pattern, "refine", 0) >= 8
         warn_once(
@@ -273,7 +311,7 @@ def build_selection(
             else:
                 lay = _prefix_topk_layout(u, sk, geometry, first, block_start, block_ok, K_pool, span)
         else:
-            lay = _topk_layout(u[:, :, None, :], cand[:, None], K_pool, sk.top_k, first, sk.query_block, span,
+            lay = _topk_layout(u[:, :, None, :], cand, K_pool, sk.top_k, first, sk.query_block, span,
                                weighted=sk is pattern)
         if sk is pattern:
             return lay
@@ -292,9 +330,7 @@ def build_selection(
     elif (kern := row_kernels(index_keys)) is not None:
         lay = _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first, pattern.query_block, fresh)
     else:
-        scores = selector.scores(qb, wb, index_keys)  # (B, NB, Skv) or, per KV head, (B, NB, Hkv, Skv)
-        scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
-        lay = _topk_layout(scores, cand[:, None], K, pattern.top_k, first, pattern.query_block, span, weighted=False)
+        lay = _dsa_torch_layout(selector, qb, wb, index_keys, cand, K, pattern, first, span)
     if not selector.per_kv_head:
         shape = (B, Hkv, *lay.indices.shape[2:])
         lay = TokenLayout(
@@ -343,12 +379,40 @@ def _refined_layout(pool: TokenLayout, pattern, query, key, geometry, host, firs
                        query_block=pattern.query_block, first_block=first, weights=None)
 
 
+def _dsa_torch_layout(selector, qb, wb, index_keys, cand, K, pattern, first, span) -> TokenLayout:
+    """The DSA selection in PyTorch: indexer scores of the blocks' first queries ``qb (B, NB, H, d_I)`` (weights ``wb
+    (B, NB, H)``) against ``index_keys (B, Skv, key_width)``, top ``K`` per block (and KV head, ``per_kv_head``) among
+    ``cand`` (``BlockCandidates``); blocks in chunks of bounded score memory (one block per query would otherwise
+    score ``S x S``)."""
+    B, NB = qb.shape[:2]
+    G = selector.num_kv_heads if selector.per_kv_head else 1
+    limit = _CHUNK_ELEMENTS_CUDA if index_keys.is_cuda else _CHUNK_ELEMENTS
+    step = max(1, limit // max(1, B * G * selector.indexer_heads * index_keys.shape[1]))
+    parts = []
+    for c0 in range(0, NB, step):
+        c1 = min(NB, c0 + step)
+        scores = selector.scores(qb[:, c0:c1], wb[:, c0:c1], index_keys)  # (B, c, Skv) or, per KV head, (B, c, Hkv, Skv)
+        scores = scores.transpose(1, 2) if scores.dim() == 4 else scores[:, None]
+        parts.append(_topk_layout(scores, cand.rows(c0, c1), K, pattern.top_k, first, pattern.query_block, span,
+                                  weighted=False))
+    return _cat_layouts(parts)
+
+
+def _cat_layouts(parts: list[TokenLayout]) -> TokenLayout:
+    """The layouts of consecutive chunks of blocks (same rows, heads and ``K``) as one."""
+    if len(parts) == 1:
+        return parts[0]
+    weights = None if parts[0].weights is None else torch.cat([p.weights for p in parts], 2)
+    return TokenLayout(indices=torch.cat([p.indices for p in parts], 2), counts=torch.cat([p.counts for p in parts], 2),
+                       query_block=parts[0].query_block, first_block=parts[0].first_block, weights=weights)
+
+
 def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first, query_block, flag) -> TokenLayout:
     """The DSA selection through ``select_triton``: indexer scores of the blocks' first queries ``qb (B, NB, H, d_I)``
-    (weights ``wb (B, NB, H)``) against ``index_keys (B, Skv, key_width)`` on the candidates ``cand (B, NB, Skv)``, then
+    (weights ``wb (B, NB, H)``) against ``index_keys (B, Skv, key_width)`` on the candidates ``cand`` (``BlockCandidates``), then
     the top ``K`` of every block (and KV head, ``per_kv_head``), ascending; rows off ``flag (B,)`` (None: all) select
     nothing. Blocks go in chunks of bounded score memory, as ``_topk_layout``."""
-    B, NB = cand.shape[:2]
+    B, NB = qb.shape[0], cand.blocks
     G = selector.num_kv_heads if selector.per_kv_head else 1
     limit = _CHUNK_ELEMENTS_CUDA if index_keys.is_cuda else _CHUNK_ELEMENTS
     chunk = max(1, limit // max(1, B * G * span))
@@ -357,7 +421,7 @@ def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first,
         c1 = min(NB, c0 + chunk)
         rows = None if flag is None else flag[:, None, None].expand(B, c1 - c0, G)
         scores = kern.index_scores(qb[:, c0:c1].detach(), wb[:, c0:c1].detach(), index_keys[:, :span].detach(),
-                                   cand[:, c0:c1, :span], G, rows)  # (B, c, G, span), -inf off the candidates
+                                   cand.mask(c0, c1, span), G, rows)  # (B, c, G, span), -inf off the candidates
         idx = kern.topk_rows(scores, K, flag=rows)  # (B, c, G, K) ascending, -1 after
         if rows is not None:
             idx = torch.where(rows[..., None], idx, -1)
@@ -562,23 +626,23 @@ def selection_from_scores(pattern: Pattern, scores: torch.Tensor, geometry: RowG
                          f"got {getattr(scores, 'shape', scores)!r}")
     if pattern.top_k == 0 or max_c == 0:
         return None
-    first, _, _, cand, _ = selection_blocks(pattern, geometry, scores.shape[0], q_len, kv_len, nb)
-    return _topk_layout(scores, cand[:, None], min(pattern.top_k, max_c), pattern.top_k, first, pattern.query_block,
+    first, _, _, cand, _ = block_candidates(pattern, geometry, scores.shape[0], q_len, kv_len, nb)
+    return _topk_layout(scores, cand, min(pattern.top_k, max_c), pattern.top_k, first, pattern.query_block,
                         span, weighted=False)
 
 
 def _topk_layout(u, cand, K, top_k, first, query_block, span, *, weighted: bool) -> TokenLayout:
-    """Top-``K`` per block from scores ``u (B, H, NB', S)`` (NB' in {1, NB}) and candidates ``cand (B, 1, NB, S)``;
-    keys at tensor indices ``>= span`` are never candidates."""
+    """Top-``K`` per block from scores ``u (B, H, NB', S)`` (NB' in {1, NB}) and candidates ``cand`` (``BlockCandidates``
+    of NB blocks); keys at tensor indices ``>= span`` are never candidates."""
     B, H, S = u.shape[0], u.shape[1], u.shape[-1]
-    NB = cand.shape[2]
-    u, cand = u[..., :span], cand[..., :span]
+    NB = cand.blocks
+    u = u[..., :span]
     limit = _CHUNK_ELEMENTS_CUDA if u.is_cuda else _CHUNK_ELEMENTS
     chunk = max(1, limit // max(1, B * H * span))
     idx_out, w_out, cnt_out = [], [], []
     for c0 in range(0, NB, chunk):
         c1 = min(NB, c0 + chunk)
-        m = cand[:, :, c0:c1].expand(B, H, c1 - c0, span)
+        m = cand.mask(c0, c1, span)[:, None].expand(B, H, c1 - c0, span)
         uc = u[:, :, c0:c1] if u.shape[2] > 1 else u
         uc = uc.expand(B, H, c1 - c0, span)
         neg_inf = torch.full((), float("-inf"), dtype=uc.dtype, device=uc.device)
@@ -629,13 +693,20 @@ def _prefix_topk_layout(u, pattern, geometry, first, block_start, block_ok, K, s
     c_blk = torch.div(hi.clamp_min(0), Z, rounding_mode="floor").clamp_max(n_chunks - 1)  # chunk of each block's last candidate
     L = _prefix_best_lists(u_pos.detach(), n_chunks, Z, M)  # (B, H, n_chunks, M)
     NB = block_start.shape[1]
-    prev = L.gather(2, c_blk[:, None, :, None].expand(B, H, NB, M))  # (B, H, NB, M)
 
     def u_at(cand):
         flat = cand.clamp_min(0).flatten(2)
         return u_pos.gather(2, flat).view(cand.shape), ok.gather(1, flat.flatten(1)).view(cand.shape)
 
-    return _prefix_select(prev, c_blk, u_at, pattern, geometry, first, lo, hi, block_ok, K)
+    limit = _CHUNK_ELEMENTS_CUDA if u.is_cuda else _CHUNK_ELEMENTS
+    step = max(1, limit // max(1, B * H * (M + Z)))  # blocks per chunk: bounded (B, H, c, M + Z) entries
+    parts = []
+    for c0 in range(0, NB, step):
+        c1 = min(NB, c0 + step)
+        prev = L.gather(2, c_blk[:, None, c0:c1, None].expand(B, H, c1 - c0, M))  # (B, H, c, M)
+        parts.append(_prefix_select(prev, c_blk[:, c0:c1], u_at, pattern, geometry, first, lo[:, c0:c1], hi[:, c0:c1],
+                                    block_ok[:, c0:c1], K))
+    return _cat_layouts(parts)
 
 
 def _prefix_candidates(prev, c_blk, u_at, lo, hi, block_ok):
