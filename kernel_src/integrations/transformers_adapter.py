@@ -555,6 +555,11 @@ def attention_forward(
         key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2],
                               *_layer_locality(config, layer_idx, sliding_window))
 
+    announced = None if _tracing() else announced_layer(module, key)
+    check_pattern = getattr(announced, "check_pattern", None)
+    if check_pattern is not None:  # a cache layer that keeps what one pattern needs (SparseCache) refuses another
+        check_pattern(pattern, layer_idx)
+
     layer = announced_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
     if layer is not None:
 
