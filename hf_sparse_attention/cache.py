@@ -235,6 +235,12 @@ class SelectionLayer(_KeptKeysLayer):
         """The training-free selection's memo of the current block (``selection.memo``)."""
         return self.selection.memo
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can cut this layer back (Transformers 5.24+ asks before assisted / prompt-lookup decoding):
+        until it evicts keys (a trained SparseK scorer with ``evict=True``)."""
+        return not self.selection.evicted
+
     # -- Transformers cache-layer interface ------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
