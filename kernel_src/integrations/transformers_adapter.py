@@ -189,7 +189,10 @@ _PARSED: dict = {}
 
 def _sparse_config(config) -> dict:
     raw = getattr(config, "sparse_attention", None) if config is not None else None
-    key = json.dumps(raw, sort_keys=True, default=str)
+    try:
+        key = json.dumps(raw, sort_keys=True, default=str)
+    except TypeError:  # keys that do not sort (layer indices as ints and strings): validation names any problem
+        key = json.dumps(raw, default=str)
     cfg = _PARSED.get(key)
     if cfg is None:
         cfg = validate_sparse_config(raw)
