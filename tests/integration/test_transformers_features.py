@@ -246,15 +246,15 @@ def test_user_4d_mask_of_a_padded_batch_equals_the_2d_mask():
     """A caller's own 4-D causal mask of a left-padded batch runs as its 2-D padding mask, also in the form of
     Transformers' older SDPA helper, which unmasks the padding queries (``_unmask_unattended``: their rows attend
     every slot, padding included); the padding keys must stay out."""
-    from transformers.modeling_attn_mask_utils import AttentionMaskConverter
-
     model = tiny_model("mistral", seed=23)  # sliding layers too: the layer's own window is applied as with 2-D
     hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
     ids = torch.randint(0, VOCAB, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :4] = 0
-    four_d = AttentionMaskConverter(is_causal=True).to_4d(mask, 12, dtype=torch.float32, key_value_length=12)
-    unmasked = AttentionMaskConverter._unmask_unattended(four_d.clone(), torch.finfo(torch.float32).min)
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    four_d = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    # AttentionMaskConverter._unmask_unattended (Transformers' older SDPA masks): rows that attend nothing attend all
+    unmasked = torch.where(allowed.any(-1, keepdim=True), four_d, 0.0)
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits[mask.bool()]
         for m4 in (four_d, unmasked, unmasked == 0):
