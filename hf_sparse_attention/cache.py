@@ -48,7 +48,9 @@ returned) and which keeps the layer's decode state between steps
 
 Limitations: batches without padding (a padded row would count its padding as sinks; a padded batch
 raises ``ValueError``); no
-``crop`` (assisted decoding) on layers that dropped keys.
+``crop`` (assisted decoding) on layers that dropped keys; the configuration of its construction (``check_pattern``:
+a layer reconfigured to a pattern that may need dropped keys, or a learned layer to another pattern, raises
+``ValueError``).
 """
 
 from __future__ import annotations
@@ -184,6 +186,18 @@ class BoundedLayer(_KeptKeysLayer):
         self._announce(keys)
         return keys, values
 
+    def check_pattern(self, pattern, layer_idx: int) -> None:
+        """Raise ``ValueError`` when ``pattern`` (what the layer runs now) may attend a key this layer dropped: it must
+        be a streaming / sliding-window rule with at most ``sinks`` sinks and a window of at most ``window`` (the model
+        was reconfigured after the cache was built)."""
+        keep = bounded_keep(pattern)
+        if keep is None or keep[0] > self.sinks or keep[1] > self.window:
+            raise ValueError(
+                f"SparseCache: layer {layer_idx} was built for a pattern that keeps {self.sinks} sinks and a window of "
+                f"{self.window} keys (it dropped the rest), but the layer now runs {pattern!r}, which may attend the "
+                "dropped keys; build a new SparseCache(model) after changing the configuration"
+            )
+
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None
         self.is_initialized = False
@@ -218,6 +232,12 @@ class SelectionLayer(_KeptKeysLayer):
     def memo(self) -> dict:
         """The training-free selection's memo of the current block (``selection.memo``)."""
         return self.selection.memo
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can cut this layer back (Transformers 5.24+ asks before assisted / prompt-lookup decoding):
+        until it evicts keys (a trained SparseK scorer with ``evict=True``)."""
+        return not self.selection.evicted
 
     # -- Transformers cache-layer interface ------------------------------------------------------
 
@@ -258,6 +278,15 @@ class SelectionLayer(_KeptKeysLayer):
         self.cumulative_length = length
 
     # -- attention ------------------------------------------------------------------------------------
+
+    def check_pattern(self, pattern, layer_idx: int) -> None:
+        """Raise ``ValueError`` when the layer now runs another pattern than the one this cache layer was built for (the
+        model was reconfigured after the cache was built: its decode state and evictions belong to the old one)."""
+        if pattern != self.selection.pattern:
+            raise ValueError(
+                f"SparseCache: layer {layer_idx} runs {pattern!r}, its cache was built for {self.selection.pattern!r}; "
+                "build a new SparseCache(model) after changing the configuration"
+            )
 
     def attend(self, query, key, value, pattern, key_mask, run, *, selector, layer_idx: int):
         """Attention of this call's queries over the slots ``key``/``value`` that ``update`` returned.

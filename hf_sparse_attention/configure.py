@@ -117,7 +117,12 @@ def configure(
     cfg: dict = {} if pattern is None else {"pattern": pattern}
     cfg.update(params)
     if isinstance(layers, dict):  # keys as the saved (JSON) config holds them
-        cfg["layers"] = {str(layer_index(k, "configure(): `layers`")): v for k, v in layers.items()}
+        cfg["layers"] = {}
+        for k, v in layers.items():
+            key = str(layer_index(k, "configure(): `layers`"))
+            if key in cfg["layers"]:  # 0 and "0": one would silently override the other
+                raise ValueError(f"configure(): `layers` names layer {key} twice (keys {sorted(map(repr, layers))})")
+            cfg["layers"][key] = v
     elif layers is not None:  # validate_sparse_config names the type it refuses
         cfg["layers"] = layers
     for name, value in (

@@ -41,6 +41,9 @@ class CacheLayer(Protocol):
         """Raise ``ValueError`` when the layer cannot serve ``key_mask`` (``(B, L)`` bool, True = key
         takes part), e.g. a padded batch for a layer that drops keys."""
 
+    # Optional: ``check_pattern(pattern, layer_idx)``, called for every eager call whose key tensor the layer returned,
+    # raises ``ValueError`` when the layer cannot serve ``pattern`` (it kept what another pattern needs).
+
 
 class SelectionCacheLayer(CacheLayer, Protocol):
     """A cache layer of a learned-selection layer (``pattern.learned and pattern.top_k > 0``): it runs the

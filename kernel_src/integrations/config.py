@@ -59,6 +59,8 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     norm_layers = {}
     for key, spec in layers.items():
         idx = layer_index(key, "config.sparse_attention['layers']")
+        if str(idx) in norm_layers:  # 0 and "0": one would silently override the other
+            raise ValueError(f"config.sparse_attention['layers'] names layer {idx} twice (keys {sorted(map(repr, layers))})")
         _check_causal(_layer_pattern(spec), f"config.sparse_attention['layers'][{key!r}]")
         norm_layers[str(idx)] = spec
     cfg["layers"] = norm_layers

@@ -29,7 +29,9 @@ A cache layer that announced ``key`` on the module (``sparse_k.integrations.cach
 ``hf_sparse_attention.SparseCache``'s) is consulted: it may refuse the key mask, and for a learned
 pattern it runs the call's attention (``SelectionCacheLayer.attend``, with its own decode state).
 
-A 4-D mask (the hub route, where Transformers builds an SDPA mask) is reduced to key validity.
+A 4-D mask (a caller's own ``attention_mask``, which Transformers passes through) is reduced to key validity;
+one that carries more than the causal rule over those keys (packed documents, a custom block mask) raises
+``ValueError`` rather than being ignored.
 Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
 from ``position_ids`` that restart at 0 inside one row without a mask.
 """
@@ -187,7 +189,10 @@ _PARSED: dict = {}
 
 def _sparse_config(config) -> dict:
     raw = getattr(config, "sparse_attention", None) if config is not None else None
-    key = json.dumps(raw, sort_keys=True, default=str)
+    try:
+        key = json.dumps(raw, sort_keys=True, default=str)
+    except TypeError:  # keys that do not sort (layer indices as ints and strings): validation names any problem
+        key = json.dumps(raw, default=str)
     cfg = _PARSED.get(key)
     if cfg is None:
         cfg = validate_sparse_config(raw)
@@ -296,13 +301,61 @@ def _layer_setup(module, config, layer_idx: int, sliding_window) -> tuple[Patter
     return pattern, backend
 
 
-def _reduce_4d(mask: torch.Tensor, skv: int) -> torch.Tensor:
-    """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots."""
+def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: int | None = None,
+               chunk: int | None = None) -> torch.Tensor:
+    """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots.
+
+    Transformers hands a caller's own 4-D ``attention_mask`` to the attention function as it is. Only its key
+    validity is kept (the pattern brings the rest), so a mask with ``q_len`` query rows must be the causal rule over
+    the keys it lets take part (``_check_causal_4d``: within the layer's own ``window`` / ``chunk``, which the
+    adapter applies itself); any other per-query structure raises ``ValueError`` instead of being dropped."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    valid = allowed.any(2).any(1)  # (B, Skv)
+    per_query = q_len is not None and q_len > 1 and allowed.shape[2] == q_len
+    rows = allowed
+    if per_query:
+        # Rows before the last query's that attend every slot are padding queries that Transformers' older SDPA masks
+        # unmask (``_unmask_unattended``, to avoid NaNs): they say nothing about which keys are real.
+        unmasked = allowed.all(-1, keepdim=True)
+        unmasked[..., -1, :] = False
+        rows = allowed & ~unmasked
+    valid = rows.any(2).any(1)  # (B, Skv)
     j = torch.arange(valid.shape[-1], device=valid.device)
     written = int(torch.where(valid, j, -1).amax().item()) + 1
+    if per_query and written > 0:
+        _check_causal_4d(allowed[..., :written], valid[:, :written], window, chunk)
     return valid[:, : max(written, 1)]
+
+
+def _check_causal_4d(allowed: torch.Tensor, valid: torch.Tensor, window: int | None, chunk: int | None) -> None:
+    """``ValueError`` unless ``allowed (B, 1|H, Sq, L)`` is the causal mask over the keys ``valid (B, L)`` (query ``i``
+    at slot ``L - Sq + i``) on every key the layer can attend (``window`` / ``chunk``: its own locality). Query rows
+    with no valid key at or before them (left padding) are not checked: their output is never used, and Transformers'
+    older SDPA masks let them attend everything."""
+    sq, n = allowed.shape[2], allowed.shape[3]
+    qslot = torch.arange(n - sq, n, device=allowed.device)[:, None]
+    j = torch.arange(n, device=allowed.device)[None, :]
+    causal = j <= qslot  # (Sq, L)
+    reach = causal
+    if window is not None:
+        reach = reach & (qslot - j < window)
+    if chunk is not None:
+        reach = reach & (torch.div(qslot, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor"))
+    expected = valid[:, None, None, :] & causal  # (B, 1, Sq, L)
+    checked = expected.any(-1, keepdim=True)  # rows of queries that have a key
+    if bool((allowed & ~causal & checked).any()):
+        raise ValueError(
+            'attn_implementation="sparse_k" got a 4-D attention_mask that lets queries attend to later keys (a '
+            "bidirectional mask), but it runs causal attention only; use attn_implementation=\"sdpa\" or \"eager\" "
+            "for such a mask"
+        )
+    if bool((expected & reach & ~allowed).any()):
+        raise ValueError(
+            'attn_implementation="sparse_k" keeps only which keys take part from a 4-D attention_mask, but this mask '
+            "also hides earlier keys from some queries (per-query structure: packed documents, a block or custom "
+            "mask), which the sparse pattern would silently ignore. Pass a 2-D padding mask (B, keys), pack "
+            "sequences with position_ids or cu_seq_lens (DataCollatorWithFlattening), or use "
+            'attn_implementation="sdpa" or "eager" for a custom 4-D mask'
+        )
 
 
 #: dtype of a key mask that covers every slot of a static cache (``hf_sparse_attention``'s mask function
@@ -511,10 +564,17 @@ def attention_forward(
         )
         return out.transpose(1, 2).contiguous(), None
 
+    if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity
+        key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2],
+                              *_layer_locality(config, layer_idx, sliding_window))
+
+    announced = None if _tracing() else announced_layer(module, key)
+    check_pattern = getattr(announced, "check_pattern", None)
+    if check_pattern is not None:  # a cache layer that keeps what one pattern needs (SparseCache) refuses another
+        check_pattern(pattern, layer_idx)
+
     layer = announced_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
     if layer is not None:
-        if key_mask is not None and key_mask.dim() == 4:
-            key_mask = _reduce_4d(key_mask, key.shape[2])
 
         def run(q, k, v, p, sel, qs, km):
             return sparse_attention(q, k, v, p, scale=scaling, softcap=softcap, sink_logits=sink_logits, attention_mask=km,
@@ -528,8 +588,6 @@ def attention_forward(
     if key_mask is not None:
         if not isinstance(key_mask, torch.Tensor):
             raise TypeError(f"sparse_k attention expects a 2-D key mask tensor or None, got {type(key_mask).__name__}")
-        if key_mask.dim() == 4:
-            key_mask = _reduce_4d(key_mask, key.shape[2])
         if key_mask.dim() != 2 or key_mask.shape[0] != query.shape[0]:
             raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
         static_slots = key_mask.dtype == STATIC_SLOTS_DTYPE and key_mask.shape[1] == key.shape[2]

@@ -67,6 +67,26 @@ def test_layer_keys_and_dense_layers_accept_index_likes():
         hf_sparse_attention.configure(model, "dense", dense_layers="0")
 
 
+def test_layer_given_twice_is_refused_and_mixed_keys_run():
+    """``layers={0: ..., "0": ...}`` names one layer twice: one setting used to override the other without a word.
+    A config written by hand with int and str layer keys runs (its cache key used to fail to sort)."""
+    model = tiny_llama(layers=3)
+    with pytest.raises(ValueError, match="names layer 0 twice"):
+        hf_sparse_attention.configure(model, "streaming", sinks=1, window=4, layers={0: "dense", "0": "sliding_window"})
+    with pytest.raises(ValueError, match="names layer 1 twice"):
+        validate_sparse_config({"pattern": "dense", "layers": {1: "dense", "1": "streaming"}})
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=4)
+    ids = torch.randint(0, 50, (1, 10))
+    with torch.no_grad():
+        want = model(ids).logits
+        model.config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 4,
+                                         "layers": {0: "dense", "1": {"pattern": "sliding_window", "window": 3}}}
+        mixed = model(ids).logits
+        model.config.sparse_attention = {"pattern": "streaming", "sinks": 1, "window": 4,
+                                         "layers": {"0": "dense", "1": {"pattern": "sliding_window", "window": 3}}}
+        assert torch.equal(mixed, model(ids).logits) and not torch.equal(mixed, want)
+
+
 def test_selector_path_is_stored_as_a_string_and_round_trips(tmp_path):
     """A ``pathlib.Path`` selector_path is kept as its string, so ``save_pretrained`` can write the config;
     a value that is no path is refused by name."""

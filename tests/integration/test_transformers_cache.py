@@ -174,6 +174,44 @@ def test_padded_batch_is_refused_by_learned_layers():
                        do_sample=False, pad_token_id=0)
 
 
+def test_cache_built_for_another_pattern_is_refused_not_answered_wrong():
+    """A SparseCache keeps what the pattern of its construction needs. Reconfiguring the model afterwards to a pattern
+    that reaches the dropped keys used to attend over the kept ones only, without a word; now the next forward raises.
+    A narrower streaming / sliding-window rule still runs on the kept keys and equals the DynamicCache."""
+    model = tiny_model("llama", seed=13)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+    ids = torch.randint(1, VOCAB, (1, 12))
+    nxt = torch.randint(1, VOCAB, (1, 1))
+    for wider in ({"pattern": "sliding_window", "window": 100}, {"pattern": "streaming", "sinks": 3, "window": 6},
+                  {"pattern": "dense"}, {"pattern": "sparse_k", "sinks": 2, "window": 4, "top_k": 4, "query_block": 4}):
+        hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+        cache = SparseCache(model)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            hf_sparse_attention.configure(model, **wider)
+            with pytest.raises(ValueError, match="build a new SparseCache"):
+                model(nxt, past_key_values=cache, use_cache=True)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+    caches = [SparseCache(model), transformers.DynamicCache(config=model.config)]
+    outs = []
+    with torch.no_grad():
+        for cache in caches:
+            hf_sparse_attention.configure(model, "streaming", sinks=2, window=6)
+            model(ids, past_key_values=cache, use_cache=True)
+            hf_sparse_attention.configure(model, "sliding_window", window=4)
+            outs.append(model(nxt, past_key_values=cache, use_cache=True).logits)
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    # A learned layer's cache keeps its decode state for its own pattern.
+    hf_sparse_attention.configure(model, "sparse_k", sinks=2, window=4, top_k=3, query_block=4)
+    cache = SparseCache(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the training-free selection's one-time warning
+        model(ids, past_key_values=cache, use_cache=True)
+        hf_sparse_attention.configure(model, "streaming", sinks=2, window=4)
+        with pytest.raises(ValueError, match="build a new SparseCache"):
+            model(nxt, past_key_values=cache, use_cache=True)
+
+
 def test_beam_reorder_drops_the_reused_decode_layout():
     """A training-free layer reuses its decode layout inside a query block; a beam reorder permutes the rows,
     so the layout of the old order must not be reused (the memo's block queries are permuted in place)."""

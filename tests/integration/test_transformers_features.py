@@ -242,6 +242,46 @@ def test_4d_mask_is_reduced_to_key_validity():
     assert (out4 - out2).abs().max() < 1e-6
 
 
+def test_user_4d_mask_of_a_padded_batch_equals_the_2d_mask():
+    """A caller's own 4-D causal mask of a left-padded batch runs as its 2-D padding mask, also in the form of
+    Transformers' older SDPA helper, which unmasks the padding queries (``_unmask_unattended``: their rows attend
+    every slot, padding included); the padding keys must stay out."""
+    model = tiny_model("mistral", seed=23)  # sliding layers too: the layer's own window is applied as with 2-D
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    four_d = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    # AttentionMaskConverter._unmask_unattended (Transformers' older SDPA masks): rows that attend nothing attend all
+    unmasked = torch.where(allowed.any(-1, keepdim=True), four_d, 0.0)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits[mask.bool()]
+        for m4 in (four_d, unmasked, unmasked == 0):
+            got = model(ids, attention_mask=m4).logits[mask.bool()]
+            assert (got - want).abs().max() < 1e-5
+
+
+def test_user_4d_mask_with_per_query_structure_is_refused():
+    """A 4-D mask that hides earlier keys from some queries (two packed documents) or shows later ones cannot be
+    reduced to key validity: ValueError, instead of attending across the documents without a word."""
+    model = tiny_model("llama", seed=24)
+    hf_sparse_attention.configure(model, "sliding_window", window=64)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    doc = (torch.arange(12) >= 5).long()
+    packed = ((j <= i) & (doc[:, None] == doc[None, :]))[None, None]
+    with torch.no_grad(), pytest.raises(ValueError, match="hides earlier keys from some queries"):
+        model(ids, attention_mask=packed)
+    with torch.no_grad(), pytest.raises(ValueError, match="hides earlier keys from some queries"):
+        model(ids, attention_mask=torch.where(packed, 0.0, torch.finfo(torch.float32).min))
+    with torch.no_grad(), pytest.raises(ValueError, match="later keys"):
+        model(ids, attention_mask=torch.ones(1, 1, 12, 12, dtype=torch.bool))
+    model.set_attn_implementation("sdpa")  # the alternative the message names runs it
+    with torch.no_grad():
+        model(ids, attention_mask=packed)
+
+
 def test_configure_rejects_unknown_backend_and_layers_outside_the_model():
     model = tiny_model("llama", seed=19, layers=3)
     before = getattr(model.config, "sparse_attention", None)

@@ -151,13 +151,16 @@ def test_beam_search_with_cache_equals_beam_search_recomputed(name, trained, cac
         assert torch.equal(cached, recomputed), (seed, cached, recomputed)
 
 
-@pytest.mark.parametrize("name,trained", [("sliding_window", False), ("bigbird", False), ("sparse_k", False),
-                                          ("dsa", False), ("dsa", True)])
-def test_prompt_lookup_decoding_equals_recompute(name, trained):
+@pytest.mark.parametrize("name,trained,cache", [("sliding_window", False, "dynamic"), ("bigbird", False, "dynamic"),
+                                                ("sparse_k", False, "dynamic"), ("dsa", False, "dynamic"),
+                                                ("dsa", True, "dynamic"), ("sparse_k", False, "sparse"),
+                                                ("dsa", False, "sparse"), ("dsa", True, "sparse")])
+def test_prompt_lookup_decoding_equals_recompute(name, trained, cache):
     """Prompt-lookup (assisted) decoding drafts tokens and crops the cache where the model rejects them; the tokens
     must be those of recomputing every prefix. Learned layers with query blocks of 4: a rejected draft that started a
     block sends the next call back into the block before it, whose first query the memo's ring still holds (by its
-    host mirror too: no call warns of a missing first query)."""
+    host mirror too: no call warns of a missing first query). A SparseCache whose learned layers evicted nothing can
+    be cropped (``is_croppable``: Transformers 5.24+ refused it before the first draft)."""
     from sparse_k.warn import _WARNED
 
     missing = ("first query was not seen", "first query the indexer has not seen")
@@ -165,10 +168,23 @@ def test_prompt_lookup_decoding_equals_recompute(name, trained):
         model = _beam_setup(name, trained, seed)
         model.generation_config.eos_token_id = None  # min_new_tokens would mask it, the recomputation would not
         ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed)).repeat(1, 4)
+        extra = {"past_key_values": hf_sparse_attention.SparseCache(model)} if cache == "sparse" else {}
         _WARNED.difference_update({w for w in _WARNED if any(m in w for m in missing)})
         with torch.no_grad(), warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             drafted = model.generate(ids, prompt_lookup_num_tokens=5, max_new_tokens=30, min_new_tokens=30,
-                                     do_sample=False, pad_token_id=0)
+                                     do_sample=False, pad_token_id=0, **extra)
         assert not [str(w.message) for w in rec if any(m in str(w.message) for m in missing)], seed
         assert torch.equal(drafted, _recompute_greedy(model, ids, 30)), seed
+
+
+def test_sparse_cache_that_evicted_is_not_croppable():
+    """A learned layer of a SparseCache reports ``is_croppable`` until it evicts keys (trained SparseK scorer), so
+    assisted decoding on Transformers 5.24+ is refused up front rather than failing at the first crop."""
+    model = _beam_setup("sparse_k", True, 0)
+    cache = hf_sparse_attention.SparseCache(model)
+    assert cache.selection_layers and all(cache.layers[i].is_croppable for i in cache.selection_layers)
+    with torch.no_grad():
+        model(torch.randint(1, VOCAB, (1, 40)), past_key_values=cache, use_cache=True)
+    assert any(cache.layers[i].selection.evicted for i in cache.selection_layers)
+    assert not any(cache.layers[i].is_croppable for i in cache.selection_layers if cache.layers[i].selection.evicted)
