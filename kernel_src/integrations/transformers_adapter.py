@@ -568,12 +568,13 @@ def attention_forward(
         key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2],
                               *_layer_locality(config, layer_idx, sliding_window))
 
-    announced = None if _tracing() else announced_layer(module, key)
-    check_pattern = getattr(announced, "check_pattern", None)
+    learned = pattern.learned and pattern.top_k > 0
+    announced = announced_layer(module, key) if learned or not _tracing() else None  # the cache layer serving `key`
+    check_pattern = None if _tracing() else getattr(announced, "check_pattern", None)
     if check_pattern is not None:  # a cache layer that keeps what one pattern needs (SparseCache) refuses another
         check_pattern(pattern, layer_idx)
 
-    layer = announced_layer(module, key) if pattern.learned and pattern.top_k > 0 else None
+    layer = announced if learned else None
     if layer is not None:
 
         def run(q, k, v, p, sel, qs, km):
@@ -594,9 +595,8 @@ def attention_forward(
         key_mask = key_mask.to(torch.bool)
         all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
         if not (all_valid or static_slots or _tracing()):
-            cache_layer = announced_layer(module, key)  # e.g. a SparseCache layer refuses padded batches
-            if cache_layer is not None:
-                cache_layer.check_key_mask(key_mask)
+            if announced is not None:  # e.g. a SparseCache layer refuses padded batches
+                announced.check_key_mask(key_mask)
         L, skv = key_mask.shape[1], key.shape[2]
         if static_slots:
             cache_slots = skv
@@ -616,7 +616,7 @@ def attention_forward(
             key_mask = None
 
     selection = None
-    if pattern.learned and pattern.top_k > 0:
+    if learned:
         selection = _selection(pattern, query, key, value, key_mask, q_start, layer_idx, module, cache_slots=cache_slots)
         if selection is None:  # no block has a candidate yet: sinks + window is the whole rule
             pattern = pattern.static_part()
