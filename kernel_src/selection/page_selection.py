@@ -409,7 +409,8 @@ def _refine_pages(kern, qb, key, k_start, pages, page, n_keys, width, top_k, blo
     rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
     prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
     k = min(top_k, prob.shape[-1])
-    at = kern.topk_rows(prob, k, flag=rows).long()  # (B, Hkv, NB, k) slots, ascending, -1 after
+    listed = (pages >= 0).sum(-1) * page  # the slots past a block's listed pages are -inf: not read
+    at = kern.topk_rows(prob, k, flag=rows, lengths=listed).long()  # (B, Hkv, NB, k) slots, ascending, -1 after
     if rows is not None:
         at = torch.where(rows[..., None], at, -1)
     slot = at.clamp_min(0)
@@ -570,7 +571,7 @@ def _kernel_pages(kern, qb, kmin, kmax, ok, hi, block_ok, page: int, n_sel: int,
     last = torch.where(block_ok, torch.div(hi + 1, page, rounding_mode="floor") - 1, -1)  # a page is a candidate when complete
     rows = None if flag is None else flag[:, None, None].expand(B, H, C)
     scores = kern.page_bound_scores(qb, kmin, kmax, ok, last, rows)  # (B, H, C, P), -inf off the candidates
-    pages = kern.topk_rows(scores, min(n_sel, P), flag=rows).long()  # ascending, -1 after
+    pages = kern.topk_rows(scores, min(n_sel, P), flag=rows, lengths=(last + 1)[:, None]).long()  # ascending, -1 after
     if rows is not None:
         pages = torch.where(rows[..., None], pages, -1)
     return pages, pages >= 0

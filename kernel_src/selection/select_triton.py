@@ -6,19 +6,22 @@ changes at a query block's first step (``selection_state``). These kernels take 
 unwritten (the caller keeps that row's previous selection with ``torch.where``): the step launches the
 same kernels every time and they cost nothing inside a block. No host read.
 
-* ``topk_rows(x (..., n), k, mask=None, flag=None) -> (..., k)`` int32: for every row, the indices of
+* ``topk_rows(x (..., n), k, mask=None, flag=None, lengths=None) -> (..., k)`` int32: for every row, the indices of
   the top-``k`` set that ``page_selection.top_mask`` returns (ties to the earlier index) among the
   *valid* entries (``mask``, or without one the entries above ``-inf``), ascending, ``-1`` after them:
   ``front_pack(top_mask(where(valid, x, -inf), k) & valid, k, arange(n), -1)`` exactly. One program per
   row: a radix select over the order-preserving integer image of the float32 scores (four passes of
   8-bit digits, ``tl.histogram``) finds the ``k``-th largest key ``T`` and how many entries equal to
-  ``T`` are taken (the earliest ones); a last pass writes the chosen indices in index order (a scan).
+  ``T`` are taken (the earliest ones); a last pass writes the chosen indices in index order (a scan). A row
+  of up to ``TOPK_ONE_CHUNK_MAX`` entries is read once into registers, a longer one chunk by chunk in every pass;
+  ``lengths`` cuts rows short (a causal row's tail of ``-inf`` is then never read).
 * ``page_bound_scores(q (B, H, C, G, D), kmin, kmax (B, H, P, D), ok (B, 1, P), last (B, C), flag)
   -> (B, H, C, P)`` float32: the training-free default's page score (``page_selection.quest_scores``,
   ``HEAD_REDUCE = "sum"``) ``sum_g relu(q_g) . kmax + min(q_g, 0) . kmin`` of the candidate pages
   (``ok`` and ``p <= last``), ``-inf`` elsewhere, as ``(sum_g relu(q_g)) . kmax + (sum_g min(q_g, 0)) . kmin``:
   two ``tl.dot`` of a tile of ``PAGE_BOUND_ROWS`` blocks with ``BLOCK_P`` pages on the tensor cores in TF32x3 (about
-  float32's rounding). The sums round differently from the PyTorch GEMM, which is why a GPU computes every call of a
+  float32's rounding); a program keeps its blocks' query sums for a run of page tiles and writes the tiles past its
+  blocks' last candidate page as ``-inf`` without reading them. The sums round differently from the PyTorch GEMM, which is why a GPU computes every call of a
   generation (prefill included) with these kernels; a block's row of the MMA depends only on its own query, so decode
   (one block) equals recompute bit for bit.
 * ``index_scores(q (B, T, H, d), w (B, T, H), ik (B, S, G * d), cand (B, T, S), flag) -> (B, T, G, S)``
@@ -74,8 +77,16 @@ PAGE_REFINE_SPLIT = 2048
 PAGE_REFINE_BLOCK_N = 32
 PAGE_REFINE_ROWS = 64
 
-#: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it).
-PAGE_BOUND_ROWS = 16
+#: ``topk_rows``: rows up to this many entries are read once into registers (one program a row), longer ones in chunks.
+TOPK_ONE_CHUNK_MAX = 8192
+
+#: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it), and about
+#: how many programs a launch has: a program takes a run of page tiles (its queries loaded once) when there are
+#: enough tiles of blocks to fill the GPU, one page tile when there are few (a decode step). A row's arithmetic is
+#: that of its MMA tile alone, whatever the run, so decode equals recompute.
+PAGE_BOUND_ROWS = 64
+PAGE_BOUND_WARPS = 8
+PAGE_BOUND_PROGRAMS = 2048
 
 
 @triton.jit
@@ -101,8 +112,19 @@ def _row_keys(x_row, m_row, idx, n, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(X, M, FLAG, OUT, n, k, stride_x, stride_m, stride_o,
-                 HAS_MASK: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _next_digit(hist, need, prefix, bins):
+    """One radix step: the digit of the ``need``-th largest among the entries matching ``prefix`` (``hist (256,)``
+    their digit counts), the entries still to take below it, and the longer prefix."""
+    ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # (256,) matching entries with digit >= bin
+    digit = tl.max(tl.where(ge >= need, bins, 0), 0)
+    need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return need, (prefix << 8) | digit.to(tl.int64)
+
+
+@triton.jit
+def _topk_kernel(X, M, FLAG, LEN, OUT, n, k, stride_x, stride_m, stride_o,
+                 HAS_MASK: tl.constexpr, HAS_FLAG: tl.constexpr, HAS_LEN: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_FLAG:
         if tl.load(FLAG + row) == 0:
@@ -113,37 +135,50 @@ def _topk_kernel(X, M, FLAG, OUT, n, k, stride_x, stride_m, stride_o,
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     zero = tl.program_id(0) * 0
-    k_eff = tl.minimum(zero + k, zero + n)  # the top-k set over every entry (invalid ones at -inf), as top_mask
+    n_row = zero + n
+    if HAS_LEN:  # the row's entries past its length are not read (as if absent)
+        n_row = tl.minimum(n_row, tl.maximum(tl.load(LEN + row).to(tl.int32), 0))
+    k_eff = tl.minimum(zero + k, n_row)  # the top-k set over every entry (invalid ones at -inf), as top_mask
     need = k_eff  # entries still to take among those matching the prefix
     prefix = zero.to(tl.int64)  # the high digits of T found so far
-    for p in tl.static_range(4):  # 8-bit digits, most significant first
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, n, BLOCK):
-            key, valid, inb = _row_keys(x_row, m_row, start + offs, n, HAS_MASK)
-            match = inb & ((key >> (shift + 8)) == prefix)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # (256,) matching entries with digit >= bin
-        digit = tl.max(tl.where(ge >= need, bins, 0), 0)
-        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        prefix = (prefix << 8) | digit.to(tl.int64)
-    # Every key > T is taken, and the first `need` keys == T (ties to the earlier index); only valid ones are written.
-    taken = zero
-    written = zero
-    eq_seen = zero
-    start = zero
-    while (start < n) & (taken < k_eff):
-        idx = start + offs
-        key, valid, inb = _row_keys(x_row, m_row, idx, n, HAS_MASK)
-        eq = inb & (key == prefix)
-        sel = (inb & (key > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need))
-        put = sel & valid
-        pos = written + tl.cumsum(put.to(tl.int32), 0) - 1
-        tl.store(o_row + pos, idx, mask=put)
-        written += tl.sum(put.to(tl.int32), 0)
-        taken += tl.sum(sel.to(tl.int32), 0)
-        eq_seen += tl.sum(eq.to(tl.int32), 0)
-        start += BLOCK
+    if ONE_CHUNK:  # the whole row in registers: one read
+        key1, valid1, inb1 = _row_keys(x_row, m_row, offs, n_row, HAS_MASK)
+        for p in tl.static_range(4):  # 8-bit digits, most significant first
+            shift = 24 - 8 * p
+            match = inb1 & ((key1 >> (shift + 8)) == prefix)
+            hist = tl.histogram(((key1 >> shift) & 255).to(tl.int32), 256, mask=match)
+            need, prefix = _next_digit(hist, need, prefix, bins)
+        eq = inb1 & (key1 == prefix)
+        sel = (inb1 & (key1 > prefix)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+        put = sel & valid1
+        tl.store(o_row + tl.cumsum(put.to(tl.int32), 0) - 1, offs, mask=put)
+        written = tl.sum(put.to(tl.int32), 0)
+    else:
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            for start in range(0, n_row, BLOCK):
+                key, valid, inb = _row_keys(x_row, m_row, start + offs, n_row, HAS_MASK)
+                match = inb & ((key >> (shift + 8)) == prefix)
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            need, prefix = _next_digit(hist, need, prefix, bins)
+        # Every key > T is taken, and the first `need` keys == T (ties to the earlier index); only valid ones are written.
+        taken = zero
+        written = zero
+        eq_seen = zero
+        start = zero
+        while (start < n_row) & (taken < k_eff):
+            idx = start + offs
+            key, valid, inb = _row_keys(x_row, m_row, idx, n_row, HAS_MASK)
+            eq = inb & (key == prefix)
+            sel = (inb & (key > prefix)) | (eq & (eq_seen + tl.cumsum(eq.to(tl.int32), 0) <= need))
+            put = sel & valid
+            pos = written + tl.cumsum(put.to(tl.int32), 0) - 1
+            tl.store(o_row + pos, idx, mask=put)
+            written += tl.sum(put.to(tl.int32), 0)
+            taken += tl.sum(sel.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
+            start += BLOCK
     ko = tl.arange(0, BLOCK_K)
     for s in range(0, k, BLOCK_K):
         j = s + ko
@@ -178,16 +213,14 @@ def _block_tile(FLAG, H, C, HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
+def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P, TILES,
                        sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_p, sok_b, sl_b, so_r,
                        HAS_FLAG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h, _, cc, rows, live = _block_tile(FLAG, H, C, HAS_FLAG, BLOCK_C, 1)
     if HAS_FLAG:
         if tl.max(live.to(tl.int32)) == 0:
             return
-    p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
-    pin = p < P
     din = d < D
     q_pos = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)  # sum_g relu(q_g): the bound sums over the heads
     q_neg = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)  # sum_g min(q_g, 0)
@@ -196,16 +229,26 @@ def _page_bound_kernel(Q, KMIN, KMAX, OK, LAST, FLAG, OUT, H, C, G, D, P,
         q = tl.load(q_rows + g * sq_g, mask=live[:, None] & din[None, :], other=0.0)
         q_pos += tl.maximum(q, 0.0)
         q_neg += tl.minimum(q, 0.0)
-    page_ok = pin & (tl.load(OK + b * sok_b + p, mask=pin, other=0) != 0)  # (BLOCK_P,)
-    koff = b * sk_b + h * sk_h + p[:, None] * sk_p + d[None, :]
-    kmask = page_ok[:, None] & din[None, :]
-    kmax = tl.load(KMAX + koff, mask=kmask, other=0.0)  # (BLOCK_P, BLOCK_D)
-    kmin = tl.load(KMIN + koff, mask=kmask, other=0.0)
-    acc = tl.dot(q_pos, tl.trans(kmax), input_precision="tf32x3")
-    acc = tl.dot(q_neg, tl.trans(kmin), acc, input_precision="tf32x3")
     last = tl.load(LAST + b * sl_b + cc, mask=live, other=-1)
-    cand = page_ok[None, :] & (p[None, :] <= last[:, None])
-    tl.store(OUT + rows[:, None] * so_r + p[None, :], tl.where(cand, acc, float("-inf")), mask=live[:, None] & pin[None, :])
+    top = tl.max(last, 0)  # the tile's last candidate page: tiles past it are -inf without a read or a product
+    o_rows = OUT + rows[:, None] * so_r
+    for t in range(0, TILES):  # a run of TILES page tiles: the queries are loaded once for all of them
+        p0 = (tl.program_id(1).to(tl.int64) * TILES + t) * BLOCK_P
+        p = p0 + tl.arange(0, BLOCK_P)
+        pin = p < P
+        if p0 <= top:
+            page_ok = pin & (tl.load(OK + b * sok_b + p, mask=pin, other=0) != 0)  # (BLOCK_P,)
+            koff = b * sk_b + h * sk_h + p[:, None] * sk_p + d[None, :]
+            kmask = page_ok[:, None] & din[None, :]
+            kmax = tl.load(KMAX + koff, mask=kmask, other=0.0)  # (BLOCK_P, BLOCK_D)
+            kmin = tl.load(KMIN + koff, mask=kmask, other=0.0)
+            acc = tl.dot(q_pos, tl.trans(kmax), input_precision="tf32x3")
+            acc = tl.dot(q_neg, tl.trans(kmin), acc, input_precision="tf32x3")
+            cand = page_ok[None, :] & (p[None, :] <= last[:, None])
+            tl.store(o_rows + p[None, :], tl.where(cand, acc, float("-inf")), mask=live[:, None] & pin[None, :])
+        else:
+            tl.store(o_rows + p[None, :], tl.full([BLOCK_C, BLOCK_P], float("-inf"), tl.float32),
+                     mask=live[:, None] & pin[None, :])
 
 
 @triton.jit
@@ -549,25 +592,26 @@ def _flag_arg(flag: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor
 
 
 @torch.library.custom_op(add_op_namespace_prefix("select_topk"), mutates_args=())
-def _select_topk(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor | None, k: int,
-                 block: int) -> torch.Tensor:
+def _select_topk(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor | None, lengths: torch.Tensor | None,
+                 k: int, block: int) -> torch.Tensor:
     R, n = x.shape
     out = _empty((R, k), torch.int32, x.device)
     if R > 0 and k > 0:
         m = x if mask is None else mask
-        _topk_kernel[(R,)](x, m, _flag_arg(flag, x), out, n, k, x.stride(0), m.stride(0), out.stride(0),
-                           HAS_MASK=mask is not None, HAS_FLAG=flag is not None, BLOCK=block,
-                           BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=8)
+        _topk_kernel[(R,)](x, m, _flag_arg(flag, x), x if lengths is None else lengths, out, n, k, x.stride(0),
+                           m.stride(0), out.stride(0), HAS_MASK=mask is not None, HAS_FLAG=flag is not None,
+                           HAS_LEN=lengths is not None, ONE_CHUNK=block >= n, BLOCK=block,
+                           BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=16 if block > 4096 else 8)
     return out
 
 
 @_select_topk.register_fake
-def _(x, mask, flag, k, block):
+def _(x, mask, flag, lengths, k, block):
     return x.new_empty((x.shape[0], k), dtype=torch.int32)
 
 
 def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: torch.Tensor | None = None, *,
-              block: int | None = None) -> torch.Tensor:
+              lengths: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """The top-``k`` valid entries of every row, packed ascending (module docstring).
 
     Args:
@@ -576,7 +620,10 @@ def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: t
         mask: optional ``(..., n)`` bool (broadcastable), True = valid; default: the entries above ``-inf``.
         flag: optional ``(...)`` bool (broadcastable); rows where it is False are not computed (their output
             is left as allocated).
-        block: entries per chunk (power of two, 16 to 4096; default ``min(1024, next_pow2(n))``).
+        lengths: optional ``(...)`` integer (broadcastable): a row's entries from its length on are neither read
+            nor chosen, as if the row ended there (a causal row's tail of ``-inf``: the same result, half the reads).
+        block: entries per chunk (power of two, 16 to ``TOPK_ONE_CHUNK_MAX``; default: the whole row up to
+            ``TOPK_ONE_CHUNK_MAX`` entries, read once into registers, else chunks of 1024 read five times).
     Returns:
         ``(..., k)`` int32 indices in ``[0, n)``, ascending, ``-1`` past each row's count.
     """
@@ -588,14 +635,17 @@ def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: t
         raise ValueError(f"topk_rows: `k` must be an int >= 0, got {k!r}")
     n = x.shape[-1]
     if block is None:
-        block = min(1024, max(16, triton.next_power_of_2(n)))
-    elif isinstance(block, bool) or not isinstance(block, int) or not 16 <= block <= 4096 or block & (block - 1):
-        raise ValueError(f"topk_rows: `block` must be a power of two in [16, 4096], got {block!r}")
+        n2 = max(16, triton.next_power_of_2(n))
+        block = n2 if n2 <= TOPK_ONE_CHUNK_MAX else 1024
+    elif isinstance(block, bool) or not isinstance(block, int) or not 16 <= block <= TOPK_ONE_CHUNK_MAX \
+            or block & (block - 1):
+        raise ValueError(f"topk_rows: `block` must be a power of two in [16, {TOPK_ONE_CHUNK_MAX}], got {block!r}")
     lead = x.shape[:-1]
     x2 = x.to(torch.float32).reshape(-1, n).contiguous()
     m2 = _row_mask(mask, x.shape, "topk_rows").reshape(-1, n) if mask is not None else None
     f2 = _row_flag(flag, lead, "topk_rows")
-    return _select_topk(x2, m2, f2, k, block).view(*lead, k)
+    n2 = _row_lengths(lengths, lead, "topk_rows")
+    return _select_topk(x2, m2, f2, n2, k, block).view(*lead, k)
 
 
 def _row_mask(mask: torch.Tensor, shape, who: str) -> torch.Tensor:
@@ -605,6 +655,18 @@ def _row_mask(mask: torch.Tensor, shape, who: str) -> torch.Tensor:
         return mask.expand(shape).to(torch.uint8).contiguous()
     except RuntimeError:
         raise ValueError(f"{who}: `mask` shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+
+
+def _row_lengths(lengths: torch.Tensor | None, lead, who: str) -> torch.Tensor | None:
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool \
+            or lengths.is_complex():
+        raise ValueError(f"{who}: `lengths` must be an integer tensor, got {getattr(lengths, 'dtype', type(lengths).__name__)}")
+    try:
+        return lengths.expand(lead).reshape(-1).clamp(0, 2**31 - 1).to(torch.int32).contiguous()
+    except RuntimeError:
+        raise ValueError(f"{who}: `lengths` shape {tuple(lengths.shape)} does not broadcast to the rows {tuple(lead)}") from None
 
 
 def _row_flag(flag: torch.Tensor | None, lead, who: str) -> torch.Tensor | None:
@@ -625,11 +687,15 @@ def _page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, 
     P = kmin.shape[2]
     out = _empty((B, H, C, P), torch.float32, q.device)
     if B * H * C > 0:
-        _page_bound_kernel[(B * H * triton.cdiv(C, PAGE_BOUND_ROWS), triton.cdiv(P, block_p))](
-            q, kmin, kmax, ok, last, _flag_arg(flag, ok), out, H, C, G, D, P,
+        row_tiles = B * H * triton.cdiv(C, PAGE_BOUND_ROWS)
+        page_tiles = triton.cdiv(P, block_p)
+        runs = max(1, min(page_tiles, triton.cdiv(PAGE_BOUND_PROGRAMS, row_tiles)))  # programs along the pages
+        tiles = triton.cdiv(page_tiles, runs)
+        _page_bound_kernel[(row_tiles, triton.cdiv(page_tiles, tiles))](
+            q, kmin, kmax, ok, last, _flag_arg(flag, ok), out, H, C, G, D, P, tiles,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), kmin.stride(0), kmin.stride(1), kmin.stride(2),
             ok.stride(0), last.stride(0), P, HAS_FLAG=flag is not None, BLOCK_C=PAGE_BOUND_ROWS, BLOCK_P=block_p,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=PAGE_BOUND_WARPS)
     return out
 
 

@@ -38,7 +38,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 33  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 37  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -103,6 +103,27 @@ def test_topk_rows_skips_rows_whose_flag_is_off():
 
 
 @KERNEL_TEST
+@pytest.mark.parametrize("block", [16, None])
+def test_topk_rows_with_lengths_reads_only_each_rows_head(block):
+    """``lengths`` cuts every row short: the selection of the row's head alone, whatever lies past it (here NaN,
+    which no comparison would survive); a causal row (``-inf`` past its length) selects what the whole row does.
+    ``block=16`` carries the counts across chunks, the default reads each row at once."""
+    x, mask = _rows(301, 5)
+    lengths = torch.tensor([0, 1, 150, 301, 77], device=DEV)
+    poisoned = x.clone()
+    for r, n in enumerate(lengths.tolist()):
+        poisoned[r, n:] = float("nan")
+    for k in (1, 17, 100, 301):
+        want = torch.stack([_reference_topk(x[r:r + 1, :n], k, mask[r:r + 1, :n])[0] if n else
+                            torch.full((k,), -1, device=DEV) for r, n in enumerate(lengths.tolist())])
+        got = st.topk_rows(poisoned, k, mask, lengths=lengths, block=block).long()
+        assert torch.equal(got, want), k
+        causal = torch.where(torch.arange(301, device=DEV) < lengths[:, None], x, float("-inf"))
+        assert torch.equal(st.topk_rows(causal, k, lengths=lengths[:, None, None].view(5), block=block).long(),
+                           _reference_topk(causal, k)), k
+
+
+@KERNEL_TEST
 def test_topk_rows_rejects_bad_arguments():
     x = torch.zeros(2, 8, device=DEV)
     with pytest.raises(ValueError, match="`k`"):
@@ -113,6 +134,12 @@ def test_topk_rows_rejects_bad_arguments():
         st.topk_rows(x, 2, flag=torch.ones(2, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="`x`"):
         st.topk_rows(x.double(), 2)
+    with pytest.raises(ValueError, match="`lengths`"):
+        st.topk_rows(x, 2, lengths=torch.ones(2, device=DEV))
+    with pytest.raises(ValueError, match="`lengths`"):
+        st.topk_rows(x, 2, lengths=torch.ones(3, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match="`block`"):
+        st.topk_rows(x, 2, block=2 * st.TOPK_ONE_CHUNK_MAX)
 
 
 def _pages(B, H, C, G, D, P, page, seed):
@@ -136,8 +163,14 @@ def _within_float32_error(got, want32, want64, where):
 
 
 @KERNEL_TEST
-def test_page_bound_scores_match_quest_scores_and_skip_flagged_rows():
+@pytest.mark.parametrize("programs, late", [(2048, False), (1, False), (1, True)])
+def test_page_bound_scores_match_quest_scores_and_skip_flagged_rows(programs, late, monkeypatch):
+    """One page tile a program, or a run of them (``PAGE_BOUND_PROGRAMS = 1``); with ``late`` False no block reaches
+    the last page tile, which is written -inf without a read."""
+    monkeypatch.setattr(st, "PAGE_BOUND_PROGRAMS", programs)
     q, kmin, kmax, ok, last = _pages(2, 2, 3, 4, 16, 37, 4, 0)
+    if not late:
+        last = last.clamp_max(20)
     P = kmin.shape[2]
     cand = ok[:, :, None, :] & (torch.arange(P, device=DEV) <= last[:, None, :, None])
     neg = float("-inf")
@@ -325,11 +358,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparse_k.selection import select_triton as st
-topk = {"X": "*fp32", "M": "*u8", "FLAG": "*u8", "OUT": "*i32", "n": "i32", "k": "i32", "stride_x": "i32",
-        "stride_m": "i32", "stride_o": "i32", "HAS_MASK": "constexpr", "HAS_FLAG": "constexpr", "BLOCK": "constexpr",
-        "BLOCK_K": "constexpr"}
+topk = {"X": "*fp32", "M": "*u8", "FLAG": "*u8", "LEN": "*i32", "OUT": "*i32", "n": "i32", "k": "i32",
+        "stride_x": "i32", "stride_m": "i32", "stride_o": "i32", "HAS_MASK": "constexpr", "HAS_FLAG": "constexpr",
+        "HAS_LEN": "constexpr", "ONE_CHUNK": "constexpr", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
 pages = {"Q": "*fp32", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*u8", "LAST": "*i64", "FLAG": "*u8", "OUT": "*fp32",
-         **{n: "i32" for n in ("H", "C", "G", "D", "P", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
+         **{n: "i32" for n in ("H", "C", "G", "D", "P", "TILES", "sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_p",
                               "sok_b", "sl_b", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_C": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}
 strides = ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h", "si_c")
@@ -353,10 +386,14 @@ index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8"
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
-for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
-                              (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
-                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_C": 16, "BLOCK_P": 64,
-                                                              "BLOCK_D": 128}, 4),
+for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "HAS_LEN": False,
+                                                       "ONE_CHUNK": False, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
+                              (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "HAS_LEN": True,
+                                                       "ONE_CHUNK": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
+                              (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": True, "HAS_LEN": True,
+                                                       "ONE_CHUNK": True, "BLOCK": 8192, "BLOCK_K": 1024}, 16),
+                              (st._page_bound_kernel, pages, {"HAS_FLAG": True, "BLOCK_C": st.PAGE_BOUND_ROWS,
+                                                              "BLOCK_P": 64, "BLOCK_D": 128}, 8),
                               (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
                               (st._refine_partial_kernel, refine_part, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_G": 4,
                                                                         "BLOCK_N": 16, "BLOCK_D": 128}, 8),
