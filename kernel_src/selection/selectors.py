@@ -420,9 +420,11 @@ def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first,
     for c0 in range(0, NB, chunk):
         c1 = min(NB, c0 + chunk)
         rows = None if flag is None else flag[:, None, None].expand(B, c1 - c0, G)
+        mask = cand.mask(c0, c1, span)  # (B, c, span)
         scores = kern.index_scores(qb[:, c0:c1].detach(), wb[:, c0:c1].detach(), index_keys[:, :span].detach(),
-                                   cand.mask(c0, c1, span), G, rows)  # (B, c, G, span), -inf off the candidates
-        idx = kern.topk_rows(scores, K, flag=rows)  # (B, c, G, K) ascending, -1 after
+                                   mask, G, rows)  # (B, c, G, span), -inf off the candidates
+        ends = torch.where(mask, torch.arange(1, span + 1, device=mask.device, dtype=torch.int32), 0).amax(-1)
+        idx = kern.topk_rows(scores, K, flag=rows, lengths=ends[..., None])  # (B, c, G, K) ascending, -1 after
         if rows is not None:
             idx = torch.where(rows[..., None], idx, -1)
         idx_out.append(idx.transpose(1, 2))
