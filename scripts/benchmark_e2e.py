@@ -2,7 +2,8 @@
 for dense attention (sdpa, flex_attention) and every sparse variant, in one process on one model.
 
 The model is a Llama built from a config (random weights; Llama-3.1-8B's shape by default, the layer
-count a flag), loaded once; each variant switches its attention implementation
+count a flag), or with ``--model`` a real checkpoint (Hub id, folder or ``.gguf``; ``smollm2-135m``: the
+embedded SmolLM2-135M), loaded once; each variant switches its attention implementation
 (``model.set_attn_implementation`` + ``hf_sparse_attention.configure``) on the same weights. Per
 variant and length:
 
@@ -12,7 +13,10 @@ variant and length:
   two exact implementations of dense attention in the model's dtype (sdpa vs eager, measured on the
   same prompt) plus 1e-3, raised to 5e-2 for learned selection (a bf16 difference can swap a key at
   the selection boundary; the reason is printed with the row). A failed check voids the row's times.
-* **prefill**: ``model(ids, logits_to_keep=1)`` on ``L`` random tokens (median of ``--repeats`` after
+* **prefill**: ``model(ids, logits_to_keep=1)`` on ``L`` random tokens, or with ``--text`` the first ``L`` tokens of a
+  corpus (``gutenberg``: the held-out plays of the offline corpus; a ``.txt`` file or folder; a ``datasets`` name),
+  what a selection sees on real prompts (its cost depends on how much neighbouring queries' choices overlap;
+  random weights and tokens are the worst case) (median of ``--repeats`` after
   one warm-up run), peak memory (``torch.cuda.max_memory_allocated``), and the top kernels of one
   prefill (profiler) with the attention kernel named: for the sparse variants the kernels
   ``sparse_k.attention.plan`` named for the warm-up run's launches (``plan.recording``), for sdpa /
@@ -47,6 +51,11 @@ Example (H100, 8 layers)::
     python scripts/benchmark_e2e.py --layers 8 --prefill-lens 32768,131072 --decode-lens 32768,131072 \\
         --json results/e2e.json
 
+A real model on real text (the training-free rows then stay training-free: shipped selectors are off)::
+
+    python scripts/benchmark_e2e.py --model smollm2-135m --text gutenberg --prefill-lens 8192,32768 \
+        --phases prefill --variants sdpa,default,per_query
+
 Ratios to ``sdpa`` (prefill) and to ``flex_attention`` (decode) are printed per row; everything also
 goes to ``--json``. On a CPU (tests) use a tiny model: ``--hidden 64 --heads 4 --kv-heads 2 ...``.
 """
@@ -78,8 +87,9 @@ def variant_spec(name: str, args) -> dict:
         "streaming": {"impl": "sparse_k", "sparse": {"pattern": "streaming", "sinks": args.sinks, "window": args.window}},
         "sparse_k": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "sparse_k", **learned}},
         "dsa": {"impl": "sparse_k", "selector": True, "sparse": {"pattern": "dsa", **learned}},
-        "default": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k"}},
-        "per_query": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k", "query_block": 1, "refine": 8}},
+        "default": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k", "shipped_selectors": False}},
+        "per_query": {"impl": "sparse_k", "sparse": {"pattern": "sparse_k", "query_block": 1, "refine": 8,
+                                                    "shipped_selectors": False}},
         "block_diagonal": {"impl": "sparse_k", "sparse": {"pattern": "block_diagonal", "block": args.window}},
         "bigbird": {"impl": "sparse_k", "sparse": {"pattern": "bigbird", "block": args.bigbird_block, "window_blocks": 1,
                                                   "global_blocks": 2, "random_blocks": 3}},
@@ -121,6 +131,12 @@ def _variant_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=_variant_list, default=list(VARIANTS), help="comma list: " + ", ".join(VARIANTS))
+    p.add_argument("--model", default=None,
+                   help="a real checkpoint instead of the random Llama: Hub id, folder, .gguf file or smollm2-135m "
+                        "(the shape flags are then ignored)")
+    p.add_argument("--text", default=None, metavar="CORPUS",
+                   help="prompt tokens from this corpus instead of random ids (needs --model for its tokenizer): "
+                        "gutenberg, a .txt file or folder, or a datasets name")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
@@ -171,14 +187,24 @@ def _validate(args) -> None:
     args.phases = phases
     if args.sinks < 0:
         raise SystemExit(f"benchmark_e2e: --sinks must be >= 0, got {args.sinks}")
+    if args.text is not None and args.model is None:
+        raise SystemExit("benchmark_e2e: --text needs --model (the prompt is tokenized with the model's tokenizer)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("benchmark_e2e: --device cuda but no CUDA device is visible; pass --device cpu")
 
 
 def build_model(args):
-    """A random-weight Llama of the requested shape on ``args.device`` (``eval()``, no grad)."""
+    """The model on ``args.device`` (``eval()``, no grad): ``--model``'s checkpoint in ``--dtype`` (its tokenizer on
+    ``args.tokenizer``), else a random-weight Llama of the requested shape (``args.tokenizer`` None)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if args.model is not None:
+        from hf_sparse_attention.evaluation.models import load_model
+
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        args.tokenizer = loaded.tokenizer
+        return loaded.model.requires_grad_(False)
+    args.tokenizer = None
     longest = max([*args.prefill_lens, *args.decode_lens, args.check_len]) + args.decode_steps * 4 + 1024
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -363,11 +389,35 @@ def planned_kernels(fn) -> str | None:
     return ", ".join(f"{k} x{n}" for k, n in counts.items()) or None
 
 
+def prompt_ids(model, length: int, batch: int, seed: int, args) -> torch.Tensor:
+    """``(batch, length)`` token ids on ``args.device``: random (seeded), or with ``--text`` the corpus's tokens from
+    the start (row ``i`` from token ``i * length``; the corpus repeats when it is shorter)."""
+    if args.text is None:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, model.config.vocab_size, (batch, length), generator=gen).to(args.device)
+    tokens = corpus_tokens(args)
+    need = batch * length
+    reps = -(-need // tokens.numel())
+    return tokens.repeat(reps)[:need].view(batch, length).to(args.device)
+
+
+def corpus_tokens(args) -> torch.Tensor:
+    """The ``--text`` corpus as one int64 token tensor (documents joined with a blank line; tokenized once)."""
+    if getattr(args, "_corpus_tokens", None) is None:
+        from hf_sparse_attention.evaluation.corpora import load_documents
+
+        text = "\n\n".join(load_documents(args.text))
+        ids = args.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if ids.numel() == 0:
+            raise SystemExit(f"benchmark_e2e: --text {args.text!r} has no tokens")
+        args._corpus_tokens = ids
+    return args._corpus_tokens
+
+
 @torch.no_grad()
 def measure_prefill(model, name: str, length: int, args) -> dict:
     device = args.device
-    gen = torch.Generator().manual_seed(args.seed + length)
-    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(device)
+    ids = prompt_ids(model, length, 1, args.seed + length, args)
 
     def step():
         return model(ids, logits_to_keep=1, use_cache=False)
@@ -441,8 +491,7 @@ def measure_decode(model, name: str, length: int, args) -> dict:
     (host and GPU add up). ``host ms`` is the host time to issue one step, ``GPU span`` its first to last
     kernel on the GPU (both with the GPU kept busy; compiled mode, where a step never waits on the GPU)."""
     device = args.device
-    gen = torch.Generator().manual_seed(args.seed + 7 * length)
-    ids = torch.randint(0, model.config.vocab_size, (args.decode_batch, length), generator=gen).to(device)
+    ids = prompt_ids(model, length, args.decode_batch, args.seed + 7 * length, args)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -622,8 +671,7 @@ def main(argv=None) -> int:
     import hf_sparse_attention  # noqa: F401 - registers attn_implementation="sparse_k"
 
     model = build_model(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    check_ids = torch.randint(0, args.vocab, (1, args.check_len), generator=gen).to(args.device)
+    check_ids = prompt_ids(model, args.check_len, 1, args.seed, args)
     noise = dense_noise(model, check_ids)
     print(f"[e2e] dense sdpa vs eager logits gap: {noise:.2e}", flush=True)
     rows = []
@@ -661,7 +709,8 @@ def main(argv=None) -> int:
     print_decode_table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1, default=str)
+            json.dump({"environment": environment(), "args": {k: v for k, v in vars(args).items()
+                                                             if k not in ("tokenizer", "_corpus_tokens")}, "rows": rows}, f, indent=1, default=str)
     return 0 if all((r.get("check_ok", False) or r["phase"] == "flat_memory") and "error" not in r for r in rows) else 1
 
 

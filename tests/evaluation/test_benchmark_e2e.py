@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,9 +83,39 @@ def test_batched_decode_rows(tmp_path):
     (["--heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
     (["--top-k", "0"], "--top-k must be >= 1"),
     (["--decode-batch", "0"], "--decode-batch must be >= 1"),
+    (["--text", "gutenberg"], "--text needs --model"),
 ])
 def test_bad_flags_fail_with_one_line(tmp_path, bad, message):
     proc = _run([*TINY, *bad], tmp_path, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_real_model_on_real_text(tmp_path):
+    """``--model`` (the embedded SmolLM2-135M GGUF) with ``--text gutenberg``: the prompt is the corpus's tokens, the
+    training-free rows stay training-free on a model whose shipped selectors would otherwise attach, every row is
+    checked."""
+    pytest.importorskip("gguf")
+    from hf_sparse_attention.evaluation.corpora import load_documents
+    from hf_sparse_attention.evaluation.models import load_model
+
+    out = tmp_path / "e2e.json"
+    proc = _run(["--model", "smollm2-135m", "--text", "gutenberg", "--device", "cpu", "--dtype", "float32",
+                 "--variants", "sdpa,default,per_query", "--phases", "prefill", "--prefill-lens", "600",
+                 "--check-len", "600", "--repeats", "1", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["phase"], r["length"]) for r in rows] == [
+        ("sdpa", "prefill", 600), ("default", "prefill", 600), ("per_query", "prefill", 600)]
+    for r in rows:
+        assert r["check_ok"] and r["prefill_ms"] > 0, r
+    assert "smollm2_135m_instruct" not in proc.stderr  # no shipped selector attached: the rows stayed training-free
+    tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32").tokenizer
+    first = tokenizer(load_documents("gutenberg")[0][:4000], add_special_tokens=False).input_ids[:50]
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark_e2e  # noqa: E402 - the script's module, for its prompt helper
+
+    args = SimpleNamespace(text="gutenberg", tokenizer=tokenizer, device="cpu")
+    assert benchmark_e2e.prompt_ids(None, 50, 1, 0, args)[0].tolist() == first
