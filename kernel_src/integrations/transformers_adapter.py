@@ -211,13 +211,32 @@ NOT_PASSED = object()
 GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
 
 
+def _real_window(window) -> int | None:
+    """``window`` as a number of keys, or None where it means "no window": None, 0 or less.
+
+    qwen2_moe stores ``sliding_window=0`` when ``use_sliding_window`` is False (and its modules keep that 0 on layers
+    ``layer_types`` marks sliding), and Transformers' flash-attention path runs a window <= 0 without a window
+    (``window_size = (w - 1, w - 1)``, negative: unlimited); its sdpa / eager masks would let such a layer attend no
+    key at all. A one-time warning says so when a window <= 0 is met.
+    """
+    if window is None:
+        return None
+    if window <= 0:
+        warn_once(
+            f"sliding_window={window} on a sliding layer: sparse_k runs the layer without a window (as Transformers' "
+            "flash attention does; its sdpa / eager masks attend no key there)", key=f"no-window:{window}"
+        )
+        return None
+    return int(window)
+
+
 def config_window(config, layer_idx: int | None) -> int | None:
     """The sliding window ``config`` gives layer ``layer_idx`` as the model's attention function sees it (None: global).
 
     ``config.sliding_window`` on layers that ``config.layer_types`` marks ``"sliding_attention"`` (None on the
     others); without layer types (or without ``layer_idx``), ``config.sliding_window`` unless
-    ``config.use_sliding_window`` is False. None when the model type is in ``GLOBAL_DESPITE_WINDOW``.
-    ``SparseCache`` sizes its layers by it; ``_own_window`` falls back to it.
+    ``config.use_sliding_window`` is False. None when the model type is in ``GLOBAL_DESPITE_WINDOW``, and where the
+    window is 0 or less (``_real_window``). ``SparseCache`` sizes its layers by it; ``_own_window`` falls back to it.
     """
     if config is None or getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
         return None
@@ -226,8 +245,10 @@ def config_window(config, layer_idx: int | None) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window if getattr(config, "use_sliding_window", True) is not False else None
+        sliding = layer_types[layer_idx] == "sliding_attention"
+    else:
+        sliding = getattr(config, "use_sliding_window", True) is not False
+    return _real_window(window) if sliding else None
 
 
 def _own_window(module, config, layer_idx):
@@ -243,8 +264,9 @@ def _own_window(module, config, layer_idx):
 
 
 def _layer_locality(config, layer_idx, sliding_window):
-    """(window, chunk) of the model's own rule for this layer (None when the layer is global)."""
-    window = int(sliding_window) if sliding_window is not None else None
+    """(window, chunk) of the model's own rule for this layer (None when the layer is global; a ``sliding_window`` of
+    0 or less is none: ``_real_window``)."""
+    window = _real_window(sliding_window)
     chunk = None
     layer_types = getattr(config, "layer_types", None) if config is not None else None
     chunk_size = getattr(config, "attention_chunk_size", None) if config is not None else None

@@ -374,6 +374,60 @@ def test_cache_windows_are_the_adapter_windows():
         assert windows == [_own_window(module, cfg, i) for i in range(3)] == want, cfg
 
 
+def test_a_window_of_zero_or_less_is_no_window():
+    """qwen2_moe stores ``sliding_window=0`` when ``use_sliding_window`` is False, and a window <= 0 means "no window"
+    to Transformers' flash-attention path (``window_size=(w - 1, w - 1)``, negative: unlimited). So a window <= 0 (or
+    None) on a layer marked ``"sliding_attention"`` is a global layer, for ``config_window``, for ``SparseCache``'s
+    layers and for the module's own ``sliding_window`` the adapter reads; never a window of 0 keys (or an error)."""
+    from types import SimpleNamespace
+
+    from hf_sparse_attention.cache import _model_windows
+    from sparse_k.integrations.transformers_adapter import _own_window, config_window
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    cases = [
+        (SimpleNamespace(model_type="qwen2_moe", sliding_window=0, use_sliding_window=False, layer_types=types), [None] * 3),
+        (SimpleNamespace(model_type="qwen2_moe", sliding_window=0, use_sliding_window=True), [None] * 3),
+        (SimpleNamespace(model_type="mistral", sliding_window=0), [None] * 3),
+        (SimpleNamespace(model_type="mistral", sliding_window=-1), [None] * 3),
+        (SimpleNamespace(model_type="gemma3", sliding_window=None, layer_types=types), [None] * 3),
+        (SimpleNamespace(model_type="gemma3", sliding_window=-4, layer_types=types), [None] * 3),
+    ]
+    module = torch.nn.Module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cfg, want in cases:
+            windows, _ = _model_windows(cfg, 3)
+            assert windows == [config_window(cfg, i) for i in range(3)] == [_own_window(module, cfg, i) for i in range(3)]
+            assert windows == want, cfg
+            assert config_window(cfg, None) is None, cfg
+
+
+def test_qwen2_moe_sliding_layer_without_a_window_runs_globally():
+    """A qwen2_moe config whose ``layer_types`` mark a sliding layer while ``use_sliding_window`` is False carries
+    ``sliding_window=0``, and that layer's module keeps ``sliding_window = 0``: sparse_k runs it as a global layer
+    (equal to the same weights with every layer ``"full_attention"``), with and without ``SparseCache``."""
+    import model_families as mf
+
+    def build(layer_types):
+        cfg = mf.tiny_config("qwen2_moe")
+        cfg.num_hidden_layers, cfg.use_sliding_window, cfg.sliding_window, cfg.layer_types = 2, False, 0, layer_types
+        hf_sparse_attention.configure(cfg, "streaming", sinks=2, window=6)
+        torch.manual_seed(0)
+        return mf.model_class("qwen2_moe")._from_config(cfg, attn_implementation="sparse_k").eval()
+
+    marked, full = build(["sliding_attention", "full_attention"]), build(["full_attention", "full_attention"])
+    assert marked.model.layers[0].self_attn.sliding_window == 0
+    ids = torch.randint(3, 60, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = full(ids, use_cache=False).logits
+        assert torch.equal(marked(ids, use_cache=False).logits, want)
+        cache = SparseCache(marked)
+        assert cache.bounded_layers == [0, 1]
+        assert torch.equal(marked(ids, past_key_values=cache).logits, want)
+
+
 def test_rotation_probe_runs_once_per_attention_class_and_layer_type(monkeypatch):
     """``mode="rolling"`` probes the model's ``apply_rotary_pos_emb`` once per (attention class, layer type), not once
     per bounded layer: of four gemma3 layers, the two global ones re-rotate sink keys (the sliding ones keep no sink
