@@ -451,3 +451,21 @@ def test_rotation_probe_runs_once_per_attention_class_and_layer_type(monkeypatch
     assert cache.bounded_layers == [0, 1, 2, 3] and all(layer.mode == "rolling" for layer in cache.layers)
     assert [layer.inv_freq is not None for layer in cache.layers] == [False, True, False, True]
     assert probes == [("Gemma3Attention", "full_attention")]
+
+
+def test_rolling_cache_scans_the_model_for_rotary_embeddings_once(monkeypatch):
+    """``mode="rolling"`` finds the rotary frequencies of every rolling layer with one pass over ``model.modules()``
+    (and one to find the attention modules), however many layers roll: 2 scans for 2 layers and for 6 (a scan per
+    rolling layer made the build O(layers x modules)). Each layer still gets the model's ``inv_freq``."""
+    def scans_to_build(layers):
+        model = tiny_model("llama", layers=layers)
+        hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+        calls, modules = [], model.modules
+        monkeypatch.setattr(model, "modules", lambda: calls.append(1) or modules())
+        cache = SparseCache(model)
+        inv_freq = model.model.rotary_emb.inv_freq
+        assert cache.bounded_layers == list(range(layers))
+        assert all(layer.mode == "rolling" and layer.inv_freq is inv_freq for layer in cache.layers)
+        return len(calls)
+
+    assert scans_to_build(2) == scans_to_build(6) == 2
