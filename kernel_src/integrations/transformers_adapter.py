@@ -22,8 +22,10 @@ slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
 * ``L < Skv``: a StaticCache whose first ``L`` slots are written; K/V are sliced to ``L``
   (a view, no copy) and the queries are the last ``Sq`` of them;
 * ``L > Skv``: a sliding-window cache dropped the first ``L - Skv`` slots. Patterns whose rule
-  depends only on ``i - j`` use the tail of the mask; the others (sinks, blocks) see K/V padded
-  back at the front so that positions stay absolute (never attended: the window excludes them).
+  depends only on ``i - j`` use the tail of the mask; a pattern inside the model's own window or
+  chunk (sinks, blocks) reads the kept keys at their absolute slots (``FromSlot``) when no row is
+  padded; otherwise K/V are padded back at the front so that positions stay absolute (never
+  attended: the window excludes them).
 
 A cache layer that announced ``key`` on the module (``sparse_k.integrations.cache_protocol``, e.g.
 ``hf_sparse_attention.SparseCache``'s) is consulted: it may refuse the key mask, and for a learned
@@ -55,8 +57,8 @@ from ..warn import warn_once
 from .cache_protocol import announced_layer
 from .config import pattern_for_layer, validate_sparse_config
 
-__all__ = ["SELECTOR_PROVIDERS", "WithinChunk", "WithinWindow", "attention_forward", "config_window", "layer_pattern",
-           "restrict_pattern", "translation_invariant"]
+__all__ = ["SELECTOR_PROVIDERS", "FromSlot", "WithinChunk", "WithinWindow", "attention_forward", "config_window",
+           "layer_pattern", "restrict_pattern", "translation_invariant"]
 
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
@@ -142,6 +144,53 @@ class WithinChunk(_Restricted):
             self._chunk(q_lo) == self._chunk(k_lo)
         )
         return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & same
+
+
+@dataclass(frozen=True)
+class FromSlot(Pattern):
+    """``base`` on a key tensor whose index 0 holds cache slot ``start`` (a sliding cache dropped the slots before it).
+
+    Positions are counted from the first kept slot; the rule, intervals and full tiles of ``base`` are read at
+    ``position + start``, so its absolute parts (sinks, blocks, chunks) land where they would on the whole tensor,
+    and nothing is rebuilt for the dropped slots. ``kv_len`` (the kept length) reaches ``base`` as ``kv_len + start``.
+    """
+
+    name: ClassVar[str] = "from_slot"
+
+    base: Pattern = Dense()
+    start: int = 0
+
+    def _validate(self):
+        if not isinstance(self.base, Pattern) or self.base.learned:
+            raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
+        if self.causal != self.base.causal:
+            raise ValueError(f"{self.name}: `causal` ({self.causal}) must be the base's ({self.base.causal})")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"{self.name}: `start` must be an int >= 0, got {self.start!r}")
+
+    @property
+    def per_head(self):
+        return self.base.per_head
+
+    @property
+    def uses_layer(self):
+        return self.base.uses_layer
+
+    def _kv_len(self, kv_len):
+        return None if kv_len is None else kv_len + self.start
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos + self.start, kpos + self.start, layer_idx, kv_head, self._kv_len(kv_len))
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo + self.start, q_hi + self.start, layer_idx, num_kv_heads,
+                                      self._kv_len(kv_len))
+        return lo - self.start, hi - self.start
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        s = self.start
+        return self.base._tile_full(q_lo + s, q_hi + s, k_lo + s, k_hi + s, layer_idx, num_kv_heads,
+                                    self._kv_len(kv_len))
 
 
 def restrict_pattern(pattern: Pattern, *, window: int | None = None, chunk: int | None = None) -> Pattern:
@@ -631,7 +680,11 @@ def attention_forward(
             dropped = L - skv
             if translation_invariant(pattern):
                 key_mask = key_mask[:, dropped:]
-            else:
+            elif all_valid and isinstance(pattern, _Restricted):
+                # The model's window / chunk (no kernel rule: the PyTorch path either way) read at absolute slots
+                # over the kept keys: no copy of K/V as long as the sequence.
+                key_mask, pattern = key_mask[:, dropped:], FromSlot(base=pattern, causal=pattern.causal, start=dropped)
+            else:  # padded rows count positions from their own first key: K/V padded back to absolute slots
                 key = torch.nn.functional.pad(key, (0, 0, dropped, 0))
                 value = torch.nn.functional.pad(value, (0, 0, dropped, 0))
         if all_valid:

@@ -7,6 +7,8 @@ import warnings
 import psutil
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import hf_sparse_attention
 from hf_sparse_attention import SparseCache
@@ -469,3 +471,57 @@ def test_rolling_cache_scans_the_model_for_rotary_embeddings_once(monkeypatch):
         return len(calls)
 
     assert scans_to_build(2) == scans_to_build(6) == 2
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any ATen op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("cache_kind", ["sparse", "dynamic"])
+@pytest.mark.parametrize("name, params", [("streaming", {"sinks": 2, "window": 6}), ("block_diagonal", {"block": 8})])
+def test_decode_under_a_wider_model_window_allocates_no_tensor_of_the_length(cache_kind, name, params, monkeypatch):
+    """A model window (24) wider than the pattern's rule keeps the pattern inside it (``WithinWindow``), which needs
+    absolute slots (sinks, blocks) while the cache holds the window's keys only: a decode step at 600+ tokens must not
+    rebuild the dropped slots (K/V padded back to the length, a temporary that grows with the sequence, per layer
+    and step). The largest tensor of every decode step's attention call stays a few model windows of keys, and
+    each step's logits still equal recomputing the prefix."""
+    model = tiny_model("mistral", seed=3)
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    cfg = model.config
+    key_elements = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)  # one key of K
+    attention, largest = transformers.AttentionInterface._global_mapping["sparse_k"], []
+
+    def tracked(module, query, *args, **kwargs):
+        tracker = _LargestTensor()
+        with tracker:
+            out = attention(module, query, *args, **kwargs)
+        if query.shape[2] == 1:
+            largest.append(tracker.numel)
+        return out
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "sparse_k", tracked)
+    ids = torch.randint(1, VOCAB, (1, 600), generator=torch.Generator().manual_seed(0))
+    cache = SparseCache(model) if cache_kind == "sparse" else transformers.DynamicCache(config=cfg)
+    steps = 64
+    with torch.no_grad():
+        gen = model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    assert len(largest) == (steps - 1) * cfg.num_hidden_layers
+    bound = 8 * cfg.sliding_window * key_elements  # 192 keys of K, against the 600 to 664 of a padded copy
+    assert max(largest) <= bound, f"largest temporary {max(largest)} elements = {max(largest) / key_elements:.0f} keys"
+    monkeypatch.undo()
+    with torch.no_grad():  # one causal forward over the generated tokens: every prefix recomputed at once
+        recomputed = model(gen.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1 :]
+    assert (torch.cat(gen.logits) - recomputed).abs().max() < 1e-4
