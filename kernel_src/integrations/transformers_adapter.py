@@ -31,9 +31,9 @@ A cache layer that announced ``key`` on the module (``sparse_k.integrations.cach
 ``hf_sparse_attention.SparseCache``'s) is consulted: it may refuse the key mask, and for a learned
 pattern it runs the call's attention (``SelectionCacheLayer.attend``, with its own decode state).
 
-A 4-D mask (a caller's own ``attention_mask``, which Transformers passes through) is reduced to key validity;
-one that carries more than the causal rule over those keys (packed documents, a custom block mask) raises
-``ValueError`` rather than being ignored.
+A 4-D mask (a caller's own ``attention_mask``, which Transformers passes through) is reduced to key validity,
+once per mask tensor (every layer gets the same one); one that carries more than the causal rule over those keys
+(packed documents, a custom block mask) raises ``ValueError`` rather than being ignored.
 Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
 from ``position_ids`` that restart at 0 inside one row without a mask.
 """
@@ -438,19 +438,28 @@ STATIC_SLOTS_DTYPE = torch.uint8
 
 class _OneReadPerTensor:
     """A host answer about a tensor, read once per tensor: the model builds one mask (and one
-    ``position_ids``) per forward and every layer receives that same tensor, so a forward pays one
-    synchronisation, not one per layer. Keyed by identity and version counter (inference tensors have
-    none: asked every time)."""
+    ``position_ids``) per forward, one per layer type, and every layer receives that same tensor, so a
+    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and version counter
+    (inference tensors have none: asked every time) and by the call's other arguments (``read(tensor,
+    *args)``, hashable); the last ``tensors`` tensors are remembered (layer types that take turns hand
+    their masks in turn)."""
 
-    def __init__(self, read):
-        self._read, self._ref, self._version, self._answer = read, None, -1, None
+    def __init__(self, read, tensors: int = 1):
+        self._read, self._tensors = read, tensors
+        self._entries: list = []  # [weakref to a tensor, its version, {args: answer}], oldest first
 
-    def __call__(self, tensor: torch.Tensor):
+    def __call__(self, tensor: torch.Tensor, *args):
         current = None if tensor.is_inference() else tensor._version
-        if self._ref is not None and self._ref() is tensor and current is not None and self._version == current:
-            return self._answer
-        answer = self._read(tensor)
-        self._ref, self._version, self._answer = weakref.ref(tensor), current, answer
+        if current is None:
+            return self._read(tensor, *args)
+        for ref, version, answers in self._entries:
+            if ref() is tensor and version == current:
+                if args not in answers:
+                    answers[args] = self._read(tensor, *args)
+                return answers[args]
+        answer = self._read(tensor, *args)
+        kept = [e for e in self._entries if e[0]() is not None and e[0]() is not tensor]
+        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [(weakref.ref(tensor), current, {args: answer})]
         return answer
 
 
@@ -460,6 +469,11 @@ def _read_all_valid(mask: torch.Tensor) -> bool:
 
 #: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys).
 _all_valid = _OneReadPerTensor(_read_all_valid)
+
+
+#: ``_reduce_4d`` once per 4-D mask tensor and (``Skv``, ``Sq``, window, chunk): every layer of a forward gets the
+#: caller's one mask; layer types with their own windows (sliding and global layers) take turns.
+_reduced_4d = _OneReadPerTensor(_reduce_4d, tensors=2)
 
 
 def _tracing() -> bool:
@@ -636,8 +650,8 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity
-        key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2],
-                              *_layer_locality(config, layer_idx, sliding_window))
+        reduce = _reduce_4d if _tracing() else _reduced_4d
+        key_mask = reduce(key_mask, key.shape[2], query.shape[2], *_layer_locality(config, layer_idx, sliding_window))
 
     learned = pattern.learned and pattern.top_k > 0
     announced = announced_layer(module, key) if learned or not _tracing() else None  # the cache layer serving `key`

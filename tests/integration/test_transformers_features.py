@@ -318,6 +318,35 @@ def test_user_4d_mask_with_per_query_structure_is_refused():
         model(ids, attention_mask=packed)
 
 
+@pytest.mark.parametrize("family, checks", [("llama", 1), ("gemma3", 2)])
+def test_callers_4d_mask_is_checked_once_per_forward(family, checks, monkeypatch):
+    """Transformers hands a caller's 4-D mask to every layer as it is: its reduction to key validity and the check
+    that it is the causal rule (``(B, 1, Sq, L)`` temporaries, host reads) run once per mask tensor and layer window
+    (gemma3: a sliding and a global layer, two checks), not once per layer. A new mask, or the same tensor changed in
+    place, is checked again: a mask given per-query structure in place still raises."""
+    from sparse_k.integrations import transformers_adapter as adapter
+
+    model = tiny_model(family, seed=25, layers=4)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    model.set_attn_implementation("sparse_k")
+    calls, check = [], adapter._check_causal_4d
+    monkeypatch.setattr(adapter, "_check_causal_4d", lambda *a: calls.append(1) or check(*a))
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    four_d = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits[mask.bool()]
+        got = model(ids, attention_mask=four_d).logits[mask.bool()]
+        assert len(calls) == checks
+        assert (got - want).abs().max() < 1e-5
+        model(ids, attention_mask=four_d.clone())
+        assert len(calls) == 2 * checks
+        four_d[0, 0, 8:, :5] = False  # row 0 now holds two packed documents
+        with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+            model(ids, attention_mask=four_d)
+
+
 def test_configure_rejects_unknown_backend_and_layers_outside_the_model():
     model = tiny_model("llama", seed=19, layers=3)
     before = getattr(model.config, "sparse_attention", None)
