@@ -51,11 +51,14 @@ def test_table_states_budgets_spread_and_both_formats():
 
 @pytest.mark.parametrize("bad", [["--multikey-needles", "1"], ["--multikey-needles", "9"], ["--ppl-seeds", "0"],
                                  ["--trials-per-depth", "0"], ["--depths", "1.5"], ["--tasks", "haystack"],
-                                 ["--ppl-tokens", "1"]])
+                                 ["--ppl-tokens", "1"], ["--sinks", "-1"], ["--window", "0"], ["--top-k", "-2"],
+                                 ["--query-block", "0"], ["--context", "0"]])
 def test_bad_flags_are_refused(bad, capsys):
+    """Each bad value ends the run at the parser (nothing loaded or measured first), naming the flag and the value."""
     with pytest.raises(SystemExit):
         mod.build_parser().parse_args(bad)
-    assert bad[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert bad[0] in err and bad[1] in err
 
 
 def test_scoring_dense_layers_and_streaming_flags():
