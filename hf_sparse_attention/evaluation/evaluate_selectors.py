@@ -227,6 +227,14 @@ def main(argv=None) -> int:
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
     checked_device(parser, args.device)
+    if args.output:  # the first row is written as soon as it is measured: its folder must exist by then
+        if os.path.isdir(args.output):
+            parser.error(f"argument --output: {args.output!r} is a folder; give the path of a JSON file")
+        folder = os.path.dirname(os.path.abspath(args.output))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"argument --output: cannot create the folder {folder!r} of {args.output!r} ({exc.strerror})")
     variants = selector_variants(args)  # reads the selector files' metadata: a mismatch ends the run before the load
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)

@@ -152,6 +152,25 @@ def test_missing_selector_files_and_bad_devices_are_refused_before_loading(tmp_p
         assert "argument --device: device 'cuda' requested but CUDA is not available" in err
 
 
+def test_output_folder_is_made_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Rows are written to ``--output`` as soon as they are measured: a path in a folder that does not exist yet gets
+    its folder before the model loads (the first write used to fail after the first row was measured), and a path
+    that is a folder is refused before loading."""
+    err = _refused_before_loading(monkeypatch, capsys, ["--training-free", "sparse_k", "--output", str(tmp_path)])
+    assert f"argument --output: {str(tmp_path)!r} is a folder" in err
+    out = tmp_path / "new" / "results" / "selectors.json"
+    seen = []
+
+    def load_model(*args, **kwargs):
+        seen.append(out.parent.is_dir())
+        raise RuntimeError("stop at the model load")
+
+    monkeypatch.setattr(mod, "load_model", load_model)
+    with pytest.raises(RuntimeError, match="stop at the model load"):
+        mod.main(["--training-free", "sparse_k", "--device", "cpu", "--output", str(out)])
+    assert seen == [True]
+
+
 def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):
     """A failing evaluate_selectors run leaves page_selection's settings and load_model as they were."""
     import sparse_k.selection.page_selection as ps
