@@ -341,15 +341,31 @@ def _check_attention_only(config) -> None:
             )
 
 
-def _inv_freq(model, layer_type):
-    """``(inv_freq, rotary module)`` of ``layer_type``'s rotary embedding, or ``(None, None)``."""
-    for module in model.modules():
-        if module.__class__.__name__.endswith("RotaryEmbedding"):
+class _RotaryLookup:
+    """The rotary embedding of each layer type of ``model``, for one cache build: ``model.modules()`` is scanned once
+    (at the first lookup) for the modules whose class name ends in ``RotaryEmbedding``, and each layer type's answer is
+    kept, so building the cache costs one pass over the modules, not one per rolling layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model, self._rotaries, self._by_type = model, None, {}
+
+    def __call__(self, layer_type: str | None) -> tuple[torch.Tensor | None, torch.nn.Module | None]:
+        """``(inv_freq (D/2,), rotary module)`` of ``layer_type``'s rotary embedding: the first rotary module with a
+        ``{layer_type}_inv_freq`` (one embedding for several layer types, gemma3) or an ``inv_freq``;
+        ``(None, None)`` without one."""
+        if layer_type not in self._by_type:
+            if self._rotaries is None:
+                self._rotaries = [m for m in self._model.modules() if m.__class__.__name__.endswith("RotaryEmbedding")]
+            self._by_type[layer_type] = self._find(layer_type)
+        return self._by_type[layer_type]
+
+    def _find(self, layer_type):
+        for module in self._rotaries:
             if layer_type is not None and hasattr(module, f"{layer_type}_inv_freq"):
                 return getattr(module, f"{layer_type}_inv_freq"), module
             if hasattr(module, "inv_freq"):
                 return module.inv_freq, module
-    return None, None
+        return None, None
 
 
 def _rotates_keys(attention) -> bool:
@@ -392,14 +408,16 @@ def _check_rotation_convention(attention, rotary, inv_freq, layer_type, layer_id
         )
 
 
-def _rolling_inv_freq(model, attention, layer_type, layer_idx: int, probed: set) -> torch.Tensor:
-    """``inv_freq`` of the rotary embedding that re-rotates a rolling layer's sink keys. ``attention``: the layer's
+def _rolling_inv_freq(rotary_lookup: _RotaryLookup | None, attention, layer_type, layer_idx: int,
+                      probed: set) -> torch.Tensor:
+    """``inv_freq`` of the rotary embedding that re-rotates a rolling layer's sink keys, from ``rotary_lookup`` (the
+    cache build's ``_RotaryLookup`` of the model; None when the cache was given a config). ``attention``: the layer's
     attention module (None when unknown); its rotation convention is checked (``_check_rotation_convention``) once per
     attention class and layer type, the pairs in ``probed`` (updated here): the same modeling file's
     ``apply_rotary_pos_emb`` with the same rotary embedding gives the same answer."""
-    if not isinstance(model, torch.nn.Module):
+    if rotary_lookup is None:
         raise TypeError("SparseCache(mode='rolling') needs the model (for its rotary frequencies), not a config")
-    inv_freq, rotary = _inv_freq(model, layer_type)
+    inv_freq, rotary = rotary_lookup(layer_type)
     if inv_freq is None:
         raise ValueError("SparseCache(mode='rolling') found no rotary embedding (`inv_freq`) in the model")
     if attention is not None and (type(attention), layer_type) not in probed:
@@ -437,6 +455,7 @@ class SparseCache(Cache):
             modules = attention_modules(model)
         layers, self.bounded_layers, self.selection_layers = [], [], []
         probed = set()  # (attention class, layer type) pairs whose rotation convention was checked
+        rotary_lookup = _RotaryLookup(model) if isinstance(model, torch.nn.Module) else None
         for i in range(n_layers):
             pattern = layer_pattern(config, i, windows[i])
             if pattern.learned and i in modules:
@@ -452,7 +471,7 @@ class SparseCache(Cache):
             inv_freq = None
             layer_mode = mode if i not in modules or _rotates_keys(modules[i]) else "original"  # NoPE: nothing to re-rotate
             if layer_mode == "rolling" and keep[0] > 0:
-                inv_freq = _rolling_inv_freq(model, modules.get(i), types[i], i, probed)
+                inv_freq = _rolling_inv_freq(rotary_lookup, modules.get(i), types[i], i, probed)
             layers.append(BoundedLayer(keep[0], keep[1], layer_mode, inv_freq, modules.get(i)))
             self.bounded_layers.append(i)
         self.mode = mode

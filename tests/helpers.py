@@ -280,3 +280,35 @@ def host_reads():
     finally:
         for owner, name, orig in saved:
             setattr(owner, name, orig)
+
+
+def flag_help(help_text: str) -> dict[str, str]:
+    """``{first option string: its help text}`` of an argparse ``--help`` text (wrapped lines joined; "" for a flag
+    listed without a help text)."""
+    blocks, flag = {}, None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            flag = invocation.split()[0].rstrip(",")
+            blocks[flag] = rest.strip()
+        elif flag is not None and line.startswith("    "):
+            blocks[flag] = (blocks[flag] + " " + line.strip()).strip()
+        else:
+            flag = None
+    return blocks
+
+
+def undescribed_flags(parser) -> list[str]:
+    """The flags of ``parser`` whose ``--help`` entry has no text, or does not show a default that is not None or
+    False, each as ``"--flag: what is missing"``."""
+    blocks, missing = flag_help(parser.format_help()), []
+    for action in parser._actions:
+        flag = action.option_strings[0] if action.option_strings else None
+        if flag is None or flag == "-h":
+            continue
+        text = blocks.get(flag, "")
+        if not text:
+            missing.append(f"{flag}: no help text")
+        elif action.default not in (None, False) and f"default: {action.default}" not in text:
+            missing.append(f"{flag}: default {action.default!r} not shown in {text!r}")
+    return missing

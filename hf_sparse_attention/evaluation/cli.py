@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-__all__ = ["PROFILES", "budget_rows", "build_parser", "check_args", "checked_device", "main_for", "run"]
+__all__ = ["PROFILES", "DefaultsHelpFormatter", "budget_rows", "build_parser", "check_args", "checked_device",
+           "main_for", "run"]
 
 DEPTHS5 = [0.1, 0.3, 0.5, 0.7, 0.9]
 
@@ -44,6 +45,17 @@ DESCRIPTIONS = {
     "evaluate_retrieval": "Passkey and needle-in-a-haystack retrieval over context lengths x needle depths.",
     "benchmark_model": "Prefill time, decode tokens/s and peak memory at several lengths, dense vs sparse.",
 }
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default after its help text, except a default of None (the help text then says
+    what the flag does when it is not given) or False (an off switch). Used by ``evaluate_selectors`` and
+    ``train_selector``."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def bounded_int(low: int, high: int | None, what: str):

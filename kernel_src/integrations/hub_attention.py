@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..warn import warn_once
-from .transformers_adapter import attention_forward
+from .transformers_adapter import _OneReadPerTensor, attention_forward
 
 __all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]
 
@@ -134,6 +134,11 @@ def sdpa_mask_to_key_mask(
     return key_valid.contiguous(), q_start.contiguous()
 
 
+#: ``sdpa_mask_to_key_mask`` once per mask tensor and call shape: Transformers builds one sdpa mask per forward and
+#: layer type and hands it to every layer of that type; two types (sliding and global layers) take turns.
+_key_mask_once = _OneReadPerTensor(sdpa_mask_to_key_mask, tensors=2)
+
+
 def flash_attn_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -149,7 +154,8 @@ def flash_attn_forward(
     Args:
         module: the attention layer (``config.sparse_attention``, ``layer_idx``, ``is_causal`` are read).
         query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)`` after RoPE and the cache update.
-        attention_mask: Transformers' sdpa mask ``(B, 1, Sq, Skv)`` or None (see ``sdpa_mask_to_key_mask``).
+        attention_mask: Transformers' sdpa mask ``(B, 1, Sq, Skv)`` or None (see ``sdpa_mask_to_key_mask``; reduced
+            once per mask tensor: every layer of a forward gets the same one).
         scaling: softmax scale (default ``D ** -0.5``). dropout: not applied (a one-time warning in training).
         kwargs: ``sliding_window``, ``softcap``, ``s_aux`` and the rest of Transformers' attention kwargs.
     Returns:
@@ -159,7 +165,10 @@ def flash_attn_forward(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"`{name}` must be a 4-D tensor (B, H, S, D), got {shape}")
-    key_mask, q_start = sdpa_mask_to_key_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2])
+    reduce = sdpa_mask_to_key_mask
+    if isinstance(attention_mask, torch.Tensor) and not torch.compiler.is_compiling():
+        reduce = _key_mask_once  # one reduction per mask, not per layer
+    key_mask, q_start = reduce(attention_mask, query.shape[0], query.shape[2], key.shape[2])
     if key_mask is not None:
         key_mask = key_mask.to(query.device)
     if q_start is not None:

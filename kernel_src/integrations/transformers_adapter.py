@@ -22,16 +22,18 @@ slots* ``0 .. L-1`` (what ``hf_sparse_attention``'s mask function returns):
 * ``L < Skv``: a StaticCache whose first ``L`` slots are written; K/V are sliced to ``L``
   (a view, no copy) and the queries are the last ``Sq`` of them;
 * ``L > Skv``: a sliding-window cache dropped the first ``L - Skv`` slots. Patterns whose rule
-  depends only on ``i - j`` use the tail of the mask; the others (sinks, blocks) see K/V padded
-  back at the front so that positions stay absolute (never attended: the window excludes them).
+  depends only on ``i - j`` use the tail of the mask; a pattern inside the model's own window or
+  chunk (sinks, blocks) reads the kept keys at their absolute slots (``FromSlot``) when no row is
+  padded; otherwise K/V are padded back at the front so that positions stay absolute (never
+  attended: the window excludes them).
 
 A cache layer that announced ``key`` on the module (``sparse_k.integrations.cache_protocol``, e.g.
 ``hf_sparse_attention.SparseCache``'s) is consulted: it may refuse the key mask, and for a learned
 pattern it runs the call's attention (``SelectionCacheLayer.attend``, with its own decode state).
 
-A 4-D mask (a caller's own ``attention_mask``, which Transformers passes through) is reduced to key validity;
-one that carries more than the causal rule over those keys (packed documents, a custom block mask) raises
-``ValueError`` rather than being ignored.
+A 4-D mask (a caller's own ``attention_mask``, which Transformers passes through) is reduced to key validity,
+once per mask tensor (every layer gets the same one); one that carries more than the causal rule over those keys
+(packed documents, a custom block mask) raises ``ValueError`` rather than being ignored.
 Packed batches come as ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or are found
 from ``position_ids`` that restart at 0 inside one row without a mask.
 """
@@ -55,8 +57,8 @@ from ..warn import warn_once
 from .cache_protocol import announced_layer
 from .config import pattern_for_layer, validate_sparse_config
 
-__all__ = ["SELECTOR_PROVIDERS", "WithinChunk", "WithinWindow", "attention_forward", "config_window", "layer_pattern",
-           "restrict_pattern", "translation_invariant"]
+__all__ = ["SELECTOR_PROVIDERS", "FromSlot", "WithinChunk", "WithinWindow", "attention_forward", "config_window",
+           "layer_pattern", "restrict_pattern", "translation_invariant"]
 
 #: Attribute of an attention module holding the training-free selection's decode memo (``sparse_k.selection.page_selection``).
 SELECTION_MEMO_ATTR = "_sparse_k_selection_memo"
@@ -144,6 +146,53 @@ class WithinChunk(_Restricted):
         return self.base._tile_full(q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len) & same
 
 
+@dataclass(frozen=True)
+class FromSlot(Pattern):
+    """``base`` on a key tensor whose index 0 holds cache slot ``start`` (a sliding cache dropped the slots before it).
+
+    Positions are counted from the first kept slot; the rule, intervals and full tiles of ``base`` are read at
+    ``position + start``, so its absolute parts (sinks, blocks, chunks) land where they would on the whole tensor,
+    and nothing is rebuilt for the dropped slots. ``kv_len`` (the kept length) reaches ``base`` as ``kv_len + start``.
+    """
+
+    name: ClassVar[str] = "from_slot"
+
+    base: Pattern = Dense()
+    start: int = 0
+
+    def _validate(self):
+        if not isinstance(self.base, Pattern) or self.base.learned:
+            raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
+        if self.causal != self.base.causal:
+            raise ValueError(f"{self.name}: `causal` ({self.causal}) must be the base's ({self.base.causal})")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"{self.name}: `start` must be an int >= 0, got {self.start!r}")
+
+    @property
+    def per_head(self):
+        return self.base.per_head
+
+    @property
+    def uses_layer(self):
+        return self.base.uses_layer
+
+    def _kv_len(self, kv_len):
+        return None if kv_len is None else kv_len + self.start
+
+    def _rule(self, qpos, kpos, layer_idx, kv_head, kv_len):
+        return self.base._rule(qpos + self.start, kpos + self.start, layer_idx, kv_head, self._kv_len(kv_len))
+
+    def _intervals(self, q_lo, q_hi, layer_idx, num_kv_heads, kv_len):
+        lo, hi = self.base._intervals(q_lo + self.start, q_hi + self.start, layer_idx, num_kv_heads,
+                                      self._kv_len(kv_len))
+        return lo - self.start, hi - self.start
+
+    def _tile_full(self, q_lo, q_hi, k_lo, k_hi, layer_idx, num_kv_heads, kv_len):
+        s = self.start
+        return self.base._tile_full(q_lo + s, q_hi + s, k_lo + s, k_hi + s, layer_idx, num_kv_heads,
+                                    self._kv_len(kv_len))
+
+
 def restrict_pattern(pattern: Pattern, *, window: int | None = None, chunk: int | None = None) -> Pattern:
     """``pattern`` intersected with a causal sliding window and/or a chunk rule (the model's own locality).
 
@@ -211,13 +260,32 @@ NOT_PASSED = object()
 GLOBAL_DESPITE_WINDOW = frozenset({"moshi"})
 
 
+def _real_window(window) -> int | None:
+    """``window`` as a number of keys, or None where it means "no window": None, 0 or less.
+
+    qwen2_moe stores ``sliding_window=0`` when ``use_sliding_window`` is False (and its modules keep that 0 on layers
+    ``layer_types`` marks sliding), and Transformers' flash-attention path runs a window <= 0 without a window
+    (``window_size = (w - 1, w - 1)``, negative: unlimited); its sdpa / eager masks would let such a layer attend no
+    key at all. A one-time warning says so when a window <= 0 is met.
+    """
+    if window is None:
+        return None
+    if window <= 0:
+        warn_once(
+            f"sliding_window={window} on a sliding layer: sparse_k runs the layer without a window (as Transformers' "
+            "flash attention does; its sdpa / eager masks attend no key there)", key=f"no-window:{window}"
+        )
+        return None
+    return int(window)
+
+
 def config_window(config, layer_idx: int | None) -> int | None:
     """The sliding window ``config`` gives layer ``layer_idx`` as the model's attention function sees it (None: global).
 
     ``config.sliding_window`` on layers that ``config.layer_types`` marks ``"sliding_attention"`` (None on the
     others); without layer types (or without ``layer_idx``), ``config.sliding_window`` unless
-    ``config.use_sliding_window`` is False. None when the model type is in ``GLOBAL_DESPITE_WINDOW``.
-    ``SparseCache`` sizes its layers by it; ``_own_window`` falls back to it.
+    ``config.use_sliding_window`` is False. None when the model type is in ``GLOBAL_DESPITE_WINDOW``, and where the
+    window is 0 or less (``_real_window``). ``SparseCache`` sizes its layers by it; ``_own_window`` falls back to it.
     """
     if config is None or getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
         return None
@@ -226,8 +294,10 @@ def config_window(config, layer_idx: int | None) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window if getattr(config, "use_sliding_window", True) is not False else None
+        sliding = layer_types[layer_idx] == "sliding_attention"
+    else:
+        sliding = getattr(config, "use_sliding_window", True) is not False
+    return _real_window(window) if sliding else None
 
 
 def _own_window(module, config, layer_idx):
@@ -243,8 +313,9 @@ def _own_window(module, config, layer_idx):
 
 
 def _layer_locality(config, layer_idx, sliding_window):
-    """(window, chunk) of the model's own rule for this layer (None when the layer is global)."""
-    window = int(sliding_window) if sliding_window is not None else None
+    """(window, chunk) of the model's own rule for this layer (None when the layer is global; a ``sliding_window`` of
+    0 or less is none: ``_real_window``)."""
+    window = _real_window(sliding_window)
     chunk = None
     layer_types = getattr(config, "layer_types", None) if config is not None else None
     chunk_size = getattr(config, "attention_chunk_size", None) if config is not None else None
@@ -367,19 +438,28 @@ STATIC_SLOTS_DTYPE = torch.uint8
 
 class _OneReadPerTensor:
     """A host answer about a tensor, read once per tensor: the model builds one mask (and one
-    ``position_ids``) per forward and every layer receives that same tensor, so a forward pays one
-    synchronisation, not one per layer. Keyed by identity and version counter (inference tensors have
-    none: asked every time)."""
+    ``position_ids``) per forward, one per layer type, and every layer receives that same tensor, so a
+    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and version counter
+    (inference tensors have none: asked every time) and by the call's other arguments (``read(tensor,
+    *args)``, hashable); the last ``tensors`` tensors are remembered (layer types that take turns hand
+    their masks in turn)."""
 
-    def __init__(self, read):
-        self._read, self._ref, self._version, self._answer = read, None, -1, None
+    def __init__(self, read, tensors: int = 1):
+        self._read, self._tensors = read, tensors
+        self._entries: list = []  # [weakref to a tensor, its version, {args: answer}], oldest first
 
-    def __call__(self, tensor: torch.Tensor):
+    def __call__(self, tensor: torch.Tensor, *args):
         current = None if tensor.is_inference() else tensor._version
-        if self._ref is not None and self._ref() is tensor and current is not None and self._version == current:
-            return self._answer
-        answer = self._read(tensor)
-        self._ref, self._version, self._answer = weakref.ref(tensor), current, answer
+        if current is None:
+            return self._read(tensor, *args)
+        for ref, version, answers in self._entries:
+            if ref() is tensor and version == current:
+                if args not in answers:
+                    answers[args] = self._read(tensor, *args)
+                return answers[args]
+        answer = self._read(tensor, *args)
+        kept = [e for e in self._entries if e[0]() is not None and e[0]() is not tensor]
+        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [(weakref.ref(tensor), current, {args: answer})]
         return answer
 
 
@@ -389,6 +469,11 @@ def _read_all_valid(mask: torch.Tensor) -> bool:
 
 #: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys).
 _all_valid = _OneReadPerTensor(_read_all_valid)
+
+
+#: ``_reduce_4d`` once per 4-D mask tensor and (``Skv``, ``Sq``, window, chunk): every layer of a forward gets the
+#: caller's one mask; layer types with their own windows (sliding and global layers) take turns.
+_reduced_4d = _OneReadPerTensor(_reduce_4d, tensors=2)
 
 
 def _tracing() -> bool:
@@ -565,8 +650,8 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity
-        key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2],
-                              *_layer_locality(config, layer_idx, sliding_window))
+        reduce = _reduce_4d if _tracing() else _reduced_4d
+        key_mask = reduce(key_mask, key.shape[2], query.shape[2], *_layer_locality(config, layer_idx, sliding_window))
 
     learned = pattern.learned and pattern.top_k > 0
     announced = announced_layer(module, key) if learned or not _tracing() else None  # the cache layer serving `key`
@@ -609,7 +694,11 @@ def attention_forward(
             dropped = L - skv
             if translation_invariant(pattern):
                 key_mask = key_mask[:, dropped:]
-            else:
+            elif all_valid and isinstance(pattern, _Restricted):
+                # The model's window / chunk (no kernel rule: the PyTorch path either way) read at absolute slots
+                # over the kept keys: no copy of K/V as long as the sequence.
+                key_mask, pattern = key_mask[:, dropped:], FromSlot(base=pattern, causal=pattern.causal, start=dropped)
+            else:  # padded rows count positions from their own first key: K/V padded back to absolute slots
                 key = torch.nn.functional.pad(key, (0, 0, dropped, 0))
                 value = torch.nn.functional.pad(value, (0, 0, dropped, 0))
         if all_valid:

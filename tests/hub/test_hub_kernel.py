@@ -399,6 +399,37 @@ def test_flash_attn_forward_reduces_the_sdpa_mask(hub, sq, filled, kv_len):
     assert _rel_err(out.transpose(1, 2), ref) <= 4 * _rel_err(ref32, ref) + 1e-6
 
 
+def test_flash_attn_forward_reduces_each_sdpa_mask_once(hub, monkeypatch):
+    """Transformers builds one sdpa mask per forward and layer type and hands it to every layer: the hub route
+    reduces it (host reads, ``(B, Sq, Skv)`` temporaries) once per mask tensor, not once per layer, also when two
+    layer types take turns; a new mask, or the same tensor changed in place, is reduced again."""
+    module = importlib.import_module(f"{hub.__name__}.integrations.hub_attention")
+    reductions, check = [], module._check_mask
+    monkeypatch.setattr(module, "_check_mask", lambda *a: reductions.append(1) or check(*a))
+    B, Hq, Hkv, S, D = 2, 4, 2, 14, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "streaming", "sinks": 2, "window": 5}})()
+    layers = [_Attention(config, i) for i in range(6)]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(B, Hq, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :4] = False
+    full = _sdpa_mask(pad, S, 0, S)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    sliding = full & (i - j < 8)  # a second layer type's mask (its window holds the pattern's: same output)
+    outs = [hub.flash_attn_forward(layer, q, k, v, full, scaling=0.3)[0] for layer in layers]
+    assert len(reductions) == 1
+    outs += [hub.flash_attn_forward(layer, q, k, v, (full, sliding)[layer.layer_idx % 2], scaling=0.3)[0]
+             for layer in layers]
+    assert len(reductions) == 2
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    pad[0, :3] = False  # the same tensor, changed in place: reduced again, and the change is seen
+    full[0, :, :, :3] = False
+    moved = hub.flash_attn_forward(layers[0], q, k, v, full, scaling=0.3)[0]
+    assert len(reductions) == 3
+    fresh = hub.flash_attn_forward(layers[0], q, k, v, _sdpa_mask(pad, S, 0, S), scaling=0.3)[0]
+    assert torch.equal(moved, fresh) and not torch.equal(moved, outs[0])
+
+
 def test_sdpa_mask_reduction_cases(monkeypatch):
     reduce = sk.integrations.hub_attention.sdpa_mask_to_key_mask
     assert reduce(None, 2, 9, 9) == (None, None)

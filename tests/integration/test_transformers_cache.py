@@ -7,6 +7,8 @@ import warnings
 import psutil
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import hf_sparse_attention
 from hf_sparse_attention import SparseCache
@@ -374,6 +376,60 @@ def test_cache_windows_are_the_adapter_windows():
         assert windows == [_own_window(module, cfg, i) for i in range(3)] == want, cfg
 
 
+def test_a_window_of_zero_or_less_is_no_window():
+    """qwen2_moe stores ``sliding_window=0`` when ``use_sliding_window`` is False, and a window <= 0 means "no window"
+    to Transformers' flash-attention path (``window_size=(w - 1, w - 1)``, negative: unlimited). So a window <= 0 (or
+    None) on a layer marked ``"sliding_attention"`` is a global layer, for ``config_window``, for ``SparseCache``'s
+    layers and for the module's own ``sliding_window`` the adapter reads; never a window of 0 keys (or an error)."""
+    from types import SimpleNamespace
+
+    from hf_sparse_attention.cache import _model_windows
+    from sparse_k.integrations.transformers_adapter import _own_window, config_window
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    cases = [
+        (SimpleNamespace(model_type="qwen2_moe", sliding_window=0, use_sliding_window=False, layer_types=types), [None] * 3),
+        (SimpleNamespace(model_type="qwen2_moe", sliding_window=0, use_sliding_window=True), [None] * 3),
+        (SimpleNamespace(model_type="mistral", sliding_window=0), [None] * 3),
+        (SimpleNamespace(model_type="mistral", sliding_window=-1), [None] * 3),
+        (SimpleNamespace(model_type="gemma3", sliding_window=None, layer_types=types), [None] * 3),
+        (SimpleNamespace(model_type="gemma3", sliding_window=-4, layer_types=types), [None] * 3),
+    ]
+    module = torch.nn.Module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cfg, want in cases:
+            windows, _ = _model_windows(cfg, 3)
+            assert windows == [config_window(cfg, i) for i in range(3)] == [_own_window(module, cfg, i) for i in range(3)]
+            assert windows == want, cfg
+            assert config_window(cfg, None) is None, cfg
+
+
+def test_qwen2_moe_sliding_layer_without_a_window_runs_globally():
+    """A qwen2_moe config whose ``layer_types`` mark a sliding layer while ``use_sliding_window`` is False carries
+    ``sliding_window=0``, and that layer's module keeps ``sliding_window = 0``: sparse_k runs it as a global layer
+    (equal to the same weights with every layer ``"full_attention"``), with and without ``SparseCache``."""
+    import model_families as mf
+
+    def build(layer_types):
+        cfg = mf.tiny_config("qwen2_moe")
+        cfg.num_hidden_layers, cfg.use_sliding_window, cfg.sliding_window, cfg.layer_types = 2, False, 0, layer_types
+        hf_sparse_attention.configure(cfg, "streaming", sinks=2, window=6)
+        torch.manual_seed(0)
+        return mf.model_class("qwen2_moe")._from_config(cfg, attn_implementation="sparse_k").eval()
+
+    marked, full = build(["sliding_attention", "full_attention"]), build(["full_attention", "full_attention"])
+    assert marked.model.layers[0].self_attn.sliding_window == 0
+    ids = torch.randint(3, 60, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = full(ids, use_cache=False).logits
+        assert torch.equal(marked(ids, use_cache=False).logits, want)
+        cache = SparseCache(marked)
+        assert cache.bounded_layers == [0, 1]
+        assert torch.equal(marked(ids, past_key_values=cache).logits, want)
+
+
 def test_rotation_probe_runs_once_per_attention_class_and_layer_type(monkeypatch):
     """``mode="rolling"`` probes the model's ``apply_rotary_pos_emb`` once per (attention class, layer type), not once
     per bounded layer: of four gemma3 layers, the two global ones re-rotate sink keys (the sliding ones keep no sink
@@ -397,3 +453,75 @@ def test_rotation_probe_runs_once_per_attention_class_and_layer_type(monkeypatch
     assert cache.bounded_layers == [0, 1, 2, 3] and all(layer.mode == "rolling" for layer in cache.layers)
     assert [layer.inv_freq is not None for layer in cache.layers] == [False, True, False, True]
     assert probes == [("Gemma3Attention", "full_attention")]
+
+
+def test_rolling_cache_scans_the_model_for_rotary_embeddings_once(monkeypatch):
+    """``mode="rolling"`` finds the rotary frequencies of every rolling layer with one pass over ``model.modules()``
+    (and one to find the attention modules), however many layers roll: 2 scans for 2 layers and for 6 (a scan per
+    rolling layer made the build O(layers x modules)). Each layer still gets the model's ``inv_freq``."""
+    def scans_to_build(layers):
+        model = tiny_model("llama", layers=layers)
+        hf_sparse_attention.configure(model, "streaming", sinks=2, window=5, cache_positions="rolling")
+        calls, modules = [], model.modules
+        monkeypatch.setattr(model, "modules", lambda: calls.append(1) or modules())
+        cache = SparseCache(model)
+        inv_freq = model.model.rotary_emb.inv_freq
+        assert cache.bounded_layers == list(range(layers))
+        assert all(layer.mode == "rolling" and layer.inv_freq is inv_freq for layer in cache.layers)
+        return len(calls)
+
+    assert scans_to_build(2) == scans_to_build(6) == 2
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any ATen op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("cache_kind", ["sparse", "dynamic"])
+@pytest.mark.parametrize("name, params", [("streaming", {"sinks": 2, "window": 6}), ("block_diagonal", {"block": 8})])
+def test_decode_under_a_wider_model_window_allocates_no_tensor_of_the_length(cache_kind, name, params, monkeypatch):
+    """A model window (24) wider than the pattern's rule keeps the pattern inside it (``WithinWindow``), which needs
+    absolute slots (sinks, blocks) while the cache holds the window's keys only: a decode step at 600+ tokens must not
+    rebuild the dropped slots (K/V padded back to the length, a temporary that grows with the sequence, per layer
+    and step). The largest tensor of every decode step's attention call stays a few model windows of keys, and
+    each step's logits still equal recomputing the prefix."""
+    model = tiny_model("mistral", seed=3)
+    hf_sparse_attention.configure(model, name, **params)
+    model.set_attn_implementation("sparse_k")
+    cfg = model.config
+    key_elements = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)  # one key of K
+    attention, largest = transformers.AttentionInterface._global_mapping["sparse_k"], []
+
+    def tracked(module, query, *args, **kwargs):
+        tracker = _LargestTensor()
+        with tracker:
+            out = attention(module, query, *args, **kwargs)
+        if query.shape[2] == 1:
+            largest.append(tracker.numel)
+        return out
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "sparse_k", tracked)
+    ids = torch.randint(1, VOCAB, (1, 600), generator=torch.Generator().manual_seed(0))
+    cache = SparseCache(model) if cache_kind == "sparse" else transformers.DynamicCache(config=cfg)
+    steps = 64
+    with torch.no_grad():
+        gen = model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    assert len(largest) == (steps - 1) * cfg.num_hidden_layers
+    bound = 8 * cfg.sliding_window * key_elements  # 192 keys of K, against the 600 to 664 of a padded copy
+    assert max(largest) <= bound, f"largest temporary {max(largest)} elements = {max(largest) / key_elements:.0f} keys"
+    monkeypatch.undo()
+    with torch.no_grad():  # one causal forward over the generated tokens: every prefix recomputed at once
+        recomputed = model(gen.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1 :]
+    assert (torch.cat(gen.logits) - recomputed).abs().max() < 1e-4

@@ -90,6 +90,42 @@ def test_chunked_layers_stay_in_their_chunk():
     assert isinstance(restrict_pattern(get_pattern("streaming", sinks=2, window=5), chunk=8), WithinChunk)
 
 
+@pytest.mark.parametrize("rule", ["window", "chunk"])
+@pytest.mark.parametrize("sparse", [
+    {"pattern": "streaming", "sinks": 2, "window": 5},
+    {"pattern": "block_diagonal", "block": 6},
+    {"pattern": "bigbird", "block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 2, "seed": 3},
+    {"pattern": "dense"},
+])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_kept_keys_of_a_sliding_cache_attend_at_their_absolute_slots(rule, sparse, q_len):
+    """A sliding cache that dropped the first ``L - Skv`` slots (the key mask covers all ``L``): inside the model's
+    window or chunk, a pattern with absolute parts (sinks, blocks, chunks) attends the kept keys as it would the whole
+    tensor (``FromSlot``, no K/V rebuilt to the length), for an unpadded batch; a padded batch still equals it."""
+    config = transformers.PretrainedConfig()
+    config.sparse_attention = sparse
+    if rule == "chunk":
+        config.layer_types, config.attention_chunk_size, sliding_window, keep = ["chunked_attention"], 16, None, 16
+    else:
+        sliding_window, keep = 16, 16
+    B, Hq, Hkv, L, D = 2, 4, 2, 53, 16
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(B, Hq, q_len, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g)
+    skv = keep - 1 + q_len  # what Transformers' sliding layer returns: its window - 1 kept keys and the new ones
+    layer = _Layer(config, 0)
+    want, _ = attention_forward(layer, q, k, v, None, scaling=0.3, sliding_window=sliding_window)
+    every_slot = torch.ones(B, L, dtype=torch.bool)
+    got, _ = attention_forward(layer, q, k[:, :, -skv:], v[:, :, -skv:], every_slot, scaling=0.3,
+                               sliding_window=sliding_window)
+    assert (got - want).abs().max() < 1e-5
+    padded = every_slot.clone()
+    padded[1, :3] = False  # row 1 starts 3 slots later: its positions shift, so compare with its own full-key call
+    want_padded, _ = attention_forward(layer, q, k, v, padded, scaling=0.3, sliding_window=sliding_window)
+    got_padded, _ = attention_forward(layer, q, k[:, :, -skv:], v[:, :, -skv:], padded, scaling=0.3,
+                                      sliding_window=sliding_window)
+    assert (got_padded - want_padded).abs().max() < 1e-5
+
+
 def test_packed_batch_equals_sequences_one_by_one():
     model = tiny_model("llama", seed=14)
     lengths = [11, 23, 7]
@@ -280,6 +316,35 @@ def test_user_4d_mask_with_per_query_structure_is_refused():
     model.set_attn_implementation("sdpa")  # the alternative the message names runs it
     with torch.no_grad():
         model(ids, attention_mask=packed)
+
+
+@pytest.mark.parametrize("family, checks", [("llama", 1), ("gemma3", 2)])
+def test_callers_4d_mask_is_checked_once_per_forward(family, checks, monkeypatch):
+    """Transformers hands a caller's 4-D mask to every layer as it is: its reduction to key validity and the check
+    that it is the causal rule (``(B, 1, Sq, L)`` temporaries, host reads) run once per mask tensor and layer window
+    (gemma3: a sliding and a global layer, two checks), not once per layer. A new mask, or the same tensor changed in
+    place, is checked again: a mask given per-query structure in place still raises."""
+    from sparse_k.integrations import transformers_adapter as adapter
+
+    model = tiny_model(family, seed=25, layers=4)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    model.set_attn_implementation("sparse_k")
+    calls, check = [], adapter._check_causal_4d
+    monkeypatch.setattr(adapter, "_check_causal_4d", lambda *a: calls.append(1) or check(*a))
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    four_d = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits[mask.bool()]
+        got = model(ids, attention_mask=four_d).logits[mask.bool()]
+        assert len(calls) == checks
+        assert (got - want).abs().max() < 1e-5
+        model(ids, attention_mask=four_d.clone())
+        assert len(calls) == 2 * checks
+        four_d[0, 0, 8:, :5] = False  # row 0 now holds two packed documents
+        with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+            model(ids, attention_mask=four_d)
 
 
 def test_configure_rejects_unknown_backend_and_layers_outside_the_model():

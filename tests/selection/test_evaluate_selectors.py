@@ -6,7 +6,7 @@ import re
 import pytest
 import sparse_k
 import torch
-from helpers import tiny_llama
+from helpers import tiny_llama, undescribed_flags
 
 from hf_sparse_attention.evaluation import evaluate_selectors as mod
 
@@ -32,6 +32,12 @@ def test_variants_use_each_files_pattern_and_label_its_run(tmp_path):
         mod.selector_variants(mod.build_parser().parse_args(["--selector", f"dsa={bad}"]))
 
 
+def test_help_says_what_every_flag_is_and_its_default():
+    """``--help`` is the script's manual: every flag has a line saying what it is, with its default."""
+    assert undescribed_flags(mod.build_parser()) == []
+    assert "issue" not in mod.build_parser().format_help()  # the description speaks to users, not to a tracker
+
+
 def test_table_states_budgets_spread_and_both_formats():
     rows = [
         {"label": "dense", "keys_per_query": 2048, "pair_fraction": 1.0, "perplexity": 11.0, "perplexity_std": 1.0,
@@ -51,11 +57,14 @@ def test_table_states_budgets_spread_and_both_formats():
 
 @pytest.mark.parametrize("bad", [["--multikey-needles", "1"], ["--multikey-needles", "9"], ["--ppl-seeds", "0"],
                                  ["--trials-per-depth", "0"], ["--depths", "1.5"], ["--tasks", "haystack"],
-                                 ["--ppl-tokens", "1"]])
+                                 ["--ppl-tokens", "1"], ["--sinks", "-1"], ["--window", "0"], ["--top-k", "-2"],
+                                 ["--query-block", "0"], ["--context", "0"]])
 def test_bad_flags_are_refused(bad, capsys):
+    """Each bad value ends the run at the parser (nothing loaded or measured first), naming the flag and the value."""
     with pytest.raises(SystemExit):
         mod.build_parser().parse_args(bad)
-    assert bad[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert bad[0] in err and bad[1] in err
 
 
 def test_scoring_dense_layers_and_streaming_flags():
@@ -147,6 +156,25 @@ def test_missing_selector_files_and_bad_devices_are_refused_before_loading(tmp_p
     if not torch.cuda.is_available():
         err = _refused_before_loading(monkeypatch, capsys, ["--training-free", "sparse_k", "--device", "cuda"])
         assert "argument --device: device 'cuda' requested but CUDA is not available" in err
+
+
+def test_output_folder_is_made_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Rows are written to ``--output`` as soon as they are measured: a path in a folder that does not exist yet gets
+    its folder before the model loads (the first write used to fail after the first row was measured), and a path
+    that is a folder is refused before loading."""
+    err = _refused_before_loading(monkeypatch, capsys, ["--training-free", "sparse_k", "--output", str(tmp_path)])
+    assert f"argument --output: {str(tmp_path)!r} is a folder" in err
+    out = tmp_path / "new" / "results" / "selectors.json"
+    seen = []
+
+    def load_model(*args, **kwargs):
+        seen.append(out.parent.is_dir())
+        raise RuntimeError("stop at the model load")
+
+    monkeypatch.setattr(mod, "load_model", load_model)
+    with pytest.raises(RuntimeError, match="stop at the model load"):
+        mod.main(["--training-free", "sparse_k", "--device", "cpu", "--output", str(out)])
+    assert seen == [True]
 
 
 def test_sweep_restores_module_settings_when_a_run_fails(tmp_path, monkeypatch):

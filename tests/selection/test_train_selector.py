@@ -137,6 +137,13 @@ def _refused(capsys, argv) -> str:
     return capsys.readouterr().err
 
 
+def test_help_says_what_every_flag_is_and_its_default():
+    """``--help`` is the script's manual: every flag has a line saying what it is, with its default."""
+    from helpers import undescribed_flags
+
+    assert undescribed_flags(trainer.build_parser()) == []
+
+
 def test_bad_sizes_are_refused_before_the_model_loads(tmp_path, capsys):
     """Every size is checked by the argument parser: ``--model`` names no model, so reaching the load would raise."""
     out = str(tmp_path / "run")
