@@ -410,6 +410,7 @@ def corpus_tokens(args) -> torch.Tensor:
         ids = args.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
         if ids.numel() == 0:
             raise SystemExit(f"benchmark_e2e: --text {args.text!r} has no tokens")
+        print(f"[e2e] prompts from --text {args.text}: {ids.numel()} tokens", flush=True)
         args._corpus_tokens = ids
     return args._corpus_tokens
 
