@@ -322,6 +322,8 @@ def main(argv=None) -> int:
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
         acc.print(f"resumed from {resume_dir} at step {start_step}")
+    elif args.resume == "latest":
+        acc.print(f"--resume latest: no checkpoint in {args.output_dir} yet, starting at step 0")
 
     TrainState.pattern, TrainState.mode, TrainState.answer_weight = pattern, args.loss, args.answer_weight
     my_slots = list(range(rank, args.global_batch, world))

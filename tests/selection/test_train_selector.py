@@ -50,6 +50,16 @@ def _selectors(path):
     return load_selectors(path)
 
 
+def test_resume_latest_without_a_checkpoint_says_it_starts_afresh(tiny_model, tmp_path, capsys):
+    """``--resume latest`` on an empty output folder (the first of several preemptible calls) trains from step 0 and
+    says so."""
+    out = str(tmp_path / "fresh")
+    assert trainer.main(_args(tiny_model, out, 1, "--resume", "latest")) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    with open(os.path.join(out, "log.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
+
+
 def test_train_resume_and_load_back(tiny_model, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert trainer.main(_args(tiny_model, straight, 4, "--save-every", "2")) == 0
