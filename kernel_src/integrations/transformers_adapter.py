@@ -73,21 +73,13 @@ _SELECTOR_ATTR = "_sparse_k_selector"
 _PROVIDED_ATTR = "_sparse_k_selector_provided"  # (pattern asked for, selector given) of the last provider call
 
 
-@dataclass(frozen=True)
-class _Restricted(Pattern):
-    """A static ``base`` pattern intersected with a model's own locality rule (``limit``, an int >= 1)."""
+class _OnBase:
+    """What the patterns built on a static ``base`` pattern share: the check of ``base``, and its per-head and per-layer
+    dependence."""
 
-    base: Pattern = Dense()
-
-    #: Name of the int field that holds the limit (``window`` or ``chunk``).
-    limit_field: ClassVar[str] = ""
-
-    def _validate(self):
+    def _check_base(self):
         if not isinstance(self.base, Pattern) or self.base.learned:
             raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
-        limit = getattr(self, self.limit_field)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"{self.name}: `{self.limit_field}` must be an int >= 1, got {limit!r}")
 
     @property
     def per_head(self):
@@ -96,6 +88,22 @@ class _Restricted(Pattern):
     @property
     def uses_layer(self):
         return self.base.uses_layer
+
+
+@dataclass(frozen=True)
+class _Restricted(_OnBase, Pattern):
+    """A static ``base`` pattern intersected with a model's own locality rule (``limit``, an int >= 1)."""
+
+    base: Pattern = Dense()
+
+    #: Name of the int field that holds the limit (``window`` or ``chunk``).
+    limit_field: ClassVar[str] = ""
+
+    def _validate(self):
+        self._check_base()
+        limit = getattr(self, self.limit_field)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{self.name}: `{self.limit_field}` must be an int >= 1, got {limit!r}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,7 @@ class WithinChunk(_Restricted):
 
 
 @dataclass(frozen=True)
-class FromSlot(Pattern):
+class FromSlot(_OnBase, Pattern):
     """``base`` on a key tensor whose index 0 holds cache slot ``start`` (a sliding cache dropped the slots before it).
 
     Positions are counted from the first kept slot; the rule, intervals and full tiles of ``base`` are read at
@@ -161,20 +169,11 @@ class FromSlot(Pattern):
     start: int = 0
 
     def _validate(self):
-        if not isinstance(self.base, Pattern) or self.base.learned:
-            raise TypeError(f"{self.name}: `base` must be a static Pattern, got {self.base!r}")
+        self._check_base()
         if self.causal != self.base.causal:
             raise ValueError(f"{self.name}: `causal` ({self.causal}) must be the base's ({self.base.causal})")
         if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
             raise ValueError(f"{self.name}: `start` must be an int >= 0, got {self.start!r}")
-
-    @property
-    def per_head(self):
-        return self.base.per_head
-
-    @property
-    def uses_layer(self):
-        return self.base.uses_layer
 
     def _kv_len(self, kv_len):
         return None if kv_len is None else kv_len + self.start
