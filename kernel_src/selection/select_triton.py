@@ -21,9 +21,9 @@ same kernels every time and they cost nothing inside a block. No host read.
   (``ok`` and ``p <= last``), ``-inf`` elsewhere, as ``(sum_g relu(q_g)) . kmax + (sum_g min(q_g, 0)) . kmin``:
   two ``tl.dot`` of a tile of ``PAGE_BOUND_ROWS`` blocks with ``BLOCK_P`` pages on the tensor cores in TF32x3 (about
   float32's rounding); a program keeps its blocks' query sums for a run of page tiles and writes the tiles past its
-  blocks' last candidate page as ``-inf`` without reading them. The sums round differently from the PyTorch GEMM, which is why a GPU computes every call of a
-  generation (prefill included) with these kernels; a block's row of the MMA depends only on its own query, so decode
-  (one block) equals recompute bit for bit.
+  blocks' last candidate page as ``-inf`` without reading them. The sums round differently from the PyTorch GEMM,
+  which is why a GPU computes every call of a generation (prefill included) with these kernels; a block's row of the
+  MMA depends only on its own query, so decode (one block) equals recompute bit for bit.
 * ``index_scores(q (B, T, H, d), w (B, T, H), ik (B, S, G * d), cand (B, T, S), flag) -> (B, T, G, S)``
   float32: the DSA indexer scores (``LightningIndexer.scores``) ``sum_h w_h relu(q_h . k / sqrt(d))``
   over the ``H / G`` indexer heads of each of ``G`` key groups (``G = 1``: a shared indexer; ``G = Hkv``
