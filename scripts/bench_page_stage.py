@@ -15,7 +15,7 @@ Checks first: the bounds of the first chunk's first 16 blocks against ``page_sel
 most twice PyTorch's float32 error plus a rounding floor), the top-k with lengths equal to the top-k without (and to
 ``--before``'s on the same scores). ``--device cpu`` (with ``TRITON_INTERPRET=1``, small sizes) runs the checks only.
 
-    python scripts/bench_page_stage.py --context 131072 --query-block 1 --rows 16 32 64
+    python scripts/bench_page_stage.py --context 131072 --query-block 1 --rows 16 64 --warps 4 8
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="blocks per chunk (default 512)")
     p.add_argument("--every", type=int, default=8, help="time every N-th chunk (default 8)")
     p.add_argument("--pages", type=int, default=128, help="pages each block chooses (default 128)")
-    p.add_argument("--rows", type=int, nargs="+", default=[64], help="PAGE_BOUND_ROWS values (default 64)")
-    p.add_argument("--warps", type=int, nargs="+", default=[8], help="PAGE_BOUND_WARPS values (default 8)")
+    p.add_argument("--rows", type=int, nargs="+", default=[16], help="PAGE_BOUND_ROWS values (default 16)")
+    p.add_argument("--warps", type=int, nargs="+", default=[4], help="PAGE_BOUND_WARPS values (default 4)")
     p.add_argument("--programs", type=int, nargs="+", default=[2048], help="PAGE_BOUND_PROGRAMS values (default 2048)")
     p.add_argument("--before", default=None, metavar="FILE", help="another revision's select_triton.py, timed beside")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -80,12 +80,14 @@ PAGE_REFINE_ROWS = 64
 #: ``topk_rows``: rows up to this many entries are read once into registers (one program a row), longer ones in chunks.
 TOPK_ONE_CHUNK_MAX = 8192
 
-#: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it), and about
-#: how many programs a launch has: a program takes a run of page tiles (its queries loaded once) when there are
-#: enough tiles of blocks to fill the GPU, one page tile when there are few (a decode step). A row's arithmetic is
-#: that of its MMA tile alone, whatever the run, so decode equals recompute.
-PAGE_BOUND_ROWS = 64
-PAGE_BOUND_WARPS = 8
+#: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it), its warps,
+#: and about how many programs a launch has: a program takes a run of page tiles (its queries loaded once) when there
+#: are enough tiles of blocks to fill the GPU, one page tile when there are few (a decode step). A row's arithmetic is
+#: that of its MMA tile alone, whatever the run, so decode equals recompute. 64 rows read the page summaries a quarter
+#: as often but take 128 KB of shared memory a program (one program a multiprocessor); to be timed
+#: (``scripts/bench_page_stage.py``) before it replaces the 16-row tile.
+PAGE_BOUND_ROWS = 16
+PAGE_BOUND_WARPS = 4
 PAGE_BOUND_PROGRAMS = 2048
 
 
