@@ -8,14 +8,14 @@ prefill in query blocks of ``--query-block`` (1: ``per_query``; 64: the default)
 block choosing ``--pages`` pages among its complete pages (128: ``refine = 8`` at ``top_k = 256``). Every
 ``--every``-th chunk is timed (their positions spread over the context) and the total is scaled to the whole prefill.
 Sweeps ``PAGE_BOUND_ROWS``, ``PAGE_BOUND_WARPS`` and ``PAGE_BOUND_PROGRAMS`` (module constants), and times the top-k
-with per-row lengths (what ``quest_layout`` passes) and without. ``--before FILE`` also times another revision's
+with per-row lengths (what ``quest_layout`` passes) and without, and at the chunk sizes of ``--topk-block``. ``--before FILE`` also times another revision's
 ``select_triton.py`` (e.g. ``git show REV:kernel_src/selection/select_triton.py > old.py``) in the same process.
 
 Checks first: the bounds of the first chunk's first 16 blocks against ``page_selection.quest_scores`` in float64 (at
 most twice PyTorch's float32 error plus a rounding floor), the top-k with lengths equal to the top-k without (and to
 ``--before``'s on the same scores). ``--device cpu`` (with ``TRITON_INTERPRET=1``, small sizes) runs the checks only.
 
-    python scripts/bench_page_stage.py --context 131072 --query-block 1 --rows 16 64 --warps 4 8
+    python scripts/bench_page_stage.py --context 131072 --query-block 1 --rows 16 64 --warps 4 8 --topk-block 8192
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[16], help="PAGE_BOUND_ROWS values (default 16)")
     p.add_argument("--warps", type=int, nargs="+", default=[4], help="PAGE_BOUND_WARPS values (default 4)")
     p.add_argument("--programs", type=int, nargs="+", default=[2048], help="PAGE_BOUND_PROGRAMS values (default 2048)")
+    p.add_argument("--topk-block", type=int, nargs="+", default=[],
+                   help="also time the page top-k (with lengths) at these chunk sizes (e.g. 8192: a row in one chunk)")
     p.add_argument("--before", default=None, metavar="FILE", help="another revision's select_triton.py, timed beside")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: checks only, under TRITON_INTERPRET=1 (no timing)")
@@ -137,6 +139,10 @@ def main(argv=None) -> int:
         plain = [st.topk_rows(s, n_sel) for s in scores]
         variants = [("this, lengths", lambda: [st.topk_rows(s, n_sel, lengths=n) for s, n in zip(scores, lengths)]),
                     ("this, no lengths", lambda: [st.topk_rows(s, n_sel) for s in scores])]
+        for block in args.topk_block:
+            variants.append((f"this, lengths, block {block}",
+                             lambda block=block: [st.topk_rows(s, n_sel, lengths=n, block=block)
+                                                  for s, n in zip(scores, lengths)]))
         if before is not None:
             variants.append(("before", lambda: [before.topk_rows(s, n_sel) for s in scores]))
         for label, fn in variants:

@@ -13,7 +13,8 @@ same kernels every time and they cost nothing inside a block. No host read.
   row: a radix select over the order-preserving integer image of the float32 scores (four passes of
   8-bit digits, ``tl.histogram``) finds the ``k``-th largest key ``T`` and how many entries equal to
   ``T`` are taken (the earliest ones); a last pass writes the chosen indices in index order (a scan). A row
-  of up to ``TOPK_ONE_CHUNK_MAX`` entries is read once into registers, a longer one chunk by chunk in every pass;
+  within one chunk (``block``; by default up to ``TOPK_ONE_CHUNK_MAX`` entries) is read once into registers, a
+  longer one chunk by chunk in every pass;
   ``lengths`` cuts rows short (a causal row's tail of ``-inf`` is then never read).
 * ``page_bound_scores(q (B, H, C, G, D), kmin, kmax (B, H, P, D), ok (B, 1, P), last (B, C), flag)
   -> (B, H, C, P)`` float32: the training-free default's page score (``page_selection.quest_scores``,
@@ -77,8 +78,12 @@ PAGE_REFINE_SPLIT = 2048
 PAGE_REFINE_BLOCK_N = 32
 PAGE_REFINE_ROWS = 64
 
-#: ``topk_rows``: rows up to this many entries are read once into registers (one program a row), longer ones in chunks.
-TOPK_ONE_CHUNK_MAX = 8192
+#: ``topk_rows``: rows up to this many entries are read once into registers (one program a row), longer ones in chunks
+#: of 1,024 (8 warps either way up to 4,096 entries; 16 above). The kernel takes up to 8,192 in one chunk (``block=``);
+#: whether that beats the chunks at the page top-k's 8,192 pages (128K) is to be timed (``scripts/bench_page_stage.py
+#: --topk-block``), so the default keeps the chunked launch for rows past 1,024.
+TOPK_ONE_CHUNK_MAX = 1024
+TOPK_BLOCK_MAX = 8192
 
 #: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it), its warps,
 #: and about how many programs a launch has: a program takes a run of page tiles (its queries loaded once) when there
@@ -624,8 +629,9 @@ def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: t
             is left as allocated).
         lengths: optional ``(...)`` integer (broadcastable): a row's entries from its length on are neither read
             nor chosen, as if the row ended there (a causal row's tail of ``-inf``: the same result, half the reads).
-        block: entries per chunk (power of two, 16 to ``TOPK_ONE_CHUNK_MAX``; default: the whole row up to
-            ``TOPK_ONE_CHUNK_MAX`` entries, read once into registers, else chunks of 1024 read five times).
+        block: entries per chunk (power of two, 16 to ``TOPK_BLOCK_MAX``; a row within one chunk is read once into
+            registers; default: the whole row up to ``TOPK_ONE_CHUNK_MAX`` entries, else chunks of 1024 read five
+            times).
     Returns:
         ``(..., k)`` int32 indices in ``[0, n)``, ascending, ``-1`` past each row's count.
     """
@@ -639,9 +645,9 @@ def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: t
     if block is None:
         n2 = max(16, triton.next_power_of_2(n))
         block = n2 if n2 <= TOPK_ONE_CHUNK_MAX else 1024
-    elif isinstance(block, bool) or not isinstance(block, int) or not 16 <= block <= TOPK_ONE_CHUNK_MAX \
+    elif isinstance(block, bool) or not isinstance(block, int) or not 16 <= block <= TOPK_BLOCK_MAX \
             or block & (block - 1):
-        raise ValueError(f"topk_rows: `block` must be a power of two in [16, {TOPK_ONE_CHUNK_MAX}], got {block!r}")
+        raise ValueError(f"topk_rows: `block` must be a power of two in [16, {TOPK_BLOCK_MAX}], got {block!r}")
     lead = x.shape[:-1]
     x2 = x.to(torch.float32).reshape(-1, n).contiguous()
     m2 = _row_mask(mask, x.shape, "topk_rows").reshape(-1, n) if mask is not None else None

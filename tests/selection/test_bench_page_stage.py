@@ -24,7 +24,8 @@ def test_checks_every_configuration_on_the_cpu(tmp_path):
     before.write_text((ROOT / "kernel_src" / "selection" / "select_triton.py").read_text())
     out = tmp_path / "rows.json"
     proc = _run(["--device", "cpu", "--context", "1024", "--query-block", "16", "--chunk", "16", "--every", "2",
-                 "--pages", "8", "--rows", "16", "64", "--programs", "1", "2048", "--before", str(before),
+                 "--pages", "8", "--rows", "16", "64", "--programs", "1", "2048", "--topk-block", "16",
+                 "--before", str(before),
                  "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -32,7 +33,7 @@ def test_checks_every_configuration_on_the_cpu(tmp_path):
     assert [(r["kernels"], r["stage"], r.get("rows"), r.get("programs")) for r in rows] == [
         ("this", "bounds", 16, 1), ("this", "bounds", 16, 2048), ("this", "bounds", 64, 1), ("this", "bounds", 64, 2048),
         ("before", "bounds", None, None), ("this, lengths", "topk", None, None), ("this, no lengths", "topk", None, None),
-        ("before", "topk", None, None)]
+        ("this, lengths, block 16", "topk", None, None), ("before", "topk", None, None)]
     assert all(r["check_ok"] and r["ms"] is None for r in rows)  # checked, not timed on the CPU
     assert (data["chunks"], data["chunks_timed"]) == (4, 2)
 

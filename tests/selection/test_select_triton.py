@@ -77,10 +77,14 @@ def _rows(n, seed):
 @KERNEL_TEST
 @pytest.mark.parametrize("n", [1, 7, 33, 1000, 4097])
 def test_topk_rows_equals_the_torch_selection(n):
+    """The default launch, and for a row longer than ``TOPK_ONE_CHUNK_MAX`` the whole row in one chunk too."""
     x, mask = _rows(n, n)
+    whole = max(16, 1 << (n - 1).bit_length())
     for k in sorted({0, 1, 5, n // 2, n - 1, n, n + 3} - {-1}):
         assert torch.equal(st.topk_rows(x, k).long(), _reference_topk(x, k)), (n, k)
         assert torch.equal(st.topk_rows(x, k, mask).long(), _reference_topk(x, k, mask)), (n, k)
+        if n > st.TOPK_ONE_CHUNK_MAX:
+            assert torch.equal(st.topk_rows(x, k, mask, block=whole).long(), _reference_topk(x, k, mask)), (n, k)
 
 
 @KERNEL_TEST
@@ -139,7 +143,7 @@ def test_topk_rows_rejects_bad_arguments():
     with pytest.raises(ValueError, match="`lengths`"):
         st.topk_rows(x, 2, lengths=torch.ones(3, dtype=torch.long, device=DEV))
     with pytest.raises(ValueError, match="`block`"):
-        st.topk_rows(x, 2, block=2 * st.TOPK_ONE_CHUNK_MAX)
+        st.topk_rows(x, 2, block=2 * st.TOPK_BLOCK_MAX)
 
 
 def _pages(B, H, C, G, D, P, page, seed):
