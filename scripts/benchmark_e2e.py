@@ -53,7 +53,7 @@ Example (H100, 8 layers)::
 
 A real model on real text (the training-free rows then stay training-free: shipped selectors are off)::
 
-    python scripts/benchmark_e2e.py --model smollm2-135m --text gutenberg --prefill-lens 8192,32768 \
+    python scripts/benchmark_e2e.py --model smollm2-135m --text gutenberg --prefill-lens 8192,32768 \\
         --phases prefill --variants sdpa,default,per_query
 
 Ratios to ``sdpa`` (prefill) and to ``flex_attention`` (decode) are printed per row; everything also
