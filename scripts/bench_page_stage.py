@@ -25,7 +25,6 @@ import importlib.util
 import itertools
 import json
 import sys
-import time
 
 import torch
 
@@ -43,19 +42,11 @@ def _load_before(path: str):
     return module
 
 
-def _seconds(fn, device: str, repeats: int = 3) -> float:
-    """Best of ``repeats`` wall times of ``fn`` (synchronised), after one warm-up call."""
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _seconds(fn) -> float:
+    """Median seconds of ``fn`` on the GPU by ``triton.testing.do_bench`` (as ``bench_page_refinement.py`` times)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
 
 
 def main(argv=None) -> int:
@@ -128,7 +119,7 @@ def main(argv=None) -> int:
                 err = (got.double() - want64)[fin].abs().max()
                 ok_bounds = bool(torch.equal(torch.isfinite(got), fin) and err <= bound_of_err)
                 bounds = lambda: [mod.page_bound_scores(q, kmin, kmax, ok, last) for q, last in chunks]  # noqa: E731
-                sec = _seconds(bounds, dev) * scale if ok_bounds and dev == "cuda" else None
+                sec = _seconds(bounds) * scale if ok_bounds and dev == "cuda" else None
                 row = {"kernels": label, "rows": rows, "warps": warps, "programs": programs, "stage": "bounds",
                        "check_ok": ok_bounds, "check_max_abs": float(err), "ms": sec * 1e3 if sec else None}
                 rows_out.append(row)
@@ -147,7 +138,7 @@ def main(argv=None) -> int:
             variants.append(("before", lambda: [before.topk_rows(s, n_sel) for s in scores]))
         for label, fn in variants:
             same = all(torch.equal(a, b) for a, b in zip(fn(), plain))
-            sec = _seconds(fn, dev) * scale if same and dev == "cuda" else None
+            sec = _seconds(fn) * scale if same and dev == "cuda" else None
             row = {"kernels": label, "stage": "topk", "check_ok": same, "ms": sec * 1e3 if sec else None}
             rows_out.append(row)
             print(json.dumps(row), flush=True)

@@ -49,7 +49,7 @@ from typing import ClassVar
 import torch
 
 from ..api import sparse_attention
-from ..layouts.geometry import row_geometry
+from ..layouts.geometry import after_last_true, row_geometry
 from ..layouts.patterns import Dense, Dilated, Pattern, SlidingWindow, Streaming
 from ..selection.beam_rows import realign, remember
 from ..selection.step_state import new_state_dict
@@ -479,12 +479,6 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _after_last_valid(mask: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` int64: one past each row's last True slot of ``mask (B, L)`` bool (0 for an empty row)."""
-    j = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return torch.where(mask, j, 0).amax(-1)
-
-
 def _read_packed_starts(position_ids: torch.Tensor):
     pos = position_ids[0]
     starts = torch.nonzero(pos == 0).flatten()
@@ -685,7 +679,7 @@ def attention_forward(
         if static_slots:
             cache_slots = skv
             if q_start is None:
-                q_start = _after_last_valid(key_mask) - query.shape[2]
+                q_start = after_last_true(key_mask) - query.shape[2]
         elif L < skv:
             cache_slots = skv
             key, value = key[:, :, :L], value[:, :, :L]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RowGeometry", "bottom_right_geometry", "decode_geometry", "host_rows", "plain_geometry", "row_geometry"]
+__all__ = ["RowGeometry", "after_last_true", "bottom_right_geometry", "decode_geometry", "host_rows", "plain_geometry",
+           "row_geometry"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class RowGeometry:
         return None  # (traced CPU tensors too: their values are not known while tracing)
 
 
+def after_last_true(mask: torch.Tensor) -> torch.Tensor:
+    """``(...)`` int64: one past the last True of each row of ``mask (..., L)`` bool (0 for a row with none)."""
+    j = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return torch.where(mask, j, 0).amax(-1)
+
+
 def host_rows(host: tuple) -> list[tuple[int, ...]]:
     """``RowGeometry.host_offsets()`` (lists of one int per row, or one int for all rows) as one
     ``(q_start, k_start, k_end)`` tuple per row: as many rows as the longest list (one when all are shared)."""
@@ -110,7 +117,7 @@ def row_geometry(
         j = torch.arange(kv_len, device=m.device)
         any_valid = m.any(-1)
         first = torch.where(m, j, kv_len).amin(-1)
-        last = torch.where(m, j, -1).amax(-1) + 1
+        last = after_last_true(m)
         k_start = torch.where(any_valid, first, torch.full_like(first, kv_len)).to(torch.int64)
         k_end = torch.where(any_valid, last, torch.full_like(last, kv_len)).to(torch.int64)
     if q_start is None:

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ..warn import warn_once
-from ..layouts.geometry import RowGeometry, host_rows
+from ..layouts.geometry import RowGeometry, after_last_true, host_rows
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
 from . import block_ring
@@ -423,8 +423,7 @@ def _dsa_kernel_layout(kern, selector, qb, wb, index_keys, cand, K, span, first,
         mask = cand.mask(c0, c1, span)  # (B, c, span)
         scores = kern.index_scores(qb[:, c0:c1].detach(), wb[:, c0:c1].detach(), index_keys[:, :span].detach(),
                                    mask, G, rows)  # (B, c, G, span), -inf off the candidates
-        ends = torch.where(mask, torch.arange(1, span + 1, device=mask.device, dtype=torch.int32), 0).amax(-1)
-        idx = kern.topk_rows(scores, K, flag=rows, lengths=ends[..., None])  # (B, c, G, K) ascending, -1 after
+        idx = kern.topk_rows(scores, K, flag=rows, lengths=after_last_true(mask)[..., None])  # (B, c, G, K) ascending, -1 after
         if rows is not None:
             idx = torch.where(rows[..., None], idx, -1)
         idx_out.append(idx.transpose(1, 2))

@@ -124,3 +124,16 @@ def test_a_layout_built_inside_a_compiled_graph_is_not_cached():
     assert len(block_layout._CACHE) == 0
     assert torch.equal(out, build())
     assert len(block_layout._CACHE) == 1  # the eager call's
+
+
+def test_after_last_true_is_one_past_each_rows_last_true_for_any_leading_shape():
+    from sparse_k.layouts.geometry import after_last_true
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    mask = torch.rand(3, 2, 37, generator=g) < 0.3
+    mask[1, 0] = False
+    expected = torch.tensor([[max([j + 1 for j in range(37) if row[j]], default=0) for row in plane] for plane in mask])
+    assert torch.equal(after_last_true(mask), expected)
+    key_mask = mask[:2, 1].clone()
+    key_mask[:, 0] = True  # rows with a valid key: row_geometry's k_end is their one past the last
+    assert torch.equal(sk.row_geometry(2, 37, 37, key_mask).k_end, after_last_true(key_mask))
