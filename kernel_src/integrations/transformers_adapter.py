@@ -347,6 +347,22 @@ def _shared_layer_idx(config, layer_idx: int) -> int:
     return 0
 
 
+def _resolve_layer_call(module, config=None, layer_idx: int | None = None, sliding_window=NOT_PASSED):
+    """``(config, layer_idx, sliding_window)`` of a call of ``module`` as ``attention_forward`` runs it.
+
+    ``config`` defaults to ``module.config``, ``layer_idx`` to ``module.layer_idx`` (None: 0; a negative one, a layer
+    shared by several depths, runs layer 0: ``_shared_layer_idx``), ``sliding_window`` when not passed to the
+    module's or config's own (``_own_window``; None: a global layer)."""
+    config = config if config is not None else getattr(module, "config", None)
+    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
+    layer_idx = 0 if layer_idx is None else int(layer_idx)
+    if sliding_window is NOT_PASSED:
+        sliding_window = _own_window(module, config, layer_idx)
+    if layer_idx < 0:
+        layer_idx = _shared_layer_idx(config, layer_idx)
+    return config, layer_idx, sliding_window
+
+
 #: Attribute of an attention module holding its resolved ``(pattern, backend)`` and what they came from.
 _SETUP_ATTR = "_sparse_k_layer_setup"
 
@@ -381,13 +397,7 @@ def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: i
     adapter applies itself); any other per-query structure raises ``ValueError`` instead of being dropped."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     per_query = q_len is not None and q_len > 1 and allowed.shape[2] == q_len
-    rows = allowed
-    if per_query:
-        # Rows before the last query's that attend every slot are padding queries that Transformers' older SDPA masks
-        # unmask (``_unmask_unattended``, to avoid NaNs): they say nothing about which keys are real.
-        unmasked = allowed.all(-1, keepdim=True)
-        unmasked[..., -1, :] = False
-        rows = allowed & ~unmasked
+    rows = _without_unmasked_rows(allowed) if per_query else allowed
     valid = rows.any(2).any(1)  # (B, Skv)
     j = torch.arange(valid.shape[-1], device=valid.device)
     written = int(torch.where(valid, j, -1).amax().item()) + 1
@@ -396,21 +406,42 @@ def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: i
     return valid[:, : max(written, 1)]
 
 
-def _check_causal_4d(allowed: torch.Tensor, valid: torch.Tensor, window: int | None, chunk: int | None) -> None:
-    """``ValueError`` unless ``allowed (B, 1|H, Sq, L)`` is the causal mask over the keys ``valid (B, L)`` (query ``i``
-    at slot ``L - Sq + i``) on every key the layer can attend (``window`` / ``chunk``: its own locality). Query rows
-    with no valid key at or before them (left padding) are not checked: their output is never used, and Transformers'
-    older SDPA masks let them attend everything."""
+def _without_unmasked_rows(allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed (..., Sq, L)`` bool with the query rows before the last one that attend every slot cleared.
+
+    Such rows are padding queries that Transformers' older SDPA masks unmask (``_unmask_unattended``, to avoid NaNs):
+    they say nothing about which keys are real. A causal query attends every slot only as the last one."""
+    unmasked = allowed.all(-1, keepdim=True)
+    unmasked[..., -1, :] = False
+    return allowed & ~unmasked
+
+
+def _check_causal_4d(allowed: torch.Tensor, valid: torch.Tensor, window: int | None, chunk: int | None,
+                     q_start: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> None:
+    """``ValueError`` unless ``allowed (B, 1|H, Sq, L)`` is the causal mask over the keys ``valid (B, L)`` on every key
+    the layer can attend (``window`` / ``chunk``: its own locality).
+
+    Query ``i`` of row ``b`` sits at slot ``q_start[b] + i`` (``q_start``: int64 ``(B,)``; None: ``L - Sq``, the
+    queries are the last slots). ``documents`` (int ``(B|1, L)``, the packed sequence of each slot: a packed call,
+    which the adapter runs sequence by sequence whatever the mask says across sequences) limits the keys a query
+    must see to those of its own sequence. Query rows with no valid key at or before them (left padding) are not
+    checked: their output is never used, and Transformers' older SDPA masks let them attend everything."""
     sq, n = allowed.shape[2], allowed.shape[3]
-    qslot = torch.arange(n - sq, n, device=allowed.device)[:, None]
-    j = torch.arange(n, device=allowed.device)[None, :]
-    causal = j <= qslot  # (Sq, L)
+    i = torch.arange(sq, device=allowed.device)
+    qslot = (i + (n - sq) if q_start is None else q_start[:, None] + i).view(-1, 1, sq, 1)  # (B|1, 1, Sq, 1)
+    j = torch.arange(n, device=allowed.device)
+    causal = j <= qslot  # (B|1, 1, Sq, L)
     reach = causal
     if window is not None:
         reach = reach & (qslot - j < window)
-    if chunk is not None:
-        reach = reach & (torch.div(qslot, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor"))
+    if chunk is not None:  # chunks count from each row's first valid key, as the positions of the pattern do
+        first = torch.where(valid, j, n).amin(-1).view(-1, 1, 1, 1)  # (B, 1, 1, 1): n for a row without keys
+        reach = reach & (torch.div(qslot - first, chunk, rounding_mode="floor")
+                         == torch.div(j - first, chunk, rounding_mode="floor"))
     expected = valid[:, None, None, :] & causal  # (B, 1, Sq, L)
+    if documents is not None:
+        qdoc = torch.take_along_dim(documents, qslot.view(-1, sq).clamp(0, n - 1), dim=1)  # (B|1, Sq)
+        expected = expected & (qdoc[:, None, :, None] == documents[:, None, None, :])
     checked = expected.any(-1, keepdim=True)  # rows of queries that have a key
     if bool((allowed & ~causal & checked).any()):
         raise ValueError(
@@ -620,13 +651,7 @@ def attention_forward(
         if key_mask is not None:
             raise TypeError("sparse_k attention got both a positional key mask and attention_mask=")
         key_mask = kwargs.pop("attention_mask")
-    config = config if config is not None else getattr(module, "config", None)
-    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
-    layer_idx = 0 if layer_idx is None else int(layer_idx)
-    if sliding_window is NOT_PASSED:
-        sliding_window = _own_window(module, config, layer_idx)
-    if layer_idx < 0:
-        layer_idx = _shared_layer_idx(config, layer_idx)
+    config, layer_idx, sliding_window = _resolve_layer_call(module, config, layer_idx, sliding_window)
     pattern, backend = _layer_setup(module, config, layer_idx, sliding_window)
     sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
 
