@@ -247,12 +247,13 @@ def flash_attn_forward(
         starts = None
         position_ids = kwargs.get("position_ids")
         if isinstance(attention_mask, torch.Tensor) and isinstance(position_ids, torch.Tensor) and q_len == kv_len > 1:
-            starts = (_read_sequence_starts if tracing else _sequence_starts)(position_ids)
-        reduce = sdpa_mask_to_key_mask
-        if isinstance(attention_mask, torch.Tensor) and not tracing:
-            reduce = _key_mask_once  # one reduction per mask, not per layer
+            starts = _read_sequence_starts(position_ids) if tracing else _sequence_starts(position_ids, layer=layer_idx)
         window, chunk = _layer_locality(config, layer_idx, sliding_window)
-        key_mask, q_start = reduce(attention_mask, batch, q_len, kv_len, _mask_window(config, window), chunk, starts)
+        args = (attention_mask, batch, q_len, kv_len, _mask_window(config, window), chunk, starts)
+        if isinstance(attention_mask, torch.Tensor) and not tracing:  # one reduction per mask, not per layer
+            key_mask, q_start = _key_mask_once(*args, layer=layer_idx)
+        else:
+            key_mask, q_start = sdpa_mask_to_key_mask(*args)
     if key_mask is not None:
         key_mask = key_mask.to(query.device)
     if q_start is not None:

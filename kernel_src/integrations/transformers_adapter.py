@@ -469,27 +469,40 @@ STATIC_SLOTS_DTYPE = torch.uint8
 class _OneReadPerTensor:
     """A host answer about a tensor, read once per tensor: the model builds one mask (and one
     ``position_ids``) per forward, one per layer type, and every layer receives that same tensor, so a
-    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and version counter
-    (inference tensors have none: asked every time) and by the call's other arguments (``read(tensor,
-    *args)``, hashable); the last ``tensors`` tensors are remembered (layer types that take turns hand
-    their masks in turn)."""
+    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and by the call's
+    other arguments (``read(tensor, *args)``, hashable); the last ``tensors`` tensors are remembered
+    (layer types that take turns hand their masks in turn).
+
+    A tensor changed in place is read again. An ordinary tensor's version counter says so. An inference
+    tensor (made under ``torch.inference_mode()``) has no version counter, may still be changed in place
+    inside inference mode, and nothing short of reading its content (a host synchronisation, what this
+    class saves) tells whether it was; so its answer is kept within one forward only: while the calls
+    come from layers of increasing index (``layer=``, the calling layer's index). A call from a layer at
+    or before the last one that used the answer starts the next forward, which reads again; only a change
+    made in place between two layers of one forward would be missed. Without ``layer``, an inference
+    tensor is read at every call."""
 
     def __init__(self, read, tensors: int = 1):
         self._read, self._tensors = read, tensors
-        self._entries: list = []  # [weakref to a tensor, its version, {args: answer}], oldest first
+        # [weakref to a tensor, its version (None: an inference tensor), last layer, {args: answer}], oldest first
+        self._entries: list = []
 
-    def __call__(self, tensor: torch.Tensor, *args):
-        current = None if tensor.is_inference() else tensor._version
-        if current is None:
+    def __call__(self, tensor: torch.Tensor, *args, layer: int | None = None):
+        inference = tensor.is_inference()
+        if inference and layer is None:
             return self._read(tensor, *args)
-        for ref, version, answers in self._entries:
-            if ref() is tensor and version == current:
+        version = None if inference else tensor._version
+        for entry in self._entries:
+            ref, seen, last, answers = entry
+            if ref() is tensor and seen == version and (not inference or layer > last):
+                entry[2] = layer
                 if args not in answers:
                     answers[args] = self._read(tensor, *args)
                 return answers[args]
         answer = self._read(tensor, *args)
         kept = [e for e in self._entries if e[0]() is not None and e[0]() is not tensor]
-        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [(weakref.ref(tensor), current, {args: answer})]
+        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [[weakref.ref(tensor), version, layer,
+                                                                          {args: answer}]]
         return answer
 
 
@@ -522,12 +535,13 @@ def _read_packed_starts(position_ids: torch.Tensor):
 _packed_starts = _OneReadPerTensor(_read_packed_starts)
 
 
-def _packed_from_position_ids(position_ids: torch.Tensor):
+def _packed_from_position_ids(position_ids: torch.Tensor, layer: int | None = None):
     """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None (one host
-    read per ``position_ids`` tensor: every layer of a forward gets the same one)."""
+    read per ``position_ids`` tensor: every layer of a forward gets the same one; ``layer``: the calling
+    layer's index, see ``_OneReadPerTensor``)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
-    return _packed_starts(position_ids)
+    return _packed_starts(position_ids, layer=layer)
 
 
 def _layer_selector(module, layer_idx, pattern):
@@ -657,7 +671,7 @@ def attention_forward(
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None and key_mask is None and query.shape[2] == key.shape[2] > 1:
-        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"))
+        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"), layer=layer_idx)
     if cu_q is not None or cu_k is not None:
         if pattern.learned:
             warn_once(f"pattern {pattern.name!r} on packed sequences: sinks + window only (no learned selection)")
@@ -668,8 +682,11 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity
-        reduce = _reduce_4d if _tracing() else _reduced_4d
-        key_mask = reduce(key_mask, key.shape[2], query.shape[2], *_layer_locality(config, layer_idx, sliding_window))
+        locality = _layer_locality(config, layer_idx, sliding_window)
+        if _tracing():
+            key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2], *locality)
+        else:
+            key_mask = _reduced_4d(key_mask, key.shape[2], query.shape[2], *locality, layer=layer_idx)
 
     learned = pattern.learned and pattern.top_k > 0
     announced = announced_layer(module, key) if learned or not _tracing() else None  # the cache layer serving `key`
@@ -696,7 +713,7 @@ def attention_forward(
             raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
         static_slots = key_mask.dtype == STATIC_SLOTS_DTYPE and key_mask.shape[1] == key.shape[2]
         key_mask = key_mask.to(torch.bool)
-        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
+        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask, layer=layer_idx)
         if not (all_valid or static_slots or _tracing()):
             if announced is not None:  # e.g. a SparseCache layer refuses padded batches
                 announced.check_key_mask(key_mask)

@@ -435,6 +435,32 @@ def test_flash_attn_forward_reduces_each_sdpa_mask_once(hub, monkeypatch):
     assert torch.equal(moved, fresh) and not torch.equal(moved, outs[0])
 
 
+def test_flash_attn_forward_reduces_each_inference_mask_once(hub, monkeypatch):
+    """Under ``torch.inference_mode()`` the sdpa mask is an inference tensor (no version counter): it is still reduced
+    once per forward through the layers, not once per layer; the next forward, which starts again at the first layer,
+    reduces it again, so a change made in place in between (inside inference mode) is seen."""
+    module = importlib.import_module(f"{hub.__name__}.integrations.hub_attention")
+    reductions, check = [], module._check_mask
+    monkeypatch.setattr(module, "_check_mask", lambda *a: reductions.append(1) or check(*a))
+    B, Hq, Hkv, S, D = 2, 4, 2, 14, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "streaming", "sinks": 2, "window": 5}})()
+    layers = [_Attention(config, i) for i in range(6)]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :4] = False
+    with torch.inference_mode():
+        mask = _sdpa_mask(pad, S, 0, S)
+        outs = [hub.flash_attn_forward(layer, q, k, v, mask, scaling=0.3)[0] for layer in layers]
+        assert len(reductions) == 1 and all(torch.equal(out, outs[0]) for out in outs)
+        pad[0, :3] = False
+        mask[0, :, :, :3] = False
+        moved = [hub.flash_attn_forward(layer, q, k, v, mask, scaling=0.3)[0] for layer in layers]
+        assert len(reductions) == 2
+        fresh = hub.flash_attn_forward(layers[0], q, k, v, _sdpa_mask(pad, S, 0, S), scaling=0.3)[0]
+        assert torch.equal(moved[-1], fresh) and not torch.equal(moved[-1], outs[0])
+
+
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
