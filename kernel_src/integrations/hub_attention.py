@@ -13,7 +13,11 @@ The sparse patterns need two facts from that mask, not the mask itself: which ke
 over the absolute cache slots ``0 .. L-1``) and where the queries sit (query ``i`` is slot
 ``q_start + i``). ``sdpa_mask_to_key_mask`` recovers both; ``flash_attn_forward`` then runs
 ``transformers_adapter.attention_forward``, the function ``attn_implementation="sparse_k"`` runs,
-so both routes read ``config.sparse_attention`` and give the same result.
+so both routes read ``config.sparse_attention`` and give the same result. Anything else the mask says
+(queries that see later keys, earlier keys hidden inside the layer's own window or chunk) would be
+dropped by the pattern, so it raises ``ValueError`` as ``"sparse_k"`` does for a caller's 4-D mask;
+a one-row packed call (``position_ids`` that restart at 0) is run sequence by sequence, and
+``cu_seq_lens_q/k`` make the mask unread, as on ``"sparse_k"``.
 
 Limitation: the sdpa mask of a layer whose cache drops old keys (a sliding-window cache, once the
 sequence is longer than the cache) covers only the kept keys, so the hub route counts positions from
@@ -27,8 +31,17 @@ from __future__ import annotations
 
 import torch
 
-from ..warn import warn_once
-from .transformers_adapter import _OneReadPerTensor, attention_forward
+from .transformers_adapter import (
+    GLOBAL_DESPITE_WINDOW,
+    NOT_PASSED,
+    _check_causal_4d,
+    _layer_locality,
+    _OneReadPerTensor,
+    _packed_from_position_ids,
+    _resolve_layer_call,
+    _without_unmasked_rows,
+    attention_forward,
+)
 
 __all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]
 
@@ -61,6 +74,21 @@ def _check_mask(attention_mask, batch: int, q_len: int, kv_len: int) -> None:
         )
 
 
+def _check_locality(window, chunk, sequence_starts, kv_len: int) -> None:
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be None or an int >= 1, got {value!r}")
+    if sequence_starts is None:
+        return
+    starts = tuple(sequence_starts) if isinstance(sequence_starts, (tuple, list)) else None
+    if (not starts or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts) or starts[0] != 0
+            or starts[-1] != kv_len or any(a >= b for a, b in zip(starts, starts[1:]))):
+        raise ValueError(
+            f"`sequence_starts` must be None or increasing ints from 0 to Skv={kv_len} (cu_seqlens), "
+            f"got {sequence_starts!r}"
+        )
+
+
 def _most_common_offset(last: torch.Tensor, i: torch.Tensor, default: int) -> int:
     """Most common ``last[i] - i`` over queries that attend something (ties: the largest); ``default`` if none."""
     offsets = (last - i)[last >= 0]
@@ -71,7 +99,13 @@ def _most_common_offset(last: torch.Tensor, i: torch.Tensor, default: int) -> in
 
 
 def sdpa_mask_to_key_mask(
-    attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    window: int | None = None,
+    chunk: int | None = None,
+    sequence_starts: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Reduce Transformers' sdpa mask to ``(key_mask, q_start)`` for ``transformers_adapter.attention_forward``.
 
@@ -79,20 +113,30 @@ def sdpa_mask_to_key_mask(
         attention_mask: None, or ``(B | 1, H | 1, Sq | 1, >= Skv)`` bool (True = attend), integer
             (1 = attend) or additive float mask; columns past ``Skv`` are ignored.
         batch, q_len, kv_len: ``B``, ``Sq`` and ``Skv`` of the call.
+        window, chunk: the layer's own sliding window / attention chunk (None: none), which the adapter applies
+            itself: the mask may hide the keys outside them.
+        sequence_starts: the slots where packed sequences start, and ``Skv`` (``cu_seqlens`` of a one-row packed
+            call, from its ``position_ids``), or None. They count only when every key slot holds a key, as the
+            adapter then runs the sequences apart.
     Returns:
         ``key_mask``: None (every key slot holds a key, queries bottom-right) or ``(B, L)`` bool over
         absolute slots ``0 .. L-1``, where the queries are the last ``Sq`` of the ``L`` slots (the key
         tensor is cut to ``L``: a StaticCache's unwritten tail); ``q_start``: None, or an int64
         ``(B,)`` tensor of the slot of query 0 per row (only when rows disagree, which Transformers'
         own masks never do), with ``key_mask`` then over all ``Skv`` slots.
+    Raises:
+        ValueError: the mask has per-query structure the causal patterns would drop, within the layer's
+            ``window`` / ``chunk`` (``transformers_adapter._check_causal_4d``, as ``attn_implementation="sparse_k"``
+            checks a caller's 4-D mask): queries that see later keys (a bidirectional part), or earlier keys hidden
+            from some queries (packed documents without ``sequence_starts``, a block or custom mask).
 
     Query ``i`` of row ``b`` sits at slot ``q_start + i``: in a causal mask the last key it attends is
     itself, so ``q_start`` is the most common ``last_allowed(i) - i`` over the row's queries (left
-    padding queries attend nothing, right padding queries stop early, queries of a bidirectional
-    block reach later keys: each of those gives its own value, the causal queries all give
-    ``q_start``). A key slot holds a key when some query attends it; left padding, holes and a
-    StaticCache's unwritten slots attend nothing. Without a mask, Transformers has only
-    skipped building one: no padding and bottom-right queries, except for the prefill of an empty
+    padding queries attend nothing, right padding queries stop early: each of those gives its own value, the
+    causal queries all give ``q_start``). A key slot holds a key when some query attends it; left padding, holes and
+    a StaticCache's unwritten slots attend nothing. Rows before the last that attend every slot are left-padding
+    queries of Transformers' older masks (``_unmask_unattended``) and count for neither. Without a mask, Transformers
+    has only skipped building one: no padding and bottom-right queries, except for the prefill of an empty
     StaticCache (``Skv > Sq > 1``), where sdpa aligns queries top-left over slots ``0 .. Sq-1``.
     """
     if attention_mask is None:
@@ -100,29 +144,30 @@ def sdpa_mask_to_key_mask(
             return torch.ones(batch, q_len, dtype=torch.bool), None
         return None, None
     _check_mask(attention_mask, batch, q_len, kv_len)
-    allowed = _allowed(attention_mask)[..., :kv_len]
-    allowed = allowed[:, 0] if allowed.shape[1] == 1 else allowed.any(1)  # (B', Sq', Skv)
-    device = allowed.device
+    _check_locality(window, chunk, sequence_starts, kv_len)
+    full = _allowed(attention_mask)[..., :kv_len]  # (B', H', Sq', Skv)
+    device = full.device
     j = torch.arange(kv_len, device=device)
-    if allowed.shape[1] == 1 and q_len > 1:
+    if full.shape[2] == 1 and q_len > 1:
         # One row for every query: key validity only, nothing says where the queries sit.
-        key_mask = allowed[:, 0].expand(batch, kv_len)
+        key_mask = full[:, :, 0].any(1).expand(batch, kv_len)
         return (None if bool(key_mask.all()) else key_mask.contiguous()), None
+    per_query = q_len > 1
+    rows = _without_unmasked_rows(full) if per_query else full
+    allowed = rows[:, 0] if rows.shape[1] == 1 else rows.any(1)  # (B', Sq', Skv)
     key_valid = allowed.any(1)  # (B', Skv)
     i = torch.arange(q_len, device=device)
-    rows = max(1, _CHUNK_ELEMENTS // (allowed.shape[0] * kv_len))  # bounds the int64 temporaries
+    step = max(1, _CHUNK_ELEMENTS // (allowed.shape[0] * kv_len))  # bounds the int64 temporaries
     last = torch.cat(
-        [torch.where(allowed[:, s : s + rows], j, -1).amax(-1) for s in range(0, q_len, rows)], dim=1
+        [torch.where(allowed[:, s : s + step], j, -1).amax(-1) for s in range(0, q_len, step)], dim=1
     )  # (B', Sq): last key each query attends
     q_start = torch.tensor([_most_common_offset(row, i, kv_len - q_len) for row in last], device=device)
-    if any(
-        bool((allowed[:, s : s + rows] & (j > (q_start[:, None] + i[s : s + rows])[..., None])).any())
-        for s in range(0, q_len, rows)
-    ):
-        warn_once(
-            "hub sparse_k attention: the attention mask lets queries see later keys (a bidirectional part); "
-            "the causal patterns drop them"
-        )
+    if per_query:
+        documents = None
+        if sequence_starts is not None and bool(key_valid.all()):
+            bounds = torch.tensor(sequence_starts[1:-1], device=device)
+            documents = torch.bucketize(j, bounds, right=True)[None]  # (1, Skv): the sequence of each slot
+        _check_causal_4d(full, key_valid, window, chunk, q_start, documents)
     key_valid = key_valid.expand(batch, kv_len)
     q_start = q_start.expand(batch).to(torch.int64)
     first = int(q_start[0])
@@ -134,9 +179,32 @@ def sdpa_mask_to_key_mask(
     return key_valid.contiguous(), q_start.contiguous()
 
 
-#: ``sdpa_mask_to_key_mask`` once per mask tensor and call shape: Transformers builds one sdpa mask per forward and
-#: layer type and hands it to every layer of that type; two types (sliding and global layers) take turns.
+#: ``sdpa_mask_to_key_mask`` once per mask tensor and call shape and layer locality: Transformers builds one sdpa mask
+#: per forward and layer type and hands it to every layer of that type; two types (sliding and global layers) take
+#: turns.
 _key_mask_once = _OneReadPerTensor(sdpa_mask_to_key_mask, tensors=2)
+
+
+def _read_sequence_starts(position_ids: torch.Tensor) -> tuple[int, ...] | None:
+    starts = _packed_from_position_ids(position_ids)
+    return None if starts is None else tuple(starts.tolist())
+
+
+#: The packed sequences' starts of a one-row ``position_ids`` (``_packed_from_position_ids``) as ints, read once per
+#: tensor: every layer of a forward gets the same one.
+_sequence_starts = _OneReadPerTensor(_read_sequence_starts)
+
+
+def _mask_window(config, window: int | None) -> int | None:
+    """The window past which Transformers' own sdpa mask may hide keys from a layer whose own window is ``window``.
+
+    That window; for a model type that attends globally despite a ``sliding_window`` on its config
+    (``GLOBAL_DESPITE_WINDOW``: moshi) the config's window, as the StaticCache Transformers builds for it keeps only
+    that window and masks the rest (the layer runs globally over the keys it is given, as on ``"sparse_k"``)."""
+    if window is None and getattr(config, "model_type", None) in GLOBAL_DESPITE_WINDOW:
+        own = getattr(config, "sliding_window", None)
+        return own if isinstance(own, int) and own > 0 else None
+    return window
 
 
 def flash_attn_forward(
@@ -155,20 +223,37 @@ def flash_attn_forward(
         module: the attention layer (``config.sparse_attention``, ``layer_idx``, ``is_causal`` are read).
         query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)`` after RoPE and the cache update.
         attention_mask: Transformers' sdpa mask ``(B, 1, Sq, Skv)`` or None (see ``sdpa_mask_to_key_mask``; reduced
-            once per mask tensor: every layer of a forward gets the same one).
+            once per mask tensor and layer locality: every layer of a forward gets the same one).
         scaling: softmax scale (default ``D ** -0.5``). dropout: not applied (a one-time warning in training).
-        kwargs: ``sliding_window``, ``softcap``, ``s_aux`` and the rest of Transformers' attention kwargs.
+        kwargs: ``sliding_window`` (the layer's own window; when not passed, the module's or config's, as on
+            ``"sparse_k"``), ``position_ids`` and ``cu_seq_lens_q/k`` (packed calls), ``softcap``, ``s_aux`` and the
+            rest of Transformers' attention kwargs.
     Returns:
         ``(attn_output (B, Sq, Hq, D), None)``.
+    Raises:
+        ValueError: the mask has per-query structure the pattern would drop (``sdpa_mask_to_key_mask``).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"`{name}` must be a 4-D tensor (B, H, S, D), got {shape}")
-    reduce = sdpa_mask_to_key_mask
-    if isinstance(attention_mask, torch.Tensor) and not torch.compiler.is_compiling():
-        reduce = _key_mask_once  # one reduction per mask, not per layer
-    key_mask, q_start = reduce(attention_mask, query.shape[0], query.shape[2], key.shape[2])
+    config, layer_idx, sliding_window = _resolve_layer_call(
+        module, sliding_window=kwargs.pop("sliding_window", NOT_PASSED)
+    )
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    key_mask = q_start = None
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:  # else no mask is read
+        tracing = torch.compiler.is_compiling()
+        starts = None
+        position_ids = kwargs.get("position_ids")
+        if isinstance(attention_mask, torch.Tensor) and isinstance(position_ids, torch.Tensor) and q_len == kv_len > 1:
+            starts = _read_sequence_starts(position_ids) if tracing else _sequence_starts(position_ids, layer=layer_idx)
+        window, chunk = _layer_locality(config, layer_idx, sliding_window)
+        args = (attention_mask, batch, q_len, kv_len, _mask_window(config, window), chunk, starts)
+        if isinstance(attention_mask, torch.Tensor) and not tracing:  # one reduction per mask, not per layer
+            key_mask, q_start = _key_mask_once(*args, layer=layer_idx)
+        else:
+            key_mask, q_start = sdpa_mask_to_key_mask(*args)
     if key_mask is not None:
         key_mask = key_mask.to(query.device)
     if q_start is not None:
@@ -177,11 +262,11 @@ def flash_attn_forward(
         module, query, key, value, key_mask,
         scaling=scaling,
         dropout=dropout,
-        sliding_window=kwargs.pop("sliding_window", None),
+        sliding_window=sliding_window,
         softcap=kwargs.pop("softcap", None),
         s_aux=kwargs.pop("s_aux", None),
-        config=getattr(module, "config", None),
-        layer_idx=getattr(module, "layer_idx", None),
+        config=config,
+        layer_idx=layer_idx,
         q_start=q_start,
         **kwargs,
     )

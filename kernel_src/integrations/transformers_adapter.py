@@ -347,6 +347,22 @@ def _shared_layer_idx(config, layer_idx: int) -> int:
     return 0
 
 
+def _resolve_layer_call(module, config=None, layer_idx: int | None = None, sliding_window=NOT_PASSED):
+    """``(config, layer_idx, sliding_window)`` of a call of ``module`` as ``attention_forward`` runs it.
+
+    ``config`` defaults to ``module.config``, ``layer_idx`` to ``module.layer_idx`` (None: 0; a negative one, a layer
+    shared by several depths, runs layer 0: ``_shared_layer_idx``), ``sliding_window`` when not passed to the
+    module's or config's own (``_own_window``; None: a global layer)."""
+    config = config if config is not None else getattr(module, "config", None)
+    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
+    layer_idx = 0 if layer_idx is None else int(layer_idx)
+    if sliding_window is NOT_PASSED:
+        sliding_window = _own_window(module, config, layer_idx)
+    if layer_idx < 0:
+        layer_idx = _shared_layer_idx(config, layer_idx)
+    return config, layer_idx, sliding_window
+
+
 #: Attribute of an attention module holding its resolved ``(pattern, backend)`` and what they came from.
 _SETUP_ATTR = "_sparse_k_layer_setup"
 
@@ -381,13 +397,7 @@ def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: i
     adapter applies itself); any other per-query structure raises ``ValueError`` instead of being dropped."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     per_query = q_len is not None and q_len > 1 and allowed.shape[2] == q_len
-    rows = allowed
-    if per_query:
-        # Rows before the last query's that attend every slot are padding queries that Transformers' older SDPA masks
-        # unmask (``_unmask_unattended``, to avoid NaNs): they say nothing about which keys are real.
-        unmasked = allowed.all(-1, keepdim=True)
-        unmasked[..., -1, :] = False
-        rows = allowed & ~unmasked
+    rows = _without_unmasked_rows(allowed) if per_query else allowed
     valid = rows.any(2).any(1)  # (B, Skv)
     j = torch.arange(valid.shape[-1], device=valid.device)
     written = int(torch.where(valid, j, -1).amax().item()) + 1
@@ -396,21 +406,42 @@ def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: i
     return valid[:, : max(written, 1)]
 
 
-def _check_causal_4d(allowed: torch.Tensor, valid: torch.Tensor, window: int | None, chunk: int | None) -> None:
-    """``ValueError`` unless ``allowed (B, 1|H, Sq, L)`` is the causal mask over the keys ``valid (B, L)`` (query ``i``
-    at slot ``L - Sq + i``) on every key the layer can attend (``window`` / ``chunk``: its own locality). Query rows
-    with no valid key at or before them (left padding) are not checked: their output is never used, and Transformers'
-    older SDPA masks let them attend everything."""
+def _without_unmasked_rows(allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed (..., Sq, L)`` bool with the query rows before the last one that attend every slot cleared.
+
+    Such rows are padding queries that Transformers' older SDPA masks unmask (``_unmask_unattended``, to avoid NaNs):
+    they say nothing about which keys are real. A causal query attends every slot only as the last one."""
+    unmasked = allowed.all(-1, keepdim=True)
+    unmasked[..., -1, :] = False
+    return allowed & ~unmasked
+
+
+def _check_causal_4d(allowed: torch.Tensor, valid: torch.Tensor, window: int | None, chunk: int | None,
+                     q_start: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> None:
+    """``ValueError`` unless ``allowed (B, 1|H, Sq, L)`` is the causal mask over the keys ``valid (B, L)`` on every key
+    the layer can attend (``window`` / ``chunk``: its own locality).
+
+    Query ``i`` of row ``b`` sits at slot ``q_start[b] + i`` (``q_start``: int64 ``(B,)``; None: ``L - Sq``, the
+    queries are the last slots). ``documents`` (int ``(B|1, L)``, the packed sequence of each slot: a packed call,
+    which the adapter runs sequence by sequence whatever the mask says across sequences) limits the keys a query
+    must see to those of its own sequence. Query rows with no valid key at or before them (left padding) are not
+    checked: their output is never used, and Transformers' older SDPA masks let them attend everything."""
     sq, n = allowed.shape[2], allowed.shape[3]
-    qslot = torch.arange(n - sq, n, device=allowed.device)[:, None]
-    j = torch.arange(n, device=allowed.device)[None, :]
-    causal = j <= qslot  # (Sq, L)
+    i = torch.arange(sq, device=allowed.device)
+    qslot = (i + (n - sq) if q_start is None else q_start[:, None] + i).view(-1, 1, sq, 1)  # (B|1, 1, Sq, 1)
+    j = torch.arange(n, device=allowed.device)
+    causal = j <= qslot  # (B|1, 1, Sq, L)
     reach = causal
     if window is not None:
         reach = reach & (qslot - j < window)
-    if chunk is not None:
-        reach = reach & (torch.div(qslot, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor"))
+    if chunk is not None:  # chunks count from each row's first valid key, as the positions of the pattern do
+        first = torch.where(valid, j, n).amin(-1).view(-1, 1, 1, 1)  # (B, 1, 1, 1): n for a row without keys
+        reach = reach & (torch.div(qslot - first, chunk, rounding_mode="floor")
+                         == torch.div(j - first, chunk, rounding_mode="floor"))
     expected = valid[:, None, None, :] & causal  # (B, 1, Sq, L)
+    if documents is not None:
+        qdoc = torch.take_along_dim(documents, qslot.view(-1, sq).clamp(0, n - 1), dim=1)  # (B|1, Sq)
+        expected = expected & (qdoc[:, None, :, None] == documents[:, None, None, :])
     checked = expected.any(-1, keepdim=True)  # rows of queries that have a key
     if bool((allowed & ~causal & checked).any()):
         raise ValueError(
@@ -438,27 +469,40 @@ STATIC_SLOTS_DTYPE = torch.uint8
 class _OneReadPerTensor:
     """A host answer about a tensor, read once per tensor: the model builds one mask (and one
     ``position_ids``) per forward, one per layer type, and every layer receives that same tensor, so a
-    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and version counter
-    (inference tensors have none: asked every time) and by the call's other arguments (``read(tensor,
-    *args)``, hashable); the last ``tensors`` tensors are remembered (layer types that take turns hand
-    their masks in turn)."""
+    forward pays one synchronisation per tensor, not one per layer. Keyed by identity and by the call's
+    other arguments (``read(tensor, *args)``, hashable); the last ``tensors`` tensors are remembered
+    (layer types that take turns hand their masks in turn).
+
+    A tensor changed in place is read again. An ordinary tensor's version counter says so. An inference
+    tensor (made under ``torch.inference_mode()``) has no version counter, may still be changed in place
+    inside inference mode, and nothing short of reading its content (a host synchronisation, what this
+    class saves) tells whether it was; so its answer is kept within one forward only: while the calls
+    come from layers of increasing index (``layer=``, the calling layer's index). A call from a layer at
+    or before the last one that used the answer starts the next forward, which reads again; only a change
+    made in place between two layers of one forward would be missed. Without ``layer``, an inference
+    tensor is read at every call."""
 
     def __init__(self, read, tensors: int = 1):
         self._read, self._tensors = read, tensors
-        self._entries: list = []  # [weakref to a tensor, its version, {args: answer}], oldest first
+        # [weakref to a tensor, its version (None: an inference tensor), last layer, {args: answer}], oldest first
+        self._entries: list = []
 
-    def __call__(self, tensor: torch.Tensor, *args):
-        current = None if tensor.is_inference() else tensor._version
-        if current is None:
+    def __call__(self, tensor: torch.Tensor, *args, layer: int | None = None):
+        inference = tensor.is_inference()
+        if inference and layer is None:
             return self._read(tensor, *args)
-        for ref, version, answers in self._entries:
-            if ref() is tensor and version == current:
+        version = None if inference else tensor._version
+        for entry in self._entries:
+            ref, seen, last, answers = entry
+            if ref() is tensor and seen == version and (not inference or layer > last):
+                entry[2] = layer
                 if args not in answers:
                     answers[args] = self._read(tensor, *args)
                 return answers[args]
         answer = self._read(tensor, *args)
         kept = [e for e in self._entries if e[0]() is not None and e[0]() is not tensor]
-        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [(weakref.ref(tensor), current, {args: answer})]
+        self._entries = kept[max(0, len(kept) - self._tensors + 1):] + [[weakref.ref(tensor), version, layer,
+                                                                          {args: answer}]]
         return answer
 
 
@@ -491,12 +535,13 @@ def _read_packed_starts(position_ids: torch.Tensor):
 _packed_starts = _OneReadPerTensor(_read_packed_starts)
 
 
-def _packed_from_position_ids(position_ids: torch.Tensor):
+def _packed_from_position_ids(position_ids: torch.Tensor, layer: int | None = None):
     """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None (one host
-    read per ``position_ids`` tensor: every layer of a forward gets the same one)."""
+    read per ``position_ids`` tensor: every layer of a forward gets the same one; ``layer``: the calling
+    layer's index, see ``_OneReadPerTensor``)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
-    return _packed_starts(position_ids)
+    return _packed_starts(position_ids, layer=layer)
 
 
 def _layer_selector(module, layer_idx, pattern):
@@ -620,19 +665,13 @@ def attention_forward(
         if key_mask is not None:
             raise TypeError("sparse_k attention got both a positional key mask and attention_mask=")
         key_mask = kwargs.pop("attention_mask")
-    config = config if config is not None else getattr(module, "config", None)
-    layer_idx = layer_idx if layer_idx is not None else getattr(module, "layer_idx", 0)
-    layer_idx = 0 if layer_idx is None else int(layer_idx)
-    if sliding_window is NOT_PASSED:
-        sliding_window = _own_window(module, config, layer_idx)
-    if layer_idx < 0:
-        layer_idx = _shared_layer_idx(config, layer_idx)
+    config, layer_idx, sliding_window = _resolve_layer_call(module, config, layer_idx, sliding_window)
     pattern, backend = _layer_setup(module, config, layer_idx, sliding_window)
     sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None and key_mask is None and query.shape[2] == key.shape[2] > 1:
-        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"))
+        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"), layer=layer_idx)
     if cu_q is not None or cu_k is not None:
         if pattern.learned:
             warn_once(f"pattern {pattern.name!r} on packed sequences: sinks + window only (no learned selection)")
@@ -643,8 +682,11 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity
-        reduce = _reduce_4d if _tracing() else _reduced_4d
-        key_mask = reduce(key_mask, key.shape[2], query.shape[2], *_layer_locality(config, layer_idx, sliding_window))
+        locality = _layer_locality(config, layer_idx, sliding_window)
+        if _tracing():
+            key_mask = _reduce_4d(key_mask, key.shape[2], query.shape[2], *locality)
+        else:
+            key_mask = _reduced_4d(key_mask, key.shape[2], query.shape[2], *locality, layer=layer_idx)
 
     learned = pattern.learned and pattern.top_k > 0
     announced = announced_layer(module, key) if learned or not _tracing() else None  # the cache layer serving `key`
@@ -671,7 +713,7 @@ def attention_forward(
             raise ValueError(f"sparse_k attention expects a (B, L) key mask, got shape {tuple(key_mask.shape)}")
         static_slots = key_mask.dtype == STATIC_SLOTS_DTYPE and key_mask.shape[1] == key.shape[2]
         key_mask = key_mask.to(torch.bool)
-        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask)
+        all_valid = q_start is None and not static_slots and not _tracing() and _all_valid(key_mask, layer=layer_idx)
         if not (all_valid or static_slots or _tracing()):
             if announced is not None:  # e.g. a SparseCache layer refuses padded batches
                 announced.check_key_mask(key_mask)

@@ -307,6 +307,26 @@ def test_bad_flags_fail_in_one_line_before_loading(monkeypatch, capsys, tool, ar
     assert words in _bad_flags(monkeypatch, capsys, tool, argv)
 
 
+@pytest.mark.parametrize("tool", ["hfsa-evaluate", "evaluate_perplexity", "evaluate_retrieval", "benchmark_model"])
+def test_every_flag_has_help_that_states_its_default(tool):
+    """``--help`` explains every flag and says what it is when not given: ``(default: X)`` after a flag with a value
+    by default, the help text itself for one whose default is None (filled from the profile, or a rule) or a switch;
+    never ``(default: None)``."""
+    import argparse
+
+    from hf_sparse_attention.evaluation.cli import build_parser
+
+    parser = build_parser(tool)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[-1]
+        assert action.help and action.help.strip() and action.help is not argparse.SUPPRESS, f"{tool} {flag}: no help"
+        shown = formatter._expand_help(action)  # what --help prints for the flag
+        assert "default" in shown and "(default: None)" not in shown, f"{tool} {flag}: {shown!r}"
+
+
 def test_learned_selection_is_asked_about_the_variants_that_ran(monkeypatch, tmp_path):
     """The learned-selection note (and a shipped selector's warning, which names the window) sees the run's budget."""
     from hf_sparse_attention.evaluation import cli

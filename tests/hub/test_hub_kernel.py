@@ -415,19 +415,149 @@ def test_flash_attn_forward_reduces_each_sdpa_mask_once(hub, monkeypatch):
     pad[1, :4] = False
     full = _sdpa_mask(pad, S, 0, S)
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    sliding = full & (i - j < 8)  # a second layer type's mask (its window holds the pattern's: same output)
-    outs = [hub.flash_attn_forward(layer, q, k, v, full, scaling=0.3)[0] for layer in layers]
+    sliding = full & (i - j < 8)  # a second layer type's mask, with its window (as Transformers passes it)
+
+    def call(layer, mask):
+        window = {"sliding_window": 8} if mask is sliding else {}
+        return hub.flash_attn_forward(layer, q, k, v, mask, scaling=0.3, **window)[0]
+
+    outs = [call(layer, full) for layer in layers]
     assert len(reductions) == 1
-    outs += [hub.flash_attn_forward(layer, q, k, v, (full, sliding)[layer.layer_idx % 2], scaling=0.3)[0]
-             for layer in layers]
+    turns = [call(layer, (full, sliding)[layer.layer_idx % 2]) for layer in layers]
     assert len(reductions) == 2
-    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert all(torch.equal(out, outs[0]) for out in outs + turns[::2])
+    assert all(torch.equal(out, turns[1]) for out in turns[1::2])
     pad[0, :3] = False  # the same tensor, changed in place: reduced again, and the change is seen
     full[0, :, :, :3] = False
     moved = hub.flash_attn_forward(layers[0], q, k, v, full, scaling=0.3)[0]
     assert len(reductions) == 3
     fresh = hub.flash_attn_forward(layers[0], q, k, v, _sdpa_mask(pad, S, 0, S), scaling=0.3)[0]
     assert torch.equal(moved, fresh) and not torch.equal(moved, outs[0])
+
+
+def test_flash_attn_forward_reduces_each_inference_mask_once(hub, monkeypatch):
+    """Under ``torch.inference_mode()`` the sdpa mask is an inference tensor (no version counter): it is still reduced
+    once per forward through the layers, not once per layer; the next forward, which starts again at the first layer,
+    reduces it again, so a change made in place in between (inside inference mode) is seen."""
+    module = importlib.import_module(f"{hub.__name__}.integrations.hub_attention")
+    reductions, check = [], module._check_mask
+    monkeypatch.setattr(module, "_check_mask", lambda *a: reductions.append(1) or check(*a))
+    B, Hq, Hkv, S, D = 2, 4, 2, 14, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "streaming", "sinks": 2, "window": 5}})()
+    layers = [_Attention(config, i) for i in range(6)]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :4] = False
+    with torch.inference_mode():
+        mask = _sdpa_mask(pad, S, 0, S)
+        outs = [hub.flash_attn_forward(layer, q, k, v, mask, scaling=0.3)[0] for layer in layers]
+        assert len(reductions) == 1 and all(torch.equal(out, outs[0]) for out in outs)
+        pad[0, :3] = False
+        mask[0, :, :, :3] = False
+        moved = [hub.flash_attn_forward(layer, q, k, v, mask, scaling=0.3)[0] for layer in layers]
+        assert len(reductions) == 2
+        fresh = hub.flash_attn_forward(layers[0], q, k, v, _sdpa_mask(pad, S, 0, S), scaling=0.3)[0]
+        assert torch.equal(moved[-1], fresh) and not torch.equal(moved[-1], outs[0])
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def test_flash_attn_forward_refuses_per_query_structure(hub):
+    """A 4-D mask with per-query structure the causal pattern would drop raises ValueError, as on
+    ``attn_implementation="sparse_k"``, instead of giving another answer than sdpa: two packed documents in one row
+    (sdpa keeps them apart) and queries that see later keys. Only the layer's own window is checked: a sliding
+    layer's mask (``sliding_window=`` passed, as Transformers does) runs and equals sdpa; a global layer given it
+    raises."""
+    B, Hq, Hkv, S, D = 1, 4, 2, 12, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "dense"}})()
+    layer = _Attention(config, 0)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    doc = torch.arange(S) >= 5
+    causal = (j <= i)[None, None]
+    packed = causal & (doc[:, None] == doc[None, :])
+
+    def sdpa(mask):
+        out = torch.nn.functional.scaled_dot_product_attention(q, _expand_heads(k, Hq), _expand_heads(v, Hq), mask)
+        return out.transpose(1, 2)
+
+    unmasked, _ = hub.flash_attn_forward(layer, q, k, v, None)
+    assert (sdpa(packed) - unmasked).abs().max() > 1e-2  # the documents change the answer
+    additive = torch.zeros(B, 1, S, S).masked_fill(~packed, torch.finfo(torch.float32).min)
+    for mask in (packed, additive):
+        with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+            hub.flash_attn_forward(layer, q, k, v, mask)
+    with pytest.raises(ValueError, match="later keys"):
+        hub.flash_attn_forward(layer, q, k, v, causal | ((i == 3) & (j == 8)))
+    with pytest.raises(ValueError, match="later keys"):
+        hub.flash_attn_forward(layer, q, k, v, torch.ones(B, 1, S, S, dtype=torch.bool))
+    sliding = causal & (i - j < 4)
+    out, _ = hub.flash_attn_forward(layer, q, k, v, sliding, sliding_window=4)
+    torch.testing.assert_close(out, sdpa(sliding), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+        hub.flash_attn_forward(layer, q, k, v, sliding)
+    with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+        hub.flash_attn_forward(layer, q, k, v, packed & sliding, sliding_window=4)
+
+
+def test_flash_attn_forward_takes_transformers_packed_and_chunked_masks(hub):
+    """Transformers' own masks keep running: a packed row (``position_ids`` restart at 0; its sdpa mask keeps the
+    sequences apart, its sliding masks do not) runs the sequences apart, and a chunked layer's mask of a left-padded
+    batch (chunks counted from each row's first real token) equals the 2-D padding mask's answer."""
+    Hq, Hkv, S, D = 4, 2, 12, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "streaming", "sinks": 1, "window": 3}})()
+    layer = _Attention(config, 0)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    doc = torch.arange(S) >= 5
+    packed = ((j <= i) & (doc[:, None] == doc[None, :]))[None, None]
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+
+    def apart(**window):
+        return torch.cat([hub.flash_attn_forward(layer, q[:, :, s], k[:, :, s], v[:, :, s], None, **window)[0]
+                          for s in (slice(0, 5), slice(5, S))], 1)
+
+    out, _ = hub.flash_attn_forward(layer, q, k, v, packed, position_ids=position_ids)
+    torch.testing.assert_close(out, apart())
+    sliding = ((j <= i) & (i - j < 6))[None, None]
+    out, _ = hub.flash_attn_forward(layer, q, k, v, sliding, position_ids=position_ids, sliding_window=6)
+    torch.testing.assert_close(out, apart(sliding_window=6))
+
+    B, chunk = 2, 4
+    config.layer_types, config.attention_chunk_size = ["chunked_attention"], chunk
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :3] = False
+    first = torch.tensor([0, 3])[:, None, None]
+    chunked = _sdpa_mask(pad, S, 0, S) & ((i - first) // chunk == (j - first) // chunk)[:, None]
+    out, _ = hub.flash_attn_forward(layer, q, k, v, chunked)
+    adapter = importlib.import_module(f"{hub.__name__}.integrations.transformers_adapter")
+    want, _ = adapter.attention_forward(layer, q, k, v, pad)  # the 2-D mask: what "sparse_k" runs
+    assert torch.equal(out[pad], want[pad])
+
+
+def test_flash_attn_forward_reads_unmasked_padding_queries_as_padding(hub):
+    """Transformers' older sdpa masks let left-padding queries attend every slot (``_unmask_unattended``, against
+    NaNs): those rows say nothing about which keys are real, so the padding keys stay out and the answer on the real
+    queries equals the one of today's mask (padding rows attend nothing), also for a row with one real query."""
+    B, Hq, Hkv, S, D = 3, 4, 2, 10, 16
+    config = type("Config", (), {"sparse_attention": {"pattern": "streaming", "sinks": 2, "window": 3}})()
+    layer = _Attention(config, 0)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :4] = False
+    pad[2, :9] = False
+    today = _sdpa_mask(pad, S, 0, S)
+    older = today | ~today.any(-1, keepdim=True)
+    want, _ = hub.flash_attn_forward(layer, q, k, v, today)
+    got, _ = hub.flash_attn_forward(layer, q, k, v, older)
+    assert torch.equal(got[pad], want[pad])
 
 
 def test_sdpa_mask_reduction_cases(monkeypatch):
@@ -455,14 +585,35 @@ def test_sdpa_mask_reduction_cases(monkeypatch):
     assert torch.equal(chunked_mask, key_mask) and torch.equal(chunked_start, q_start)
     bidirectional = _sdpa_mask(pad, 20, 0, 20).clone()
     bidirectional[:, :, 12, 15] = True
-    with pytest.warns(UserWarning, match="later keys"):
-        assert torch.equal(reduce(bidirectional, 2, 20, 20)[0], pad)
+    with pytest.raises(ValueError, match="later keys"):
+        reduce(bidirectional, 2, 20, 20)
+    i, j = torch.arange(20)[:, None], torch.arange(20)[None, :]
+    sliding = _sdpa_mask(pad, 20, 0, 20) & (i - j < 8)
+    key_mask, q_start = reduce(sliding, 2, 20, 20, 8)  # the layer's own window: the keys past it may be hidden
+    assert q_start is None and torch.equal(key_mask, pad)
+    with pytest.raises(ValueError, match="hides earlier keys"):
+        reduce(sliding, 2, 20, 20, 9)
+    doc = (torch.arange(20) >= 7).long()
+    packed = ((j <= i) & (doc[:, None] == doc[None, :]))[None, None]
+    assert reduce(packed, 1, 20, 20, sequence_starts=(0, 7, 20)) == (None, None)  # the adapter runs them apart
+    with pytest.raises(ValueError, match="hides earlier keys"):
+        reduce(packed, 1, 20, 20)
+    with pytest.raises(ValueError, match="hides earlier keys"):
+        reduce(packed, 1, 20, 20, sequence_starts=(0, 9, 20))
+    # Transformers' sliding masks ignore the packing: the sequences are run apart all the same.
+    assert reduce((j <= i)[None, None] & (i - j < 4), 1, 20, 20, 4, sequence_starts=(0, 7, 20)) == (None, None)
     with pytest.raises(ValueError, match="4-D"):
         reduce(pad, 2, 20, 20)
     with pytest.raises(ValueError, match="does not fit"):
         reduce(_sdpa_mask(pad, 20, 0, 20), 2, 19, 21)
     with pytest.raises(TypeError, match="tensor"):
         reduce([[True]], 1, 1, 1)
+    with pytest.raises(ValueError, match=r"`window` must be None or an int >= 1, got 0"):
+        reduce(sliding, 2, 20, 20, 0)
+    with pytest.raises(ValueError, match=r"`chunk` must be None or an int >= 1, got 2.0"):
+        reduce(sliding, 2, 20, 20, 8, 2.0)
+    with pytest.raises(ValueError, match=r"`sequence_starts` must be .* from 0 to Skv=20 .*got \(0, 7\)"):
+        reduce(packed, 1, 20, 20, sequence_starts=(0, 7))
 
 
 def test_supports_flash_attn(hub):

@@ -347,6 +347,39 @@ def test_callers_4d_mask_is_checked_once_per_forward(family, checks, monkeypatch
             model(ids, attention_mask=four_d)
 
 
+@pytest.mark.parametrize("family, masks", [("llama", 1), ("gemma3", 2)])
+def test_masks_are_read_once_per_forward_under_inference_mode(family, masks, monkeypatch):
+    """Under ``torch.inference_mode()`` the masks the layers get are inference tensors, which have no version counter:
+    still, the host reads of a padded batch's key mask and the reduction of a caller's 4-D mask run once per mask
+    tensor and forward (llama: one mask; gemma3: a sliding and a global one), not once per layer. A 4-D mask changed in
+    place between two forwards (inside inference mode) is read again: given per-query structure, it raises."""
+    from sparse_k.integrations import transformers_adapter as adapter
+
+    model = tiny_model(family, seed=26, layers=4)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    model.set_attn_implementation("sparse_k")
+    key_reads, checks = [], []
+    read, check = adapter._all_valid._read, adapter._check_causal_4d
+    monkeypatch.setattr(adapter._all_valid, "_read", lambda *a: key_reads.append(1) or read(*a))
+    monkeypatch.setattr(adapter, "_check_causal_4d", lambda *a: checks.append(1) or check(*a))
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).logits[mask.bool()]
+        assert len(key_reads) == masks
+        four_d = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+        assert four_d.is_inference()
+        got = model(ids, attention_mask=four_d).logits[mask.bool()]
+        assert len(checks) == masks
+        assert (got - want).abs().max() < 1e-5
+        model(ids, attention_mask=four_d)
+        assert len(checks) == 2 * masks
+        four_d[0, 0, 8:, :5] = False  # row 0 now holds two packed documents
+        with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+            model(ids, attention_mask=four_d)
+
+
 def test_configure_rejects_unknown_backend_and_layers_outside_the_model():
     model = tiny_model("llama", seed=19, layers=3)
     before = getattr(model.config, "sparse_attention", None)
