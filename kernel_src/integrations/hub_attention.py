@@ -28,21 +28,12 @@ from __future__ import annotations
 import torch
 
 from ..warn import warn_once
-from .transformers_adapter import _OneReadPerTensor, attention_forward
+from .transformers_adapter import _OneReadPerTensor, _mask_allows, attention_forward
 
 __all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHUNK_ELEMENTS = 1 << 24  # mask elements per step of the reduction: int64 temporaries stay <= 128 MB
-
-
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean "attend" view of a bool, integer (1 = attend) or additive float (0 / -inf or min) mask."""
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.dtype.is_floating_point:
-        return mask > torch.finfo(mask.dtype).min / 2
-    return mask != 0
 
 
 def _check_mask(attention_mask, batch: int, q_len: int, kv_len: int) -> None:
@@ -100,7 +91,7 @@ def sdpa_mask_to_key_mask(
             return torch.ones(batch, q_len, dtype=torch.bool), None
         return None, None
     _check_mask(attention_mask, batch, q_len, kv_len)
-    allowed = _allowed(attention_mask)[..., :kv_len]
+    allowed = _mask_allows(attention_mask)[..., :kv_len]
     allowed = allowed[:, 0] if allowed.shape[1] == 1 else allowed.any(1)  # (B', Sq', Skv)
     device = allowed.device
     j = torch.arange(kv_len, device=device)
