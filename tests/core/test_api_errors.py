@@ -64,6 +64,18 @@ def test_bad_options(kwargs, exc, words):
         sk.sparse_attention(q, k, v, pattern, **kwargs)
 
 
+def test_numpy_scale_and_softcap_are_numbers():
+    """A numpy float32 (a real number, not a Python float) is a scale / softcap like its float value, not refused
+    as "not a positive finite number"."""
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv()
+    want = sk.sparse_attention(q, k, v, "dense", scale=0.5, softcap=3.0)
+    got = sk.sparse_attention(q, k, v, "dense", scale=np.float32(0.5), softcap=np.float32(3.0))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="`scale` must be a positive finite number or None"):
+        sk.sparse_attention(q, k, v, "dense", scale=np.float32(-0.5))
+
+
 def test_non_positive_window_is_rejected_through_the_api():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="`window` must be >= 1, got 0"):
