@@ -50,7 +50,8 @@ Limitations: batches without padding (a padded row would count its padding as si
 raises ``ValueError``); no
 ``crop`` (assisted decoding) on layers that dropped keys; the configuration of its construction (``check_pattern``:
 a layer reconfigured to a pattern that may need dropped keys, or a learned layer to another pattern, raises
-``ValueError``).
+``ValueError``); a model switched to one of Transformers' dense implementations (``sdpa``, ``eager``...) raises
+``ValueError`` at a bounded layer's first update (``BoundedLayer.check_implementation``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ class _KeptKeysLayer(CacheLayerMixin):
         return -1
 
 
+#: Transformers' own attention implementations (also behind ``"paged|"``): they attend every key a cache returns and
+#: know nothing of the pattern, so over a ``BoundedLayer`` they would run neither dense attention nor the pattern.
+_DENSE_IMPLEMENTATIONS = frozenset(
+    {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"}
+)
+
+
 class BoundedLayer(_KeptKeysLayer):
     """Keeps the first ``sinks`` keys and the last ``window - 1`` keys of one attention layer.
 
@@ -164,6 +172,7 @@ class BoundedLayer(_KeptKeysLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key/value_states (B, H, q, D)``; return all keys this step's queries may use."""
+        self.check_implementation()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
@@ -185,6 +194,20 @@ class BoundedLayer(_KeptKeysLayer):
             self.values = torch.cat(kept_v, dim=-2)
         self._announce(keys)
         return keys, values
+
+    def check_implementation(self) -> None:
+        """Raise ``ValueError`` when the attention module runs one of Transformers' dense implementations (the model was
+        switched back to ``sdpa`` / ``eager`` for a dense baseline): it would attend whatever this layer kept, a dense
+        prompt and then a window, neither dense attention nor the pattern. Nothing is checked without the module."""
+        module = self._module() if self._module is not None else None
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and impl.removeprefix("paged|") in _DENSE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"SparseCache: this model runs attn_implementation={impl!r}, which attends every key the cache returns, "
+                f"but this layer keeps only {self.sinks} sinks and the last {self.window - 1} keys; run the model with "
+                "attn_implementation='sparse_k' (model.set_attn_implementation('sparse_k')), or use the default "
+                "DynamicCache for a dense baseline"
+            )
 
     def check_pattern(self, pattern, layer_idx: int) -> None:
         """Raise ``ValueError`` when ``pattern`` (what the layer runs now) may attend a key this layer dropped: it must

@@ -13,6 +13,7 @@ builds (or fetches from cache) the layout, and dispatches to a backend:
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -80,7 +81,7 @@ def _validate(q, k, v, attention_mask, sink_logits, softcap, scale, layer_idx):
         if sink_logits.device != q.device:
             raise ValueError(f"`sink_logits` is on {sink_logits.device}, inputs on {q.device}")
     for name, x in (("softcap", softcap), ("scale", scale)):
-        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real) or not 0 < x < math.inf):
             raise ValueError(f"`{name}` must be a positive finite number or None, got {x!r}")
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
         raise ValueError(f"`layer_idx` must be a non-negative int, got {layer_idx!r}")

@@ -36,6 +36,7 @@ from .transformers_adapter import (
     NOT_PASSED,
     _check_causal_4d,
     _layer_locality,
+    _mask_allows,
     _OneReadPerTensor,
     _packed_from_position_ids,
     _resolve_layer_call,
@@ -47,15 +48,6 @@ __all__ = ["flash_attn_forward", "sdpa_mask_to_key_mask", "supports_flash_attn"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHUNK_ELEMENTS = 1 << 24  # mask elements per step of the reduction: int64 temporaries stay <= 128 MB
-
-
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean "attend" view of a bool, integer (1 = attend) or additive float (0 / -inf or min) mask."""
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.dtype.is_floating_point:
-        return mask > torch.finfo(mask.dtype).min / 2
-    return mask != 0
 
 
 def _check_mask(attention_mask, batch: int, q_len: int, kv_len: int) -> None:
@@ -145,7 +137,7 @@ def sdpa_mask_to_key_mask(
         return None, None
     _check_mask(attention_mask, batch, q_len, kv_len)
     _check_locality(window, chunk, sequence_starts, kv_len)
-    full = _allowed(attention_mask)[..., :kv_len]  # (B', H', Sq', Skv)
+    full = _mask_allows(attention_mask)[..., :kv_len]  # (B', H', Sq', Skv)
     device = full.device
     j = torch.arange(kv_len, device=device)
     if full.shape[2] == 1 and q_len > 1:

@@ -387,15 +387,26 @@ def _layer_setup(module, config, layer_idx: int, sliding_window) -> tuple[Patter
     return pattern, backend
 
 
+def _mask_allows(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "attend" view of a 4-D mask: bool, integer (1 = attend, as a 2-D mask) or additive float (0 / -inf or
+    the dtype's minimum)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point:
+        return mask > torch.finfo(mask.dtype).min / 2
+    return mask != 0
+
+
 def _reduce_4d(mask: torch.Tensor, skv: int, q_len: int | None = None, window: int | None = None,
                chunk: int | None = None) -> torch.Tensor:
-    """``(B, 1|H, Sq, Skv)`` bool or additive float mask -> ``(B, L)`` key validity over written slots.
+    """``(B, 1|H, Sq, Skv)`` bool, integer or additive float mask (``_mask_allows``) -> ``(B, L)`` key validity over
+    written slots.
 
     Transformers hands a caller's own 4-D ``attention_mask`` to the attention function as it is. Only its key
     validity is kept (the pattern brings the rest), so a mask with ``q_len`` query rows must be the causal rule over
     the keys it lets take part (``_check_causal_4d``: within the layer's own ``window`` / ``chunk``, which the
     adapter applies itself); any other per-query structure raises ``ValueError`` instead of being dropped."""
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    allowed = _mask_allows(mask)
     per_query = q_len is not None and q_len > 1 and allowed.shape[2] == q_len
     rows = _without_unmasked_rows(allowed) if per_query else allowed
     valid = rows.any(2).any(1)  # (B, Skv)

@@ -254,7 +254,20 @@ def build_block_layout(
     they depend on (pattern config, lengths, geometry, block sizes, device, and the layer index /
     KV-head count where the pattern uses them); not inside a ``torch.compile`` trace, where the
     layout's tensors may live in a CUDA graph's memory pool that the next replay overwrites.
+
+    Raises ``TypeError`` for a ``pattern`` that is no ``Pattern`` or a block size that is no int, ``ValueError`` for a
+    block size below 1.
     """
+    if not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"build_block_layout: `pattern` must be a Pattern (sparse_k.get_pattern(name, ...) makes one), "
+            f"got {type(pattern).__name__}"
+        )
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"build_block_layout: `{name}` must be an int, got {type(size).__name__} ({size!r})")
+        if size < 1:
+            raise ValueError(f"build_block_layout: `{name}` must be >= 1, got {size}")
     if pattern.learned:
         pattern = pattern.static_part()
     device = geometry.q_start.device

@@ -149,7 +149,8 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
     Args:
         u: ``(..., n)`` float16/bfloat16/float32/float64 scores (computed in float32 at least).
         k: budget, an int or an integer tensor broadcastable to ``u.shape[:-1]``.
-        mask: optional ``(..., n)`` bool candidate mask; ``p = 0`` outside it.
+        mask: optional ``(..., n)`` bool candidate mask, broadcast to ``u`` (ValueError where it does not);
+            ``p = 0`` outside it.
         backend: ``"torch"`` (the sort-based path above), ``"triton"`` (``sparsek_triton``: CUDA
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``; computes in float32, float64
             inputs included) or ``"auto"``: the Triton kernel for CUDA tensors other than float64
@@ -169,7 +170,12 @@ def sparsek(u: torch.Tensor, k, mask: torch.Tensor | None = None, *, backend: st
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError("sparsek: `mask` must be a bool tensor (True = candidate)")
         if mask.shape != u.shape:
-            mask = mask.expand(u.shape)
+            try:
+                mask = mask.expand(u.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"sparsek: `mask` of shape {tuple(mask.shape)} does not broadcast to `u`'s shape {tuple(u.shape)}"
+                ) from None
     require(torch.isfinite(torch.where(mask, u, torch.zeros_like(u)) if mask is not None else u).all(),
             "sparsek: candidate scores `u` must be finite")
     kernels = _triton_kernels(u, backend)

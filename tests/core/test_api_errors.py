@@ -64,6 +64,18 @@ def test_bad_options(kwargs, exc, words):
         sk.sparse_attention(q, k, v, pattern, **kwargs)
 
 
+def test_numpy_scale_and_softcap_are_numbers():
+    """A numpy float32 (a real number, not a Python float) is a scale / softcap like its float value, not refused
+    as "not a positive finite number"."""
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv()
+    want = sk.sparse_attention(q, k, v, "dense", scale=0.5, softcap=3.0)
+    got = sk.sparse_attention(q, k, v, "dense", scale=np.float32(0.5), softcap=np.float32(3.0))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="`scale` must be a positive finite number or None"):
+        sk.sparse_attention(q, k, v, "dense", scale=np.float32(-0.5))
+
+
 def test_non_positive_window_is_rejected_through_the_api():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="`window` must be >= 1, got 0"):
@@ -140,3 +152,23 @@ def test_reference_refuses_a_dense_mask_it_cannot_hold():
     small = torch.randn(1, 2, 5, 8)
     out = sk.sparse_attention(small, small, small, "dense", backend="reference")
     assert out.shape == small.shape
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,words",
+    [
+        ({"block_q": 0}, ValueError, "`block_q` must be >= 1, got 0"),
+        ({"block_k": -16}, ValueError, "`block_k` must be >= 1, got -16"),
+        ({"block_q": 64.0}, TypeError, "`block_q` must be an int, got float (64.0)"),
+        ({"block_k": True}, TypeError, "`block_k` must be an int, got bool (True)"),
+        ({"pattern": "sliding_window"}, TypeError, "`pattern` must be a Pattern"),
+        ({"pattern": {"pattern": "streaming"}}, TypeError, "got dict"),
+    ],
+)
+def test_build_block_layout_names_a_bad_argument(kwargs, exc, words):
+    """The public layout builder names a bad block size or a pattern given by name (not a ZeroDivisionError or an
+    AttributeError from inside the build)."""
+    args = {"pattern": sk.SlidingWindow(window=4), "block_q": 16, "block_k": 16, **kwargs}
+    pattern = args.pop("pattern")
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
+        sk.build_block_layout(pattern, 32, 32, sk.row_geometry(1, 32, 32), **args)

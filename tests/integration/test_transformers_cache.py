@@ -176,6 +176,23 @@ def test_padded_batch_is_refused_by_learned_layers():
                        do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_bounded_cache_under_a_dense_implementation_is_refused(implementation):
+    """A model switched back to a dense implementation (a dense baseline) keeps its ``sparse_attention``; a SparseCache
+    would still drop its keys, giving a dense prompt and a windowed continuation, neither dense nor the pattern. The
+    first forward raises instead; under ``"sparse_k"`` the same call runs."""
+    model = tiny_model("llama", seed=14)
+    hf_sparse_attention.configure(model, "streaming", sinks=2, window=4)
+    ids = torch.randint(1, VOCAB, (1, 10))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation(implementation)
+    with torch.no_grad(), pytest.raises(ValueError, match=f"attn_implementation='{implementation}'"):
+        model.generate(ids, past_key_values=SparseCache(model), **kw)
+    model.set_attn_implementation("sparse_k")
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, past_key_values=SparseCache(model), **kw), model.generate(ids, **kw))
+
+
 def test_cache_built_for_another_pattern_is_refused_not_answered_wrong():
     """A SparseCache keeps what the pattern of its construction needs. Reconfiguring the model afterwards to a pattern
     that reaches the dropped keys used to attend over the kept ones only, without a word; now the next forward raises.

@@ -298,6 +298,26 @@ def test_user_4d_mask_of_a_padded_batch_equals_the_2d_mask():
             assert (got - want).abs().max() < 1e-5
 
 
+def test_user_4d_integer_mask_reads_one_as_attend():
+    """A caller's 4-D mask of integers reads 1 as attend, as the 2-D mask and the hub route's sdpa mask do (not a
+    ``torch.finfo`` TypeError from inside the adapter); a per-query structure is still refused."""
+    model = tiny_model("llama", seed=25)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits[mask.bool()]
+        for dtype in (torch.long, torch.int32, torch.uint8):
+            got = model(ids, attention_mask=allowed.to(dtype)).logits[mask.bool()]
+            assert (got - want).abs().max() < 1e-5
+        block = allowed.clone()
+        block[..., 8:, :6] = False
+        with pytest.raises(ValueError, match="hides earlier keys from some queries"):
+            model(ids, attention_mask=block.long())
+
+
 def test_user_4d_mask_with_per_query_structure_is_refused():
     """A 4-D mask that hides earlier keys from some queries (two packed documents) or shows later ones cannot be
     reduced to key validity: ValueError, instead of attending across the documents without a word."""

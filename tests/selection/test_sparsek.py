@@ -116,6 +116,16 @@ def test_threshold_and_bad_inputs():
         sparsek(u, 1, torch.ones(1, 4))
 
 
+def test_mask_of_another_shape_is_named():
+    """A candidate mask that does not broadcast to ``u`` names both shapes (not a RuntimeError of ``expand``); one
+    that broadcasts (a row shared by every block) runs as its expansion."""
+    u = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"`mask` of shape \(3, 4\) does not broadcast to `u`'s shape \(3, 5\)"):
+        sparsek(u, 2, torch.ones(3, 4, dtype=torch.bool))
+    row = torch.tensor([True, False, True, True, False])
+    torch.testing.assert_close(sparsek(u, 2, row), sparsek(u, 2, row.expand(3, 5)))
+
+
 def test_sparsemax_special_case():
     """k = 1 with no cap binding is sparsemax: compare with its closed form."""
     g = torch.Generator().manual_seed(2)
