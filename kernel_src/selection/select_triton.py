@@ -79,20 +79,21 @@ PAGE_REFINE_BLOCK_N = 32
 PAGE_REFINE_ROWS = 64
 
 #: ``topk_rows``: rows up to this many entries are read once into registers (one program a row), longer ones in chunks
-#: of 1,024 (8 warps either way up to 4,096 entries; 16 above). The kernel takes up to 8,192 in one chunk (``block=``);
-#: whether that beats the chunks at the page top-k's 8,192 pages (128K) is to be timed (``scripts/bench_page_stage.py
-#: --topk-block``), so the default keeps the chunked launch for rows past 1,024.
+#: of 1,024 (8 warps either way up to 4,096 entries; 16 above). The kernel takes up to 8,192 in one chunk (``block=``),
+#: but at the page top-k's 8,192 pages (128K per-query prefill) that is slower on an H100 than the chunks (one 16-warp
+#: program a multiprocessor; ``scripts/bench_page_stage.py --topk-block 8192``, docs/selection.md), so rows past 1,024
+#: go in chunks.
 TOPK_ONE_CHUNK_MAX = 1024
 TOPK_BLOCK_MAX = 8192
 
 #: ``page_bound_scores``: blocks per program (the rows of its MMA tile; a decode step's one block pads it), its warps,
 #: and about how many programs a launch has: a program takes a run of page tiles (its queries loaded once) when there
 #: are enough tiles of blocks to fill the GPU, one page tile when there are few (a decode step). A row's arithmetic is
-#: that of its MMA tile alone, whatever the run, so decode equals recompute. 64 rows read the page summaries a quarter
-#: as often but take 128 KB of shared memory a program (one program a multiprocessor); to be timed
-#: (``scripts/bench_page_stage.py``) before it replaces the 16-row tile.
-PAGE_BOUND_ROWS = 16
-PAGE_BOUND_WARPS = 4
+#: that of its MMA tile alone, whatever the run, so decode equals recompute (a decode step's one block pads the same
+#: tile). 64 rows and 8 warps read the page summaries a quarter as often as 16 rows and take 128 KB of shared memory a
+#: program; the fastest of the tiles ``scripts/bench_page_stage.py`` sweeps on an H100 (docs/selection.md).
+PAGE_BOUND_ROWS = 64
+PAGE_BOUND_WARPS = 8
 PAGE_BOUND_PROGRAMS = 2048
 
 
