@@ -83,16 +83,20 @@ def host_rows(host: tuple) -> list[tuple[int, ...]]:
 
 
 def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:
+    """``value`` (an int, or an int tensor of shape ``(batch,)`` or ``(1,)``) as an int64 tensor ``(batch,)`` or
+    ``(1,)`` on ``device``."""
+    shapes = "(1,)" if batch == 1 else f"({batch},) or (1,)"
+    allowed = f"`{name}` must be an int or an int tensor of shape {shapes} (batch size {batch})"
     if isinstance(value, bool):
-        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got bool")
+        raise TypeError(f"{allowed}, got bool")
     if isinstance(value, int):
         return torch.tensor([value], dtype=torch.int64, device=device)
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got {type(value).__name__}")
+        raise TypeError(f"{allowed}, got {type(value).__name__}")
     if value.dtype.is_floating_point or value.dtype == torch.bool:
         raise TypeError(f"`{name}` must hold integers, got dtype {value.dtype}")
     if value.dim() != 1 or value.shape[0] not in (1, batch):
-        raise ValueError(f"`{name}` must have shape ({batch},) or (1,), got {tuple(value.shape)}")
+        raise ValueError(f"{allowed}, got shape {tuple(value.shape)}")
     return value.to(device=device, dtype=torch.int64)
 
 
