@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 from sparse_k.integrations.config import layer_index, validate_sparse_config
+from sparse_k.layouts.patterns import Pattern
 
 __all__ = ["configure"]
 
@@ -72,7 +73,7 @@ def _switch_to_sparse(model) -> None:
 
 def configure(
     target,
-    pattern: str | None = None,
+    pattern: str | Pattern | None = None,
     *,
     layers: dict | None = None,
     dense_layers: list | None = None,
@@ -88,8 +89,10 @@ def configure(
     Args:
         target: a Transformers model (its ``config`` and text config are updated) or a config.
         pattern: a name from ``sparse_k.available_patterns()``; ``params`` are its parameters
-            (``window=1024, sinks=4``...). Without a pattern the defaults of ``"sparse_k"`` apply.
-        layers: per-layer overrides ``{layer_index: name | {"pattern": name, **params}}``.
+            (``window=1024, sinks=4``...). Without a pattern the defaults of ``"sparse_k"`` apply. A
+            ``sparse_k`` Pattern object (``sparse_k.Streaming(sinks=1, window=3)``) is stored as its
+            ``to_dict()``, name and every parameter; ``params`` then override its parameters.
+        layers: per-layer overrides ``{layer_index: name | {"pattern": name, **params} | Pattern}``.
         dense_layers: layer indices that stay dense.
         full_attention_layers_only: layers the model itself runs with a sliding window or chunk keep
             only their own rule; only the model's global layers become sparse.
@@ -109,12 +112,18 @@ def configure(
     Raises:
         ValueError: an unknown pattern, backend or position mode, a bad pattern parameter, a bidirectional
             (``causal=False``) pattern, or a ``dense_layers``/``layers`` index outside ``0 .. num_hidden_layers - 1``.
-        TypeError: ``layers`` not a dict of layer indices, ``dense_layers`` not a list of them,
+        TypeError: ``pattern`` neither a name nor a Pattern, ``layers`` not a dict of layer indices, ``dense_layers`` not a list of them,
             ``full_attention_layers_only`` not a bool, or ``selector_path`` not a path.
     """
     if isinstance(selector_path, os.PathLike):  # stored as its string: the config must stay JSON-friendly
         selector_path = os.fspath(selector_path)
-    cfg: dict = {} if pattern is None else {"pattern": pattern}
+    if isinstance(pattern, Pattern):  # the config holds plain dicts: pattern_from_dict(to_dict()) is the pattern
+        cfg: dict = pattern.to_dict()
+    elif pattern is None or isinstance(pattern, str):
+        cfg = {} if pattern is None else {"pattern": pattern}
+    else:
+        raise TypeError(f"configure(): pattern must be a pattern name (one of sparse_k.available_patterns()) or a "
+                        f"sparse_k Pattern, got {type(pattern).__name__} {pattern!r}")
     cfg.update(params)
     if isinstance(layers, dict):  # keys as the saved (JSON) config holds them
         cfg["layers"] = {}
@@ -122,7 +131,7 @@ def configure(
             key = str(layer_index(k, "configure(): `layers`"))
             if key in cfg["layers"]:  # 0 and "0": one would silently override the other
                 raise ValueError(f"configure(): `layers` names layer {key} twice (keys {sorted(map(repr, layers))})")
-            cfg["layers"][key] = v
+            cfg["layers"][key] = v.to_dict() if isinstance(v, Pattern) else v
     elif layers is not None:  # validate_sparse_config names the type it refuses
         cfg["layers"] = layers
     for name, value in (

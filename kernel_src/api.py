@@ -224,6 +224,8 @@ def sparse_attention(
     _validate(q, k, v, attention_mask, sink_logits, softcap, scale, layer_idx)
     if causal is not None and not isinstance(causal, bool):
         raise TypeError(f"`causal` must be a bool or None, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"`return_lse` must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
     if not isinstance(backend, str) or backend not in available_backends():
         raise ValueError(f"unknown backend {backend!r}; available: {available_backends()}")
     p = _resolve_pattern(pattern, causal, k)

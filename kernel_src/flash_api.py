@@ -36,7 +36,9 @@ def _pattern_from_window(window_size, causal: bool, pattern) -> Pattern:
         return p.replace(causal=True) if causal and not p.causal else p
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"`window_size` must be a pair (left, right), got {window_size!r}")
-    left, right = (int(x) for x in window_size)
+    if any(isinstance(x, bool) or not hasattr(x, "__index__") for x in window_size):
+        raise TypeError(f"`window_size` entries must be integers (-1: unbounded), got {window_size!r}")
+    left, right = (operator.index(x) for x in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"`window_size` entries must be >= -1, got {window_size!r}")
     if causal:
@@ -58,6 +60,11 @@ def _softcap(softcap) -> float | None:
     return float(softcap)
 
 
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} ({value!r})")
+
+
 def _check_unsupported(dropout_p, alibi_slopes):
     if dropout_p:
         raise ValueError(f"dropout_p must be 0 (dropout is not supported), got {dropout_p}")
@@ -77,6 +84,7 @@ def flash_attn_func(
     through 4-D TMA maps: ``plan``), and the kernels write the output in ``(B, Sq, Hq, D)``
     memory order (``memory_order.new_output``), so ``out`` is contiguous whenever ``q`` is."""
     _check_unsupported(dropout_p, alibi_slopes)
+    _check_flag("return_attn_probs", return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
@@ -97,6 +105,7 @@ def flash_attn_varlen_func(
     """Packed sequences: ``q (total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``, ``cu_seqlens_*`` ``(N + 1,)``
     int32 -> ``out (total_q, Hq, D)`` (and ``lse (Hq, total_q)`` when ``return_attn_probs``)."""
     _check_unsupported(dropout_p, alibi_slopes)
+    _check_flag("return_attn_probs", return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"`{name}` must be a 3-D (total, H, D) tensor")
@@ -180,10 +189,12 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is not None or block_table is not None or cache_leftpad is not None:
         raise ValueError("cache_batch_idx, block_table and cache_leftpad are not supported")
     _check_unsupported(0.0, alibi_slopes)
+    _check_flag("return_softmax_lse", return_softmax_lse)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
     _check_new_keys(k, v, k_cache, v_cache)
+    p = _pattern_from_window(window_size, bool(causal), pattern)  # before the cache is written
     B, S_cache = k_cache.shape[:2]
     Sq = q.shape[1]
     dev = q.device
@@ -195,7 +206,6 @@ def flash_attn_with_kvcache(
         k_cache[rows, pos] = k
         v_cache[rows, pos] = v
         lens = lens + n_new
-    p = _pattern_from_window(window_size, bool(causal), pattern)
     key_mask = torch.arange(S_cache, device=dev)[None, :] < lens[:, None]
     out, lse = sparse_attention(
         q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), p, scale=softmax_scale,

@@ -299,8 +299,9 @@ def flag_help(help_text: str) -> dict[str, str]:
 
 
 def undescribed_flags(parser) -> list[str]:
-    """The flags of ``parser`` whose ``--help`` entry has no text, or does not show a default that is not None or
-    False, each as ``"--flag: what is missing"``."""
+    """The flags of ``parser`` whose ``--help`` entry has no text, does not show a default that is not None or
+    False, does not say what the flag is when not given (no ``default`` in the text), or shows
+    ``(default: None)``, each as ``"--flag: what is missing"``."""
     blocks, missing = flag_help(parser.format_help()), []
     for action in parser._actions:
         flag = action.option_strings[0] if action.option_strings else None
@@ -311,4 +312,8 @@ def undescribed_flags(parser) -> list[str]:
             missing.append(f"{flag}: no help text")
         elif action.default not in (None, False) and f"default: {action.default}" not in text:
             missing.append(f"{flag}: default {action.default!r} not shown in {text!r}")
+        elif "default" not in text:
+            missing.append(f"{flag}: no default stated in {text!r}")
+        elif "(default: None)" in text:
+            missing.append(f"{flag}: {text!r} shows (default: None)")
     return missing

@@ -50,7 +50,7 @@ DESCRIPTIONS = {
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default after its help text, except a default of None (the help text then says
     what the flag does when it is not given) or False (an off switch). Used by every evaluation tool,
-    ``evaluate_selectors`` and ``train_selector``."""
+    ``evaluate_selectors``, ``selection_ceiling`` and ``train_selector``."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:

@@ -110,7 +110,8 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine-query-block", type=bounded_int(1, None, "a positive integer"), default=1,
                    help="query block of the refined sparse_k rows")
     p.add_argument("--any-budget", action="store_true",
-                   help="accept selector files trained for other sinks/window/top_k (the row says so)")
+                   help="accept selector files trained for other sinks/window/top_k (the row says so); default: such a "
+                        "file is refused")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,10 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retrieval: greedy generation, or one teacher-forced forward pass per trial")
     p.add_argument("--dense-layers", type=bounded_int(0, None, "a layer index >= 0"), nargs="*", default=[],
                    help="layers that stay dense in every sparse variant")
-    p.add_argument("--no-streaming", action="store_true", help="leave out the streaming row")
+    p.add_argument("--no-streaming", action="store_true",
+                   help="leave out the streaming row; default: streaming is in the table")
     p.add_argument("--seed", type=int, default=0, help="seed of the retrieval trials and perplexity windows")
     p.add_argument("--output", default=None,
-                   help="JSON file for the results, rewritten as each row completes (the table is printed either way)")
+                   help="JSON file for the results, rewritten as each row completes (the table is printed either way); "
+                        "default: none, the table only")
     return p
 
 

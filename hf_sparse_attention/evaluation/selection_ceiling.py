@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .cli import checked_device
+from .cli import DefaultsHelpFormatter, checked_device
 from .corpora import gutenberg_files, load_documents
 from .evaluate_selectors import (
     add_setting_arguments,
@@ -45,14 +45,18 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``scripts/selection_ceiling.py`` (module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     add_setting_arguments(p)
-    p.add_argument("--oracles", nargs="*", default=list(ORACLES), choices=list(ORACLES))
-    p.add_argument("--no-baselines", action="store_true", help="skip streaming (dense is always run: the reference)")
-    p.add_argument("--ppl-tokens", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--output", default=None, help="JSON file for the results (the table is printed either way)")
+    p.add_argument("--oracles", nargs="*", default=list(ORACLES), choices=list(ORACLES),
+                   help="oracle rows, one per mode (see hf_sparse_attention.evaluation.oracle)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip streaming (dense is always run: the reference); default: streaming is run")
+    p.add_argument("--ppl-tokens", type=int, default=8192,
+                   help="tokens of held-out Gutenberg text scored, in windows of --context tokens every --context // 2")
+    p.add_argument("--seed", type=int, default=0, help="torch random seed of the run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars; default: progress bars shown")
+    p.add_argument("--output", default=None,
+                   help="JSON file for the results (the table is printed either way); default: none, the table only")
     return p
 
 

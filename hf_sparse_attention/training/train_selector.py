@@ -126,14 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=["attention", "random"], default=None,
                    help="dsa indexers: start at the model's own attention logits (per KV head only) or random; "
                         "default: attention with --per-kv-head, else random")
-    p.add_argument("--no-position-term", action="store_true", help="SparseK scorers without the position term")
+    p.add_argument("--no-position-term", action="store_true",
+                   help="SparseK scorers without the position term; default: with it")
     p.add_argument("--no-key-norm-term", action="store_true",
-                   help="SparseK scorers without the key-norm term (then they start random, not at the fallback)")
+                   help="SparseK scorers without the key-norm term (then they start random, not at the fallback); "
+                        "default: with it")
     p.add_argument("--dataset", default="gutenberg", help="'gutenberg' (the offline texts) or a datasets corpus name")
-    p.add_argument("--dataset-config", default=None, help="datasets config of --dataset (none for gutenberg)")
+    p.add_argument("--dataset-config", default=None,
+                   help="datasets config of --dataset (none for gutenberg); default: the dataset's own")
     p.add_argument("--split", default="train", help="datasets split of --dataset (gutenberg: always its train split)")
     p.add_argument("--text-column", default="text", help="datasets column holding the text")
-    p.add_argument("--max-texts", type=_positive_int, default=None, help="use at most this many texts/files")
+    p.add_argument("--max-texts", type=_positive_int, default=None,
+                   help="use at most this many texts/files; default: all of them")
     p.add_argument("--passkey-fraction", type=float, default=0.5,
                    help="share of each batch that is synthetic passkey sequences, in [0, 1]")
     p.add_argument("--passkey-style", choices=["gutenberg", "landmark", "mixed"], default="mixed",
@@ -155,16 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="selector_run", help="checkpoints, log.jsonl and the trained selector file")
     p.add_argument("--save-every", type=_positive_int, default=50, help="steps between checkpoints")
     p.add_argument("--log-every", type=_positive_int, default=1, help="steps between log.jsonl lines")
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--resume", default=None,
+                   help="'latest' or a checkpoint directory; default: a new run (an --output-dir holding an earlier "
+                        "run is refused)")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --output-dir that holds an earlier run: delete its log.jsonl, checkpoints "
-                        "and selector outputs first (nothing else in the folder)")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop this call after N minutes (checkpoint saved)")
+                        "and selector outputs first (nothing else in the folder); default: such a folder is refused")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop this call after N minutes (checkpoint saved); default: run all --steps")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when available")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="LM weights (auto: bfloat16 on CUDA, float32 on CPU); selectors stay float32")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order, passkeys and initial selectors")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar; default: a progress bar shown")
     return p
 
 

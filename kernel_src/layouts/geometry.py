@@ -83,17 +83,46 @@ def host_rows(host: tuple) -> list[tuple[int, ...]]:
 
 
 def _as_rows(name: str, value, batch: int, device) -> torch.Tensor:
+    """``value`` (an int, or an int tensor of shape ``(batch,)`` or ``(1,)``) as an int64 tensor ``(batch,)`` or
+    ``(1,)`` on ``device``."""
+    shapes = "(1,)" if batch == 1 else f"({batch},) or (1,)"
+    allowed = f"`{name}` must be an int or an int tensor of shape {shapes} (batch size {batch})"
     if isinstance(value, bool):
-        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got bool")
+        raise TypeError(f"{allowed}, got bool")
     if isinstance(value, int):
         return torch.tensor([value], dtype=torch.int64, device=device)
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"`{name}` must be an int or an int tensor of shape ({batch},), got {type(value).__name__}")
+        raise TypeError(f"{allowed}, got {type(value).__name__}")
     if value.dtype.is_floating_point or value.dtype == torch.bool:
         raise TypeError(f"`{name}` must hold integers, got dtype {value.dtype}")
     if value.dim() != 1 or value.shape[0] not in (1, batch):
-        raise ValueError(f"`{name}` must have shape ({batch},) or (1,), got {tuple(value.shape)}")
+        raise ValueError(f"{allowed}, got shape {tuple(value.shape)}")
     return value.to(device=device, dtype=torch.int64)
+
+
+def _check_size(name: str, value, low: int) -> None:
+    """``value`` an int ``>= low``; a SymInt (under ``torch.compile``) is not checked."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"row_geometry: `{name}` must be an int >= {low}, got {type(value).__name__}")
+    if isinstance(value, int) and value < low:
+        raise ValueError(f"row_geometry: `{name}` must be an int >= {low}, got {value}")
+
+
+def _check_key_mask(mask, batch, kv_len) -> None:
+    """``mask (batch or 1, kv_len)`` bool or integer; sizes that are SymInts are not compared (O(1), no device read)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex:
+        got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"row_geometry: `attention_mask` must be a bool or integer tensor (True/1: the key takes part), "
+                        f"got {got}")
+    shape = tuple(mask.shape)
+    bad = len(shape) != 2
+    if not bad:
+        rows, length = shape
+        bad = ((isinstance(batch, int) and isinstance(rows, int) and rows not in (1, batch))
+               or (isinstance(kv_len, int) and isinstance(length, int) and length != kv_len))
+    if bad:
+        raise ValueError(f"row_geometry: `attention_mask` must have shape (B, kv_len) = ({batch}, {kv_len}) or "
+                         f"(1, {kv_len}), got {shape}")
 
 
 def row_geometry(
@@ -107,8 +136,15 @@ def row_geometry(
     """Build the geometry of ``batch`` rows from the 2-D key mask (True/1 = key takes part).
 
     ``q_start`` overrides the bottom-right default (an int or ``(B,)`` tensor: key index of query 0),
-    e.g. for a StaticCache whose valid length is shorter than its tensor.
+    e.g. for a StaticCache whose valid length is shorter than its tensor. ``attention_mask``: ``(batch, kv_len)``
+    or ``(1, kv_len)``, bool or integer. Sizes are checked when they are ints (a SymInt under ``torch.compile`` is
+    not), the mask by its shape and dtype only (nothing is read from the device).
     """
+    _check_size("batch", batch, 1)
+    _check_size("q_len", q_len, 0)
+    _check_size("kv_len", kv_len, 0)
+    if attention_mask is not None:
+        _check_key_mask(attention_mask, batch, kv_len)
     if attention_mask is None:
         k_start = torch.zeros(1, dtype=torch.int64, device=device)
         k_end = torch.full((1,), kv_len, dtype=torch.int64, device=device)

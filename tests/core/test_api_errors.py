@@ -172,3 +172,14 @@ def test_build_block_layout_names_a_bad_argument(kwargs, exc, words):
     pattern = args.pop("pattern")
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
         sk.build_block_layout(pattern, 32, 32, sk.row_geometry(1, 32, 32), **args)
+
+
+def test_q_start_of_the_wrong_shape_names_the_batch_size():
+    """The allowed shapes are said once: ``(1,)`` for batch 1, ``(B,) or (1,)`` otherwise, with the batch size."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^`q_start` must be an int or an int tensor of shape \(1,\) \(batch size 1\), "
+                                         r"got shape \(2,\)$"):
+        sk.sparse_attention(q[:1], k[:1], v[:1], "dense", q_start=torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"^`q_start` must be an int or an int tensor of shape \(2,\) or \(1,\) "
+                                         r"\(batch size 2\), got shape \(3,\)$"):
+        sk.sparse_attention(q, k, v, "dense", q_start=torch.zeros(3, dtype=torch.long))

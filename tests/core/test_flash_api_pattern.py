@@ -99,3 +99,47 @@ def test_kvcache_lengths_on_cuda_are_not_read_without_new_keys():
     assert out.dtype == torch.int64 and out.device == lens.device
     with pytest.raises(ValueError, match="got \\[3, 99\\]"):  # with new keys written the values are checked
         _cache_lengths(lens, 2, 16, 1, lens.device)
+
+
+def _flash_calls():
+    """``{name: call(**kwargs)}`` of the three FlashAttention-style functions on small CPU inputs."""
+    q, k, v = _inputs(3)
+    cu = torch.tensor([0, 19], dtype=torch.int32)
+    qc, kc, vc = _cache_inputs()
+    return {
+        "flash_attn_func": lambda **kw: sparse_k.flash_attn_func(q, k, v, backend="torch", **kw),
+        "flash_attn_varlen_func": lambda **kw: sparse_k.flash_api.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 19, 19, backend="torch", **kw),
+        "flash_attn_with_kvcache": lambda **kw: sparse_k.flash_attn_with_kvcache(qc, kc, vc, cache_seqlens=5,
+                                                                                 backend="torch", **kw),
+    }
+
+
+@pytest.mark.parametrize("fn", ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"])
+@pytest.mark.parametrize("window", [(2.7, 0), (2.0, 0), (True, 0), (2, False), ("2", 0)])
+def test_window_size_entries_must_be_integers(fn, window):
+    """``int()`` truncated a float (2.7 ran as window 2) and took a bool or a digit string."""
+    with pytest.raises(TypeError, match=r"`window_size` entries must be integers \(-1: unbounded\), got "):
+        _flash_calls()[fn](causal=True, window_size=window)
+
+
+def test_window_size_takes_numpy_integers():
+    q, k, v = _inputs(4)
+    out = sparse_k.flash_attn_func(q, k, v, causal=True, window_size=(np.int64(3), 0), backend="torch")
+    assert (out - _ref(q, k, v, sparse_k.SlidingWindow(window=4))).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("fn, flag", [("flash_attn_func", "return_attn_probs"),
+                                      ("flash_attn_varlen_func", "return_attn_probs"),
+                                      ("flash_attn_with_kvcache", "return_softmax_lse")])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_return_flags_must_be_bools(fn, flag, value):
+    with pytest.raises(TypeError, match=rf"`{flag}` must be a bool, got {type(value).__name__}"):
+        _flash_calls()[fn](**{flag: value})
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_sparse_attention_return_lse_must_be_a_bool(value):
+    q, k, v = (t.transpose(1, 2) for t in _inputs(5))
+    with pytest.raises(TypeError, match=rf"`return_lse` must be a bool, got {type(value).__name__}"):
+        sparse_k.sparse_attention(q, k, v, "dense", return_lse=value)

@@ -137,3 +137,31 @@ def test_after_last_true_is_one_past_each_rows_last_true_for_any_leading_shape()
     key_mask = mask[:2, 1].clone()
     key_mask[:, 0] = True  # rows with a valid key: row_geometry's k_end is their one past the last
     assert torch.equal(sk.row_geometry(2, 37, 37, key_mask).k_end, after_last_true(key_mask))
+
+
+@pytest.mark.parametrize("args, kwargs, exc, words", [
+    ((0, 8, 8), {}, ValueError, r"row_geometry: `batch` must be an int >= 1, got 0"),
+    ((1, -1, 8), {}, ValueError, r"row_geometry: `q_len` must be an int >= 0, got -1"),
+    ((1, 8, -2), {}, ValueError, r"row_geometry: `kv_len` must be an int >= 0, got -2"),
+    ((True, 8, 8), {}, TypeError, r"row_geometry: `batch` must be an int >= 1, got bool"),
+    ((2, 8.0, 8), {}, TypeError, r"row_geometry: `q_len` must be an int >= 0, got float"),
+    ((2, 8, 8), {"attention_mask": torch.ones(3, 8, dtype=torch.bool)}, ValueError,
+     r"`attention_mask` must have shape \(B, kv_len\) = \(2, 8\) or \(1, 8\), got \(3, 8\)"),
+    ((2, 8, 8), {"attention_mask": torch.ones(2, 7, dtype=torch.bool)}, ValueError, r"\(2, 8\) or \(1, 8\), got \(2, 7\)"),
+    ((2, 8, 8), {"attention_mask": torch.ones(2, 1, 8, dtype=torch.bool)}, ValueError, r"got \(2, 1, 8\)"),
+    ((2, 8, 8), {"attention_mask": torch.ones(2, 8)}, TypeError,
+     r"`attention_mask` must be a bool or integer tensor \(True/1: the key takes part\), got dtype torch.float32"),
+    ((2, 8, 8), {"attention_mask": [[1] * 8] * 2}, TypeError, r"must be a bool or integer tensor .*got list"),
+])
+def test_row_geometry_refuses_bad_sizes_and_masks(args, kwargs, exc, words):
+    """An empty batch, a negative length or a mask of another batch or length built a geometry without complaint;
+    a float mask was read as ``!= 0``."""
+    with pytest.raises(exc, match=words):
+        sk.row_geometry(*args, **kwargs)
+
+
+def test_row_geometry_takes_shared_and_integer_masks():
+    mask = torch.ones(1, 8, dtype=torch.int64)
+    mask[0, :2] = 0
+    geo = sk.row_geometry(3, 8, 8, mask)
+    assert geo.k_start.tolist() == [2] and sk.row_geometry(1, 0, 8).q_start.tolist() == [8]

@@ -135,3 +135,25 @@ def test_reload_without_sparse_k_warns_once(tmp_path):
     assert len(said) == 1 and 'attn_implementation="sparse_k"' in said[0], said
     plain.set_attn_implementation("sparse_k")
     assert plain.config._attn_implementation == "sparse_k"
+
+
+def test_pattern_object_is_stored_as_its_name_and_parameters(tmp_path):
+    """``configure(model, sk.Streaming(sinks=1, window=3))`` (also in ``layers``) stores the pattern's plain dict, the
+    same attention as ``configure(model, "streaming", sinks=1, window=3)``; ``params`` override its parameters.
+    A pattern that is neither a name nor a Pattern is refused by type."""
+    import sparse_k
+
+    ids = torch.randint(0, 50, (1, 12))
+    model = tiny_llama(layers=2)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=3)
+    want = model(ids).logits
+    cfg = hf_sparse_attention.configure(model, sparse_k.Streaming(sinks=1, window=3))
+    assert cfg["pattern"] == "streaming" and sparse_k.pattern_from_dict(cfg) == sparse_k.Streaming(sinks=1, window=3)
+    assert torch.equal(model(ids).logits, want)
+    cfg = hf_sparse_attention.configure(model, sparse_k.Streaming(sinks=1, window=5), window=3)
+    assert sparse_k.pattern_from_dict(cfg) == sparse_k.Streaming(sinks=1, window=3)
+    cfg = hf_sparse_attention.configure(model, "dense", layers={1: sparse_k.SlidingWindow(window=3)})
+    assert cfg["layers"] == {"1": {"pattern": "sliding_window", "causal": True, "window": 3}}
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(TypeError, match=r"pattern must be a pattern name .* or a sparse_k Pattern, got int 3"):
+        hf_sparse_attention.configure(model, 3)

@@ -111,3 +111,13 @@ def test_errors():
         selection_from_scores(sparse_k.SparseK(sinks=1, window=2, top_k=2, query_block=4), torch.zeros(1, 2, 3, 16), geo, 16, 16)
     with pytest.raises(TypeError, match="learned pattern"):
         selection_from_scores(sparse_k.Streaming(), torch.zeros(1, 2, 1, 16), geo, 16, 16)
+
+
+def test_help_says_what_every_flag_is_and_its_default():
+    """``scripts/selection_ceiling.py --help`` is the script's manual: every flag has a line saying what it is and
+    what it is when not given, never ``(default: None)``."""
+    from helpers import undescribed_flags
+
+    from hf_sparse_attention.evaluation.selection_ceiling import build_parser
+
+    assert undescribed_flags(build_parser()) == []
