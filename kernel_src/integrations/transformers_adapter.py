@@ -534,10 +534,13 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _read_packed_starts(position_ids: torch.Tensor):
-    pos = position_ids[0]
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() <= 1 or int(starts[0]) != 0:
+def _read_packed_starts(position_ids: torch.Tensor, batch: int = 1):
+    """``_packed_from_position_ids`` itself (host reads)."""
+    pos = position_ids.expand(batch, -1)  # (batch, S): one row of positions may stand for every row
+    if not bool((pos[:, 0] == 0).all()):
+        return None
+    starts = torch.nonzero((pos == 0).reshape(-1)).flatten()  # b * S + i, ascending: the rows laid end to end
+    if starts.numel() <= batch:
         return None
     total = torch.tensor([pos.numel()], device=pos.device)
     return torch.cat([starts, total]).to(torch.int32)
@@ -546,13 +549,15 @@ def _read_packed_starts(position_ids: torch.Tensor):
 _packed_starts = _OneReadPerTensor(_read_packed_starts)
 
 
-def _packed_from_position_ids(position_ids: torch.Tensor, layer: int | None = None):
-    """``cu_seqlens`` (int32) when one row of ``position_ids`` holds several sequences, else None (one host
-    read per ``position_ids`` tensor: every layer of a forward gets the same one; ``layer``: the calling
-    layer's index, see ``_OneReadPerTensor``)."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+def _packed_from_position_ids(position_ids: torch.Tensor, batch: int = 1, layer: int | None = None):
+    """``cu_seqlens`` (int32) over the ``batch * S`` tokens of the ``batch`` rows laid end to end when a row of
+    ``position_ids (batch | 1, S)`` holds several sequences (positions restart at 0; every row starts at 0), else None.
+    Transformers separates such sequences in each row (``masking_utils.find_packed_sequence_indices``), so the rows
+    run as one varlen call. One host read per ``position_ids`` tensor and ``batch``: every layer of a forward gets the
+    same one (``layer``: the calling layer's index, see ``_OneReadPerTensor``)."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
         return None
-    return _packed_starts(position_ids, layer=layer)
+    return _packed_starts(position_ids, batch, layer=layer)
 
 
 def _layer_selector(module, layer_idx, pattern):
@@ -681,15 +686,21 @@ def attention_forward(
     sink_logits = s_aux.to(query.dtype) if s_aux is not None else None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    rows = 1  # rows of packed sequences laid end to end into one varlen call
     if cu_q is None and cu_k is None and key_mask is None and query.shape[2] == key.shape[2] > 1:
-        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"), layer=layer_idx)
+        cu_q = cu_k = _packed_from_position_ids(kwargs.get("position_ids"), query.shape[0], layer=layer_idx)
+        rows = query.shape[0] if cu_q is not None else 1
     if cu_q is not None or cu_k is not None:
         if pattern.learned:
             warn_once(f"pattern {pattern.name!r} on packed sequences: sinks + window only (no learned selection)")
+        q1, k1, v1 = (t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3]) if rows > 1 else t
+                      for t in (query, key, value))  # (B, H, S, D) -> (1, H, B * S, D)
         out = sparse_attention(
-            query, key, value, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
+            q1, k1, v1, pattern, scale=scaling, softcap=softcap, sink_logits=sink_logits,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layer_idx=layer_idx, backend=backend,
         )
+        if rows > 1:
+            out = out.reshape(out.shape[1], rows, -1, out.shape[3]).transpose(0, 1)  # (B, H, S, D)
         return out.transpose(1, 2).contiguous(), None
 
     if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 4:  # a caller's own 4-D mask: key validity

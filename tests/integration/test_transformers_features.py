@@ -143,6 +143,27 @@ def test_packed_batch_equals_sequences_one_by_one():
     assert (from_positions - singles).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("shared_positions", [False, True])
+def test_rows_of_packed_sequences_equal_sdpa(shared_positions):
+    """Several rows, each holding several sequences whose ``position_ids`` restart at 0 (no mask, no cache: packing
+    for training): Transformers' sdpa separates the sequences of every row, and so does ``"sparse_k"`` (the rows run as
+    one varlen call); one row of positions may stand for every row."""
+    model = tiny_model("llama", seed=17)
+    ids = torch.randint(1, VOCAB, (2, 12))
+    if shared_positions:
+        position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    else:
+        position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(ids, position_ids=position_ids, use_cache=False).logits
+        hf_sparse_attention.configure(model, "sliding_window", window=64)  # covers every key: dense here
+        got = model(ids, position_ids=position_ids, use_cache=False).logits
+        singles = model(ids[:1, 5:], use_cache=False).logits[0]
+    assert (got - want).abs().max() < 1e-4
+    assert (got[0, 5:] - singles).abs().max() < 1e-4
+
+
 def test_packing_is_read_from_position_ids_once_per_forward(monkeypatch):
     """Every layer gets the forward's one ``position_ids`` tensor: the packed-sequence starts are read on the
     host once per forward (a synchronisation per layer would stall the GPU queue), and a new or modified
@@ -155,7 +176,7 @@ def test_packing_is_read_from_position_ids_once_per_forward(monkeypatch):
     model.set_attn_implementation("sparse_k")
     reads = []
     read = adapter._packed_starts._read
-    monkeypatch.setattr(adapter._packed_starts, "_read", lambda t: reads.append(1) or read(t))
+    monkeypatch.setattr(adapter._packed_starts, "_read", lambda *a: reads.append(1) or read(*a))
     ids = torch.randint(1, VOCAB, (1, 20))
     position_ids = torch.cat([torch.arange(12), torch.arange(8)])[None]
     with torch.no_grad():
