@@ -19,7 +19,7 @@ import torch
 
 from .attention.backends import _AUTO_ORDER, _BACKENDS, AttentionCall, available_backends, register_backend
 from .layouts.geometry import RowGeometry, row_geometry
-from .layouts.patterns import L2Aligned, Pattern, get_pattern, resolve_l2_segment
+from .layouts.patterns import L2Aligned, Pattern, _check_bool, get_pattern, resolve_l2_segment
 from .attention.reference import reference_attention
 from .layouts.token_layout import TokenLayout
 from .attention.plan import plan_backend, record
@@ -224,8 +224,7 @@ def sparse_attention(
     _validate(q, k, v, attention_mask, sink_logits, softcap, scale, layer_idx)
     if causal is not None and not isinstance(causal, bool):
         raise TypeError(f"`causal` must be a bool or None, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"`return_lse` must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
+    _check_bool("sparse_attention", "return_lse", return_lse)
     if not isinstance(backend, str) or backend not in available_backends():
         raise ValueError(f"unknown backend {backend!r}; available: {available_backends()}")
     p = _resolve_pattern(pattern, causal, k)

@@ -23,7 +23,7 @@ import operator
 import torch
 
 from .api import sparse_attention
-from .layouts.patterns import Dense, Pattern, SlidingWindow, get_pattern
+from .layouts.patterns import Dense, Pattern, SlidingWindow, _check_bool, get_pattern
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -60,11 +60,6 @@ def _softcap(softcap) -> float | None:
     return float(softcap)
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} ({value!r})")
-
-
 def _check_unsupported(dropout_p, alibi_slopes):
     if dropout_p:
         raise ValueError(f"dropout_p must be 0 (dropout is not supported), got {dropout_p}")
@@ -84,7 +79,7 @@ def flash_attn_func(
     through 4-D TMA maps: ``plan``), and the kernels write the output in ``(B, Sq, Hq, D)``
     memory order (``memory_order.new_output``), so ``out`` is contiguous whenever ``q`` is."""
     _check_unsupported(dropout_p, alibi_slopes)
-    _check_flag("return_attn_probs", return_attn_probs)
+    _check_bool("flash_attn_func", "return_attn_probs", return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
@@ -105,7 +100,7 @@ def flash_attn_varlen_func(
     """Packed sequences: ``q (total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``, ``cu_seqlens_*`` ``(N + 1,)``
     int32 -> ``out (total_q, Hq, D)`` (and ``lse (Hq, total_q)`` when ``return_attn_probs``)."""
     _check_unsupported(dropout_p, alibi_slopes)
-    _check_flag("return_attn_probs", return_attn_probs)
+    _check_bool("flash_attn_varlen_func", "return_attn_probs", return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"`{name}` must be a 3-D (total, H, D) tensor")
@@ -189,7 +184,7 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is not None or block_table is not None or cache_leftpad is not None:
         raise ValueError("cache_batch_idx, block_table and cache_leftpad are not supported")
     _check_unsupported(0.0, alibi_slopes)
-    _check_flag("return_softmax_lse", return_softmax_lse)
+    _check_bool("flash_attn_with_kvcache", "return_softmax_lse", return_softmax_lse)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
