@@ -519,7 +519,8 @@ class Dilated(Pattern):
 @dataclass(frozen=True)
 class L2Aligned(Pattern):
     """Block-aligned window plus anchors: ``i // block - window_blocks < j // block`` or
-    ``j % segment < anchor``.
+    ``j % segment < anchor``, with ``0 <= anchor <= segment`` (``anchor == segment``: every key is an anchor; a
+    ``segment`` shorter than the default anchor of 64 needs an ``anchor`` of its own).
 
     ``segment`` (tokens) is resolved once from the GPU's L2 size and the layer's KV bytes per token
     (``resolve_l2_segment``) and then stored as an int, so results never depend on the machine that
@@ -540,7 +541,12 @@ class L2Aligned(Pattern):
         if self.segment is not None:
             _check_int(self.name, "segment", self.segment, 1)
             if self.anchor > self.segment:
-                raise ValueError(f"l2_aligned: `anchor` ({self.anchor}) must be <= `segment` ({self.segment})")
+                default = ", the default" if self.anchor == L2Aligned.anchor else ""
+                raise ValueError(
+                    f"l2_aligned: `anchor` ({self.anchor}{default}) must be in [0, segment] = [0, {self.segment}] (the "
+                    f"anchors are the first `anchor` keys of each segment); pass anchor <= {self.segment} or a segment "
+                    f">= {self.anchor}"
+                )
 
     def _seg(self) -> int:
         if self.segment is None:
