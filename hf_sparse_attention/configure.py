@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 
 import torch
-from sparse_k.integrations.config import layer_index, validate_sparse_config
+from sparse_k.integrations.config import RESERVED_KEYS, layer_index, validate_sparse_config
 from sparse_k.layouts.patterns import Pattern
 
 __all__ = ["configure"]
@@ -89,9 +89,9 @@ def configure(
     Args:
         target: a Transformers model (its ``config`` and text config are updated) or a config.
         pattern: a name from ``sparse_k.available_patterns()``; ``params`` are its parameters
-            (``window=1024, sinks=4``...). Without a pattern the defaults of ``"sparse_k"`` apply. A
-            ``sparse_k`` Pattern object (``sparse_k.Streaming(sinks=1, window=3)``) is stored as its
-            ``to_dict()``, name and every parameter; ``params`` then override its parameters.
+            (``window=1024, sinks=4``...; numpy integers are written as Python ints). Without a pattern the defaults
+            of ``"sparse_k"`` apply. A ``sparse_k`` Pattern object (``sparse_k.Streaming(sinks=1, window=3)``) is
+            stored as its ``to_dict()``, name and every parameter; ``params`` then override its parameters.
         layers: per-layer overrides ``{layer_index: name | {"pattern": name, **params} | Pattern}``.
         dense_layers: layer indices that stay dense.
         full_attention_layers_only: layers the model itself runs with a sliding window or chunk keep
@@ -149,8 +149,9 @@ def configure(
     configs = _configs(target)
     checked = validate_sparse_config(cfg)
     _check_layer_range(checked, _num_layers(configs))
-    if "dense_layers" in cfg:  # as plain ints (numpy integers are accepted): the config stays JSON-friendly
-        cfg["dense_layers"] = checked["dense_layers"]
+    for key in cfg:  # numpy integers (accepted) as plain ints: the config stays JSON-friendly
+        if key not in RESERVED_KEYS or key in ("layers", "dense_layers"):
+            cfg[key] = checked[key]
     if isinstance(target, torch.nn.Module):
         _switch_to_sparse(target)
     for config in configs:

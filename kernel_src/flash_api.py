@@ -80,10 +80,11 @@ def flash_attn_func(
     memory order (``memory_order.new_output``), so ``out`` is contiguous whenever ``q`` is."""
     _check_unsupported(dropout_p, alibi_slopes)
     _check_bool("flash_attn_func", "return_attn_probs", return_attn_probs)
+    _check_bool("flash_attn_func", "causal", causal)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
-    p = _pattern_from_window(window_size, bool(causal), pattern)
+    p = _pattern_from_window(window_size, causal, pattern)
     out, lse = sparse_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p, scale=softmax_scale, softcap=_softcap(softcap),
         sink_logits=sink_logits, layer_idx=layer_idx, return_lse=True, backend=backend,
@@ -101,10 +102,11 @@ def flash_attn_varlen_func(
     int32 -> ``out (total_q, Hq, D)`` (and ``lse (Hq, total_q)`` when ``return_attn_probs``)."""
     _check_unsupported(dropout_p, alibi_slopes)
     _check_bool("flash_attn_varlen_func", "return_attn_probs", return_attn_probs)
+    _check_bool("flash_attn_varlen_func", "causal", causal)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"`{name}` must be a 3-D (total, H, D) tensor")
-    p = _pattern_from_window(window_size, bool(causal), pattern)
+    p = _pattern_from_window(window_size, causal, pattern)
     out, lse = sparse_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), p,
         scale=softmax_scale, softcap=_softcap(softcap), sink_logits=sink_logits, cu_seqlens_q=cu_seqlens_q,
@@ -185,11 +187,12 @@ def flash_attn_with_kvcache(
         raise ValueError("cache_batch_idx, block_table and cache_leftpad are not supported")
     _check_unsupported(0.0, alibi_slopes)
     _check_bool("flash_attn_with_kvcache", "return_softmax_lse", return_softmax_lse)
+    _check_bool("flash_attn_with_kvcache", "causal", causal)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D (B, S, H, D) tensor")
     _check_new_keys(k, v, k_cache, v_cache)
-    p = _pattern_from_window(window_size, bool(causal), pattern)  # before the cache is written
+    p = _pattern_from_window(window_size, causal, pattern)  # before the cache is written
     B, S_cache = k_cache.shape[:2]
     Sq = q.shape[1]
     dev = q.device

@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 
 from ..attention.backends import available_backends
-from ..layouts.patterns import Pattern, available_patterns, get_pattern
+from ..layouts.patterns import Pattern, _plain_int, available_patterns, get_pattern
 
 __all__ = ["DEFAULT_SPARSE_CONFIG", "RESERVED_KEYS", "pattern_for_layer", "pattern_to_config", "validate_sparse_config"]
 
@@ -41,8 +41,14 @@ def _pattern_params(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in RESERVED_KEYS}
 
 
+def _plain_ints(params: dict) -> dict:
+    """``params`` with numpy integers as Python ints (as the patterns store them): the config stays JSON-friendly."""
+    return {k: _plain_int(v) for k, v in params.items()}
+
+
 def validate_sparse_config(cfg: dict | None) -> dict:
-    """Check ``cfg`` (raising ``ValueError``/``TypeError`` naming the bad key) and return a normalised copy."""
+    """Check ``cfg`` (raising ``ValueError``/``TypeError`` naming the bad key) and return a normalised copy (defaults
+    filled in, layer keys as strings, numpy integers as Python ints)."""
     if cfg is None:
         cfg = DEFAULT_SPARSE_CONFIG
     if not isinstance(cfg, dict):
@@ -52,6 +58,7 @@ def validate_sparse_config(cfg: dict | None) -> dict:
     name = cfg["pattern"]
     if name not in available_patterns():
         raise ValueError(f"config.sparse_attention['pattern'] = {name!r} is unknown; available: {available_patterns()}")
+    cfg.update(_plain_ints(_pattern_params(cfg)))
     _check_causal(get_pattern(name, **_pattern_params(cfg)), "config.sparse_attention")  # validates the parameters
     layers = cfg.get("layers") or {}
     if not isinstance(layers, dict):
@@ -62,7 +69,7 @@ def validate_sparse_config(cfg: dict | None) -> dict:
         if str(idx) in norm_layers:  # 0 and "0": one would silently override the other
             raise ValueError(f"config.sparse_attention['layers'] names layer {idx} twice (keys {sorted(map(repr, layers))})")
         _check_causal(_layer_pattern(spec), f"config.sparse_attention['layers'][{key!r}]")
-        norm_layers[str(idx)] = spec
+        norm_layers[str(idx)] = _plain_ints(spec) if isinstance(spec, dict) else spec
     cfg["layers"] = norm_layers
     dense = cfg.get("dense_layers")
     dense = [] if dense is None else dense

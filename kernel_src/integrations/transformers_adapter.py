@@ -517,17 +517,24 @@ class _OneReadPerTensor:
         return answer
 
 
+#: Mask tensors one forward hands its layers in turn: one per layer type (Transformers' models build at most three
+#: kinds of mask), and the types alternate (Gemma 3: five sliding layers, then a global one, and again).
+MASKS_PER_FORWARD = 4
+
+
 def _read_all_valid(mask: torch.Tensor) -> bool:
     return bool(mask.all())
 
 
-#: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys).
-_all_valid = _OneReadPerTensor(_read_all_valid)
+#: ``bool(mask.all())`` once per mask tensor (a padded batch, or a mask a cache reports wider than its keys): each
+#: layer type gets its own mask tensor from the mask function, and the types take turns.
+_all_valid = _OneReadPerTensor(_read_all_valid, tensors=MASKS_PER_FORWARD)
 
 
 #: ``_reduce_4d`` once per 4-D mask tensor and (``Skv``, ``Sq``, window, chunk): every layer of a forward gets the
-#: caller's one mask; layer types with their own windows (sliding and global layers) take turns.
-_reduced_4d = _OneReadPerTensor(_reduce_4d, tensors=2)
+#: caller's one mask (or the one of its type, from a dict of masks per layer type); layer types with their own windows
+#: (sliding and global layers) take turns.
+_reduced_4d = _OneReadPerTensor(_reduce_4d, tensors=MASKS_PER_FORWARD)
 
 
 def _tracing() -> bool:

@@ -15,13 +15,15 @@ Every pattern is a frozen dataclass (hashable, so layouts can be cached by it) w
 ``sparse_k`` and ``dsa`` are learned: their static part (sinks + window) is a ``streaming`` rule;
 the data-dependent selection travels beside it as a ``TokenLayout``.
 
-Integer parameters are bounded (``ValueError`` naming the value): windows, blocks, counts and the reaches computed
-from them at most ``MAX_SIZE`` (2**62), ``sinks`` any int64, bigbird's ``random_blocks`` at most ``MAX_RANDOM_BLOCKS``.
+Integer parameters take Python or numpy integers (stored as Python ints, so ``to_dict`` stays JSON) and are bounded
+(``ValueError`` naming the value): windows, blocks, counts and the reaches computed from them at most ``MAX_SIZE``
+(2**62), ``sinks`` any int64, bigbird's ``random_blocks`` at most ``MAX_RANDOM_BLOCKS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import InitVar, dataclass
 from typing import ClassVar
 
@@ -58,8 +60,16 @@ MAX_SINKS = (1 << 63) - 1
 MAX_RANDOM_BLOCKS = 4096
 
 
+def _plain_int(value):
+    """A numpy integer (any ``numbers.Integral`` but a bool) as the Python int it holds; any other value as is (the
+    checks name its type), so parameters stay JSON-friendly."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 def _check_int(owner: str, name: str, value, minimum: int, maximum: int = MAX_SIZE) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
         raise ValueError(f"{owner}: `{name}` must be >= {minimum}, got {value}")
@@ -100,6 +110,8 @@ class Pattern:
     causal: bool = True
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # numpy integers stored as Python ints (frozen: set through object)
+            object.__setattr__(self, f.name, _plain_int(getattr(self, f.name)))
         _check_bool(self.name, "causal", self.causal)
         if not self.causal and not self.bidirectional_ok:
             raise ValueError(f"pattern {self.name!r} has no bidirectional version; use causal=True")
@@ -507,7 +519,8 @@ class Dilated(Pattern):
 @dataclass(frozen=True)
 class L2Aligned(Pattern):
     """Block-aligned window plus anchors: ``i // block - window_blocks < j // block`` or
-    ``j % segment < anchor``.
+    ``j % segment < anchor``, with ``0 <= anchor <= segment`` (``anchor == segment``: every key is an anchor; a
+    ``segment`` shorter than the default anchor of 64 needs an ``anchor`` of its own).
 
     ``segment`` (tokens) is resolved once from the GPU's L2 size and the layer's KV bytes per token
     (``resolve_l2_segment``) and then stored as an int, so results never depend on the machine that
@@ -528,7 +541,12 @@ class L2Aligned(Pattern):
         if self.segment is not None:
             _check_int(self.name, "segment", self.segment, 1)
             if self.anchor > self.segment:
-                raise ValueError(f"l2_aligned: `anchor` ({self.anchor}) must be <= `segment` ({self.segment})")
+                default = ", the default" if self.anchor == L2Aligned.anchor else ""
+                raise ValueError(
+                    f"l2_aligned: `anchor` ({self.anchor}{default}) must be in [0, segment] = [0, {self.segment}] (the "
+                    f"anchors are the first `anchor` keys of each segment); pass anchor <= {self.segment} or a segment "
+                    f">= {self.anchor}"
+                )
 
     def _seg(self) -> int:
         if self.segment is None:
@@ -571,6 +589,7 @@ def resolve_l2_segment(pattern: L2Aligned, kv_bytes_per_token: int, l2_bytes: in
     """
     if not isinstance(pattern, L2Aligned):
         raise TypeError(f"resolve_l2_segment expects an L2Aligned pattern, got {type(pattern).__name__}")
+    kv_bytes_per_token = _plain_int(kv_bytes_per_token)
     _check_int("resolve_l2_segment", "kv_bytes_per_token", kv_bytes_per_token, 1)
     if l2_bytes is None:
         if torch.cuda.is_available():

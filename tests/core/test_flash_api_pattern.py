@@ -138,6 +138,23 @@ def test_return_flags_must_be_bools(fn, flag, value):
         _flash_calls()[fn](**{flag: value})
 
 
+@pytest.mark.parametrize("fn", ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"])
+@pytest.mark.parametrize("value", ["no", 0, None, np.bool_(True)])
+def test_causal_must_be_a_bool(fn, value):
+    """``bool(causal)`` ran ``causal="no"`` as causal and ``causal=None`` as bidirectional."""
+    with pytest.raises(TypeError, match=rf"{fn}: `causal` must be a bool, got {type(value).__name__}"):
+        _flash_calls()[fn](causal=value)
+
+
+def test_with_kvcache_checks_causal_before_writing_the_cache():
+    q, kc, vc = _cache_inputs()
+    k_new, v_new = torch.ones_like(kc[:, :1]), torch.ones_like(vc[:, :1])
+    before = kc.clone()
+    with pytest.raises(TypeError, match="`causal` must be a bool"):
+        sparse_k.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=2, causal="yes", backend="torch")
+    assert torch.equal(kc, before)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_sparse_attention_return_lse_must_be_a_bool(value):
     q, k, v = (t.transpose(1, 2) for t in _inputs(5))

@@ -1,5 +1,9 @@
 """Pattern configurations: validation, defaults, dict round trips and the element rules of design §4."""
 
+import dataclasses
+import json
+
+import numpy as np
 import pytest
 import torch
 from helpers import BIDIRECTIONAL, FIXED, random_pattern
@@ -43,6 +47,40 @@ def test_defaults_build_and_round_trip_through_dict(name):
 def test_bad_parameters_name_the_value(name, kwargs, exc, words):
     with pytest.raises(exc, match=words):
         sk.get_pattern(name, **kwargs)
+
+
+def _int_fields(name):
+    """``{field: its default}`` of pattern ``name``'s integer parameters (a default of ``segment``: 256)."""
+    p = sk.get_pattern(name)
+    ints = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "causal"}
+    return {k: 256 if v is None else v for k, v in ints.items()}
+
+
+@pytest.mark.parametrize("name", sk.available_patterns())
+@pytest.mark.parametrize("numpy_int", [np.int64, np.int32, np.uint16])
+def test_numpy_integer_parameters_are_stored_as_python_ints(name, numpy_int):
+    """Every integer parameter takes a numpy integer (as ``configure`` and ``flash_attn_func``'s ``window_size`` do) and
+    keeps it as the Python int it holds: the pattern equals (and hashes as) the one built from ints, and its dict is
+    JSON."""
+    ints = _int_fields(name)
+    p = sk.get_pattern(name, **{k: numpy_int(v) for k, v in ints.items()})
+    assert p == sk.get_pattern(name, **ints) and hash(p) == hash(sk.get_pattern(name, **ints))
+    assert all(type(getattr(p, k)) is int for k in ints)
+    assert sk.pattern_from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    for k in list(ints)[:1]:  # replace() too
+        assert type(p.replace(**{k: numpy_int(1)}).to_dict()[k]) is int
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), np.float64(3.0), torch.tensor(3)])
+def test_integer_parameters_refuse_numpy_bools_floats_and_tensors(value):
+    with pytest.raises(TypeError, match=rf"sliding_window: `window` must be an int, got {type(value).__name__}"):
+        sk.SlidingWindow(window=value)
+
+
+def test_resolve_l2_segment_takes_numpy_integers():
+    p = sk.get_pattern("l2_aligned")
+    r = sk.resolve_l2_segment(p, kv_bytes_per_token=np.int64(4096), l2_bytes=50 * 2**20)
+    assert r == sk.resolve_l2_segment(p, kv_bytes_per_token=4096, l2_bytes=50 * 2**20) and type(r.segment) is int
 
 
 @pytest.mark.parametrize(
@@ -178,6 +216,16 @@ def test_bigbird_random_table_inside_a_compiled_graph_is_not_cached():
     assert patterns._RANDOM_TABLES == {}
     assert torch.equal(out, p.random_table(2, 4, 9))  # eager: cached, same values
     assert len(patterns._RANDOM_TABLES) == 1
+
+
+def test_l2_aligned_default_anchor_longer_than_the_segment_is_named():
+    """``L2Aligned(block=4, segment=10)`` keeps the default anchor of 64, longer than its segment (the anchors are the
+    first ``anchor`` keys of each segment): the error says the anchor is the default and what is allowed."""
+    with pytest.raises(ValueError, match=r"l2_aligned: `anchor` \(64, the default\) must be in \[0, segment\] = \[0, 10\]"):
+        sk.L2Aligned(block=4, segment=10)
+    with pytest.raises(ValueError, match=r"`anchor` \(65\) must be in \[0, segment\] = \[0, 64\]"):
+        sk.L2Aligned(segment=64, anchor=65)
+    assert sk.L2Aligned(block=4, segment=10, anchor=10).allowed(torch.tensor(99), torch.arange(100)).all()
 
 
 def test_l2_segment_is_resolved_once_and_stored():

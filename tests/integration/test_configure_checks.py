@@ -67,6 +67,28 @@ def test_layer_keys_and_dense_layers_accept_index_likes():
         hf_sparse_attention.configure(model, "dense", dense_layers="0")
 
 
+def test_numpy_integer_parameters_are_written_as_python_ints(tmp_path):
+    """configure() takes numpy integers as pattern parameters, at the top level and per layer, as the pattern classes
+    do, and writes them as Python ints: the config stays JSON-friendly and round-trips through save_pretrained."""
+    import json
+
+    import numpy as np
+    import sparse_k
+
+    model = tiny_llama(layers=2)
+    cfg = hf_sparse_attention.configure(model, "streaming", sinks=np.int32(1), window=np.int64(3),
+                                        layers={1: {"pattern": "sliding_window", "window": np.uint8(5)}})
+    assert cfg == {"pattern": "streaming", "sinks": 1, "window": 3, "layers": {"1": {"pattern": "sliding_window",
+                                                                                      "window": 5}}}
+    assert type(cfg["window"]) is int and type(cfg["layers"]["1"]["window"]) is int
+    assert json.loads(json.dumps(model.config.sparse_attention)) == model.config.sparse_attention
+    cfg = hf_sparse_attention.configure(model, sparse_k.Streaming(sinks=np.int64(2), window=np.int64(4)))
+    assert cfg["sinks"] == 2 and type(cfg["sinks"]) is int
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(TypeError, match=r"sliding_window: `window` must be an int, got bool"):
+        hf_sparse_attention.configure(model, "sliding_window", window=np.bool_(True))
+
+
 def test_layer_given_twice_is_refused_and_mixed_keys_run():
     """``layers={0: ..., "0": ...}`` names one layer twice: one setting used to override the other without a word.
     A config written by hand with int and str layer keys runs (its cache key used to fail to sort)."""

@@ -421,6 +421,26 @@ def test_masks_are_read_once_per_forward_under_inference_mode(family, masks, mon
             model(ids, attention_mask=four_d)
 
 
+def test_alternating_layer_types_read_each_mask_once_per_forward(monkeypatch):
+    """Gemma-3-style models alternate sliding and global layers, each type with its own key mask tensor: a padded
+    batch's masks are read on the host once per mask tensor and forward (two reads), not at every switch of layer
+    type (six layers: six reads), with or without inference mode."""
+    from sparse_k.integrations import transformers_adapter as adapter
+
+    model = tiny_model("gemma3", seed=27, layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+    hf_sparse_attention.configure(model, "streaming", sinks=1, window=6)
+    reads, read = [], adapter._all_valid._read
+    monkeypatch.setattr(adapter._all_valid, "_read", lambda mask: reads.append(mask) or read(mask))
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    for mode in (torch.no_grad, torch.inference_mode):
+        reads.clear()
+        with mode():
+            model(ids, attention_mask=mask)
+        assert len(reads) == len({id(m) for m in reads}) == 2, mode.__name__
+
+
 def test_configure_rejects_unknown_backend_and_layers_outside_the_model():
     model = tiny_model("llama", seed=19, layers=3)
     before = getattr(model.config, "sparse_attention", None)

@@ -29,8 +29,10 @@ FIXED_PATTERNS = {
 }
 
 
-def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", layers: int = 2):
-    """A tiny random-weight causal LM (hidden 64, ``layers`` layers, GQA 4:2) in float32 eval mode."""
+def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", layers: int = 2, layer_types: list | None = None):
+    """A tiny random-weight causal LM (hidden 64, ``layers`` layers, GQA 4:2) in float32 eval mode.
+
+    ``layer_types`` (gemma3 only): its layers' types; default one sliding layer, then global ones."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -46,9 +48,9 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", layers: int = 2):
         cfg = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=24, max_window_layers=1)
         cls = transformers.Qwen2ForCausalLM
     elif family == "gemma3":
+        default = ["sliding_attention", "full_attention"][:layers] + ["full_attention"] * max(0, layers - 2)
         cfg = transformers.Gemma3TextConfig(
-            **common, head_dim=16, sliding_window=20, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"][:layers] + ["full_attention"] * max(0, layers - 2),
+            **common, head_dim=16, sliding_window=20, query_pre_attn_scalar=16, layer_types=layer_types or default,
         )
         cls = transformers.Gemma3ForCausalLM
     else:
