@@ -541,11 +541,10 @@ class L2Aligned(Pattern):
         if self.segment is not None:
             _check_int(self.name, "segment", self.segment, 1)
             if self.anchor > self.segment:
-                default = ", the default" if self.anchor == L2Aligned.anchor else ""
                 raise ValueError(
-                    f"l2_aligned: `anchor` ({self.anchor}{default}) must be in [0, segment] = [0, {self.segment}] (the "
-                    f"anchors are the first `anchor` keys of each segment); pass anchor <= {self.segment} or a segment "
-                    f">= {self.anchor}"
+                    f"l2_aligned: `anchor` ({self.anchor}; the default is {L2Aligned.anchor}) must be in [0, segment] = "
+                    f"[0, {self.segment}] (the anchors are the first `anchor` keys of each segment); pass "
+                    f"anchor <= {self.segment} or a segment >= {self.anchor}"
                 )
 
     def _seg(self) -> int:

@@ -220,10 +220,10 @@ def test_bigbird_random_table_inside_a_compiled_graph_is_not_cached():
 
 def test_l2_aligned_default_anchor_longer_than_the_segment_is_named():
     """``L2Aligned(block=4, segment=10)`` keeps the default anchor of 64, longer than its segment (the anchors are the
-    first ``anchor`` keys of each segment): the error says the anchor is the default and what is allowed."""
-    with pytest.raises(ValueError, match=r"l2_aligned: `anchor` \(64, the default\) must be in \[0, segment\] = \[0, 10\]"):
+    first ``anchor`` keys of each segment): the error names the anchor, the default and what is allowed."""
+    with pytest.raises(ValueError, match=r"l2_aligned: `anchor` \(64; the default is 64\) must be in \[0, segment\] = \[0, 10\]"):
         sk.L2Aligned(block=4, segment=10)
-    with pytest.raises(ValueError, match=r"`anchor` \(65\) must be in \[0, segment\] = \[0, 64\]"):
+    with pytest.raises(ValueError, match=r"`anchor` \(65; the default is 64\) must be in \[0, segment\] = \[0, 64\]"):
         sk.L2Aligned(segment=64, anchor=65)
     assert sk.L2Aligned(block=4, segment=10, anchor=10).allowed(torch.tensor(99), torch.arange(100)).all()
 
