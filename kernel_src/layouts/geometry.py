@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_memo import host_memo
+
 __all__ = ["RowGeometry", "after_last_true", "bottom_right_geometry", "decode_geometry", "host_rows", "plain_geometry",
            "row_geometry"]
 
@@ -52,6 +54,11 @@ class RowGeometry:
         return (j >= self.k_start[:, None]) & (j < self.k_end[:, None])
 
     def cache_key(self) -> tuple:
+        """The offsets as tuples of ints (a hashable key): from the host offsets when known, else read from the device
+        (a synchronisation)."""
+        host = self.host_offsets()
+        if host is not None:
+            return tuple(tuple(x) for x in host)
         return (tuple(self.q_start.tolist()), tuple(self.k_start.tolist()), tuple(self.k_end.tolist()))
 
     def select(self, b: int) -> "RowGeometry":
@@ -145,6 +152,14 @@ def row_geometry(
     _check_size("kv_len", kv_len, 0)
     if attention_mask is not None:
         _check_key_mask(attention_mask, batch, kv_len)
+    elif q_start is None or (isinstance(q_start, int) and not isinstance(q_start, bool)):
+        if all(isinstance(x, int) for x in (batch, q_len, kv_len)):  # host-known: every layer shares the tensors
+            return host_memo(("row_geometry", q_len, kv_len, q_start), device,
+                             lambda: _row_geometry(batch, q_len, kv_len, None, q_start, device))
+    return _row_geometry(batch, q_len, kv_len, attention_mask, q_start, device)
+
+
+def _row_geometry(batch, q_len, kv_len, attention_mask, q_start, device) -> RowGeometry:
     if attention_mask is None:
         k_start = torch.zeros(1, dtype=torch.int64, device=device)
         k_end = torch.full((1,), kv_len, dtype=torch.int64, device=device)

@@ -24,7 +24,8 @@ from ..layouts.geometry import host_rows
 from .step_state import state_buffers
 
 __all__ = ["MAX_BLOCKS", "SPAN", "host_has", "host_missing", "host_starts", "host_store", "lookup", "prepare",
-           "ring_blocks", "ring_spec", "store"]
+           "ring_blocks", "ring_spec", "store",
+           "store_from_host"]
 
 #: Tokens the ring covers at least (a rejected draft up to this long continues exactly).
 SPAN = 128
@@ -87,6 +88,27 @@ def store(memo: dict, first: torch.Tensor, last: torch.Tensor, inside: torch.Ten
         memo[name].copy_(torch.where(ok.view(B, R, *([1] * (v.dim() - 2))), picked.detach(), memo[name]))
     seen = inside.gather(1, last.clamp_min(0)[:, None]).squeeze(1) & (last >= 0)
     memo["block"].copy_(torch.where(seen, top, memo["block"]))
+
+
+def store_from_host(memo: dict, p0: int, q_len: int, query_block: int, values: dict) -> None:
+    """``store`` for a call whose rows all start at query position ``p0`` (host-known): which blocks go to which
+    slots is known on the host, so the ring is written with a few slice copies (no per-slot index arithmetic on the
+    device). ``values``: name -> ``(B, NB, ...)`` per-block values, block ``p0 // query_block + c`` at index ``c``."""
+    blocks = memo["blocks"]
+    R = blocks.shape[1]
+    first, top = p0 // query_block, (p0 + q_len - 1) // query_block
+    b = max(-(-p0 // query_block), top - R + 1)  # the last R blocks whose first query is in the call
+    if p0 == 0:  # the row's generation starts over: forget its older blocks
+        blocks.fill_(-1)
+    if b <= top:
+        memo["block"].fill_(top)
+    while b <= top:  # at most two runs of consecutive slots (the ring wraps once)
+        s = b % R
+        n = min(top - b + 1, R - s)
+        blocks[:, s:s + n].copy_(torch.arange(b, b + n, device=blocks.device))
+        for name, v in values.items():
+            memo[name][:, s:s + n].copy_(v[:, b - first:b - first + n].detach())
+        b += n
 
 
 def host_starts(host: tuple | None, batch: int) -> list[int] | None:

@@ -25,7 +25,9 @@ block and KV head, the ``top_k // page`` candidate pages with the highest score 
 to their candidate keys (so at most ``top_k`` keys); with at most ``top_k`` candidates, all of them. The result is an ordinary ``TokenLayout``: every attention path consumes it.
 Query blocks are scored in chunks (``CHUNK_ELEMENTS`` score entries, ``CHUNK_ELEMENTS_CUDA`` on a
 GPU), so the selection's temporaries stay bounded at any length; chunk sizes come from host-known
-shapes (no device read).
+shapes (no device read). With host-known offsets the call's geometry-only tensors (candidate ranges, each block's
+last candidate page) are shared by every layer of a forward (``layouts.host_memo``), and when every row starts at the
+same position the block queries are a strided slice of the queries (``block_queries``).
 
 Options (default off; their screening is in docs/selection.md): the pattern's ``refine`` (or the module constant
 ``REFINE`` for patterns that leave it 0; two-stage: exact attention probabilities over more pages than the
@@ -40,7 +42,8 @@ without a matching memo it uses the call's first query and warns once (as the DS
 place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
 
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
-under ``TRITON_INTERPRET=1``), the page scores and the page top-k of ``quest_layout`` run there, for every call (so
+under ``TRITON_INTERPRET=1``), the page summaries, the page scores, the page top-k and (without refinement, pages of a
+power of two) the chosen pages' layout of ``quest_layout`` run there, for every call (so
 a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
 block: ``selection_state``); so do the refinement's scores and its top-k (``most_probable``; the scores of the
 training-free pages per tile of blocks, ``select_triton.refine_page_scores``, when the page size is a power of two,
@@ -53,6 +56,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.geometry import host_rows
+from ..layouts.host_memo import host_memo
 from ..warn import warn_once
 from .kernel_module import KernelModule, interpreter_on
 from . import block_ring
@@ -99,15 +103,20 @@ _KERNELS = KernelModule(".select_triton", "_topk_kernel")
 def row_kernels(t: torch.Tensor):
     """The ``select_triton`` module when the selection's kernels run for float32 work on ``t``'s device: CUDA, or
     the CPU under ``TRITON_INTERPRET=1`` with the module imported interpreted; else None (the PyTorch path)."""
-    if not TRITON_SELECTION or t.dtype != torch.float32 or t.device.type not in ("cuda", "cpu"):
+    return _kernels_on(t.device) if t.dtype == torch.float32 else None
+
+
+def _kernels_on(device: torch.device):
+    """``row_kernels`` by device alone (for inputs of any float dtype whose kernel computes in float32)."""
+    if not TRITON_SELECTION or device.type not in ("cuda", "cpu"):
         return None
-    if t.device.type == "cpu" and not interpreter_on():
+    if device.type == "cpu" and not interpreter_on():
         return None
     try:
         mod = _KERNELS.module if _KERNELS.module is not None else _KERNELS.load()
     except ImportError:
         return None
-    if t.device.type == "cuda":
+    if device.type == "cuda":
         return mod
     return mod if _KERNELS.interpreted() else None
 
@@ -131,6 +140,9 @@ def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     Empty slots hold ``+inf`` (kmin) / ``-inf`` (kmax).
     """
     B, H, S, D = key.shape
+    kern = None if key.dtype == torch.float64 else _kernels_on(key.device)
+    if kern is not None:  # (the summaries feed discrete choices only: no gradient)
+        return kern.page_summaries(key.detach(), k_start, k_end, page, sinks, n_pages)
     n = n_pages * page
     pos = torch.arange(n, device=key.device)
     if aligned:
@@ -536,26 +548,58 @@ def block_queries(query, q_pos0, block_start, host, query_block, memo, first, bl
 
     The memo is a ``block_ring`` of the last few blocks' first queries. Host-known offsets: whether it holds the
     block a call starts inside is checked on the host (its mirror), so nothing reads the device; with device-only
-    offsets the memo is applied where it matches, unchecked.
+    offsets the memo is applied where it matches, unchecked. When every row's call starts at the same host-known
+    position the block queries are a strided slice of ``query`` and the ring is written by slices
+    (``_uniform_block_queries``).
     """
+    B, Hq, Sq, D = query.shape
+    p0 = block_ring.host_starts(host, B)
+    values = {"q": ((Hq, D), torch.float64 if query.dtype == torch.float64 else torch.float32)}
+    usable = memo is not None and block_ring.prepare(memo, B, query_block, values, first.device)
+    if block_ring.host_missing(memo, p0, query_block, usable):
+        _warn_memo()
+    offsets = None if host is None else {qs - ks for qs, ks, _ in host_rows(host)}
+    if Sq > 0 and offsets is not None and len(offsets) == 1 and min(offsets) >= 0:
+        qb = _uniform_block_queries(query, min(offsets), query_block, memo)
+    else:
+        qb = _device_block_queries(query, q_pos0, block_start, query_block, memo, first, block_ok)
+    if memo is not None:
+        block_ring.host_store(memo, p0, Sq, query_block, fresh=not usable)
+    return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
+
+
+def _uniform_block_queries(query, p0: int, query_block: int, memo):
+    """``block_queries``' ``(B, Hq, NB, D)`` when every row's first query is at position ``p0``: the call's own block
+    queries are ``query[:, :, start::query_block]``; a first block that started in an earlier call takes the memo's
+    query (else the call's first query)."""
+    Sq = query.shape[2]
+    start = (-p0) % query_block  # query index of the first block that starts in this call
+    qb = _compute(query[:, :, start::query_block])
+    if start:
+        q0 = _compute(query[:, :, 0])
+        if memo is not None:
+            found, (q_memo,) = block_ring.lookup(memo, torch.full_like(memo["block"], p0 // query_block), ["q"])
+            q0 = torch.where(found[:, None, None], q_memo, q0)
+        qb = torch.cat([q0[:, :, None], qb], 2)
+    if memo is not None:
+        block_ring.store_from_host(memo, p0, Sq, query_block, {"q": qb.transpose(1, 2)})
+    return qb
+
+
+def _device_block_queries(query, q_pos0, block_start, query_block, memo, first, block_ok):
+    """``block_queries``' ``(B, Hq, NB, D)`` from device offsets (rows may start at different positions)."""
     B, Hq, Sq, D = query.shape
     qi = block_start - q_pos0[:, None]  # (B, NB) query tensor index of each block's first query
     inside = (qi >= 0) & (qi < Sq)
     g = qi.clamp(0, Sq - 1)[:, None, :, None].expand(B, Hq, qi.shape[1], D)
     qb = _compute(query.gather(2, g))  # (B, Hq, NB, D)
-    need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
-    p0 = block_ring.host_starts(host, B)
-    values = {"q": ((Hq, D), qb.dtype)}
-    usable = memo is not None and block_ring.prepare(memo, B, query_block, values, first.device)
-    if block_ring.host_missing(memo, p0, query_block, usable):
-        _warn_memo()
     if memo is not None:  # buffers written in place (sparse_k.selection.step_state: CUDA-graph safe)
+        need = ~inside[:, 0] & block_ok[:, 0]  # rows whose first block started in an earlier call
         found, (q_memo,) = block_ring.lookup(memo, first, ["q"])
         qb[:, :, 0] = torch.where((need & found)[:, None, None], q_memo, qb[:, :, 0])
         last = block_ok.sum(-1) - 1  # (B,) each row's last block
         block_ring.store(memo, first, last, inside, {"q": qb.transpose(1, 2)})
-        block_ring.host_store(memo, p0, Sq, query_block, fresh=not usable)
-    return qb.view(B, Hq // G, G, -1, D).transpose(2, 3)
+    return qb
 
 
 def _warn_memo():
@@ -563,18 +607,43 @@ def _warn_memo():
               "selection memo per layer, e.g. with hf_sparse_attention.SparseCache); using the call's first query")
 
 
-def _kernel_pages(kern, qb, kmin, kmax, ok, hi, block_ok, page: int, n_sel: int, flag):
-    """``top_pages`` through the kernels: the ``n_sel`` best candidate pages of the blocks' first queries ``qb (B, H, C,
-    G, D)`` (``hi, block_ok (B, C)``: last candidate position, block in the call); rows off ``flag (B,)`` choose none."""
+def _kernel_page_ids(kern, qb, kmin, kmax, ok, last, lengths, n_sel: int, flag):
+    """The ``n_sel`` best candidate pages of the blocks' first queries ``qb (B, H, C, G, D)`` through the kernels:
+    ``(B, H, C, n)`` int32 ascending, ``-1`` after. ``last (B, C)`` int64 each block's last candidate page (-1: none),
+    ``lengths (B, H, C)`` int32 ``last + 1``; rows off ``flag (B,)`` choose none."""
     B, H, C = qb.shape[:3]
-    P = kmin.shape[2]
-    last = torch.where(block_ok, torch.div(hi + 1, page, rounding_mode="floor") - 1, -1)  # a page is a candidate when complete
     rows = None if flag is None else flag[:, None, None].expand(B, H, C)
     scores = kern.page_bound_scores(qb, kmin, kmax, ok, last, rows)  # (B, H, C, P), -inf off the candidates
-    pages = kern.topk_rows(scores, min(n_sel, P), flag=rows, lengths=(last + 1)[:, None]).long()  # ascending, -1 after
-    if rows is not None:
-        pages = torch.where(rows[..., None], pages, -1)
+    pages = kern.topk_rows(scores, min(n_sel, kmin.shape[2]), flag=rows, lengths=lengths)  # ascending, -1 after
+    return pages if rows is None else torch.where(rows[..., None], pages, -1)
+
+
+def _kernel_pages(kern, qb, kmin, kmax, ok, last, lengths, n_sel: int, flag):
+    """``_kernel_page_ids`` as int64 pages and ``chosen`` (``top_pages``' form, for the refinements)."""
+    pages = _kernel_page_ids(kern, qb, kmin, kmax, ok, last, lengths, n_sel, flag).long()
     return pages, pages >= 0
+
+
+def _call_tensors(pattern, geometry, host, B: int, Sq: int, Skv: int, Hkv: int, page: int, block_start, block_ok):
+    """The geometry-only tensors of a call: ``n_keys (B,)``, ``q_pos0 (B,)`` (first query position), the candidate
+    range ``lo, hi (B, NB)``, each block's last candidate page ``last (B, NB)`` int64 (-1: none; a page is a candidate
+    when complete) and ``lengths (B, Hkv, NB)`` int32 (``last + 1``: the page top-k's row lengths). With host-known
+    offsets every layer of a forward shares them (``layouts.host_memo``; ``block_start, block_ok`` are then the
+    call's own, from ``selectors.block_candidates``)."""
+
+    def build():
+        n_keys = (geometry.k_end.expand(B) - geometry.k_start.expand(B)).clamp_min(0)
+        q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
+        lo, hi = pattern.candidate_range(block_start)
+        last = torch.where(block_ok, torch.div(hi + 1, page, rounding_mode="floor") - 1, -1)
+        lengths = (last + 1)[:, None].expand(B, Hkv, last.shape[1]).to(torch.int32).contiguous()
+        return n_keys, q_pos0, lo, hi, last, lengths
+
+    if host is None:
+        return build()
+    key = ("quest_layout", type(pattern), pattern.query_block, pattern.sinks, pattern.window,
+           tuple(tuple(x) for x in host), B, Sq, Skv, block_start.shape[1], Hkv, page)
+    return host_memo(key, block_start.device, build)
 
 
 def quest_layout(pattern, query, key, geometry, host, first, block_start, block_ok, width, span, *, memo=None,
@@ -595,22 +664,21 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     Hkv = key.shape[1]
     page = page_size(pattern, page)
     NB = block_start.shape[1]
-    k_start, k_end = geometry.k_start.expand(B), geometry.k_end.expand(B)
-    n_keys = (k_end - k_start).clamp_min(0)
+    k_start = geometry.k_start.expand(B)
+    n_keys, q_pos0, lo, hi, last, lengths = _call_tensors(pattern, geometry, host, B, Sq, key.shape[2], Hkv, page,
+                                                          block_start, block_ok)
     aligned = host is not None and all(x == 0 for x in host[1])
     n_pages = max(1, -(-span // page))
     if summaries is None:
-        kmin, kmax, ok = page_summaries(key, k_start, k_end, page, pattern.sinks, n_pages, aligned=aligned)
+        kmin, kmax, ok = page_summaries(key, k_start, geometry.k_end.expand(B), page, pattern.sinks, n_pages,
+                                        aligned=aligned)
     else:
         kmin, kmax, ok = (t[:, :, :n_pages] for t in summaries)
-    q_pos0 = geometry.q_positions(Sq).expand(B, Sq)[:, 0]
     G, D, O = Hq // Hkv, key.shape[-1], max(0, OBS)
     if O:
         ext, ext_ok, qo0, ok0 = _obs_prepare(query, q_pos0, block_start, block_ok, first, host, memo, O)
     else:
         qb = block_queries(query, q_pos0, block_start, host, pattern.query_block, memo, first, block_ok, G)
-    lo, hi = pattern.candidate_range(block_start)
-    p_idx = torch.arange(n_pages, device=key.device)
     limit = CHUNK_ELEMENTS_CUDA if key.is_cuda else CHUNK_ELEMENTS
     per_q = G * max(1, O)  # query vectors scored per block and KV head
     step = max(1, limit // max(1, B * Hkv * n_pages * per_q))  # blocks per chunk: bounded score memory
@@ -621,14 +689,18 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * (REFINE_LIST_ENTRIES if kern else D))))
         if O:
             step = max(1, min(step, limit // max(1, B * Hkv * per_q * (n_pre * page + pattern.sinks + pattern.window))))
+    if kern is not None and not n_pre and page & (page - 1) == 0:  # pages to layout in one kernel
+        return _kernel_page_layout(kern, pattern, qb, kmin, kmax, ok, last, lengths, lo, hi, block_ok, n_keys,
+                                   geometry.k_start, page, width, step, first, flag)
+    p_idx = torch.arange(n_pages, device=key.device)
     indices = torch.empty((B, Hkv, NB, width), dtype=torch.int32, device=key.device)
     counts = torch.empty((B, Hkv, NB), dtype=torch.int32, device=key.device)
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
         bs, bo = block_start[:, c0:c1], block_ok[:, c0:c1]
         if kern is not None:
-            pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, hi[:, c0:c1], bo, page,
-                                          n_pre or pattern.top_k // page, flag)
+            pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, last[:, c0:c1],
+                                          lengths[:, :, c0:c1], n_pre or pattern.top_k // page, flag)
             if n_pre and page & (page - 1) == 0:
                 qk = qb[:, :, c0:c1].to(query.dtype) if query.dtype == key.dtype else qb[:, :, c0:c1]  # exact: qb holds queries
                 pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, n_keys, width, pattern.top_k, bs,
@@ -665,6 +737,33 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
             pos_c, cnt_c = expand_pages(pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1], n_keys, width)
         _finish_chunk(indices[:, :, c0:c1], counts[:, :, c0:c1], pos_c, cnt_c, lo[:, c0:c1], hi[:, c0:c1], bo, n_keys,
                       k_start, pattern.top_k)
+    return TokenLayout(indices=indices, counts=counts, query_block=pattern.query_block, first_block=first, weights=None)
+
+
+def _kernel_page_layout(kern, pattern, qb, kmin, kmax, ok, last, lengths, lo, hi, block_ok, n_keys, k_start, page: int,
+                        width: int, step: int, first, flag):
+    """``quest_layout`` without refinement through the kernels: page bounds, page top-k, and the chosen pages'
+    keys packed into the layout (``select_triton.page_layout``), chunk by chunk of ``step`` blocks (one chunk: the
+    kernel's outputs are the layout)."""
+    from ..layouts.token_layout import TokenLayout
+
+    B, H, NB = qb.shape[:3]
+    n_sel = pattern.top_k // page
+    indices = counts = None
+    for c0 in range(0, NB, step):  # host-known sizes: no device read
+        c1 = min(NB, c0 + step)
+        pages = _kernel_page_ids(kern, qb[:, :, c0:c1], kmin, kmax, ok, last[:, c0:c1], lengths[:, :, c0:c1], n_sel,
+                                 flag)
+        idx, cnt = kern.page_layout(pages, page, lo[:, c0:c1], hi[:, c0:c1], block_ok[:, c0:c1], n_keys, k_start,
+                                    pattern.top_k, width)
+        if c1 - c0 == NB:
+            indices, counts = idx, cnt
+            break
+        if indices is None:
+            indices = torch.empty((B, H, NB, width), dtype=torch.int32, device=qb.device)
+            counts = torch.empty((B, H, NB), dtype=torch.int32, device=qb.device)
+        indices[:, :, c0:c1].copy_(idx)
+        counts[:, :, c0:c1].copy_(cnt)
     return TokenLayout(indices=indices, counts=counts, query_block=pattern.query_block, first_block=first, weights=None)
 
 

@@ -50,8 +50,18 @@ same kernels every time and they cost nothing inside a block. No host read.
   have it (exact), else TF32x3 (about float32); sums in float32; a block's arithmetic does not depend on the other
   blocks of its tile, so decode equals recompute.
 
+* ``page_summaries(key (B, H, S, D), k_start, k_end, page, sinks, n_pages) -> kmin, kmax (B, H, n_pages, D), ok
+  (B, 1, n_pages)``: ``page_selection.page_summaries`` (the channel-wise min / max of each page's valid keys) in one
+  launch, reading the keys where they lie (any float dtype, any strides). Exact.
+* ``page_layout(pages (B, H, C, n), page, lo, hi, block_ok (B, C), n_keys, k_start, top_k, width) -> indices (B, H, C,
+  width), counts (B, H, C)`` int32: the token layout of the chosen pages (``page_selection.expand_pages`` and
+  ``_finish_chunk``: a block with at most ``top_k`` candidates takes all of them, else the keys of its pages inside
+  its candidate range, packed in order). One program a row. Exact.
+
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
-``sparse_k::index_scores``, ``sparse_k::refine_scores``, ``sparse_k::refine_page_scores``) with a fake, so ``torch.compile`` traces it as one opaque call. Output
+``sparse_k::index_scores``, ``sparse_k::refine_scores``, ``sparse_k::refine_page_scores``, ``sparse_k::page_summaries``,
+``sparse_k::page_layout``) with a fake, so ``torch.compile`` traces it as one opaque call; an eager call on real
+tensors runs the implementation directly (``_launch``: the op's dispatch costs more host time than the launch). Output
 buffers come from ``_empty`` (uninitialised; the tests poison it). Runs on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1`` (float32 arithmetic only, which the interpreter computes exactly).
 """
@@ -61,10 +71,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from .._ops import add_op_namespace_prefix
 
-__all__ = ["index_scores", "page_bound_scores", "refine_page_scores", "refine_scores", "topk_rows"]
+__all__ = ["index_scores", "page_bound_scores", "page_layout", "page_summaries", "refine_page_scores", "refine_scores",
+           "topk_rows"]
 
 
 #: Preselected keys per program of ``refine_scores`` (a row's keys are split over ``cdiv(W, REFINE_SPLIT)`` programs, so
@@ -95,6 +107,9 @@ TOPK_BLOCK_MAX = 8192
 PAGE_BOUND_ROWS = 64
 PAGE_BOUND_WARPS = 8
 PAGE_BOUND_PROGRAMS = 2048
+
+#: ``page_summaries``: pages per program.
+PAGE_SUMMARY_PAGES = 16
 
 
 @triton.jit
@@ -589,9 +604,93 @@ def _refine_pages_prob_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, OUT, H, C,
                      mask=live_b[:, None] & (ww[None, :] < W) & (ww[None, :] >= count_b[:, None]))
 
 
+@triton.jit
+def _page_summary_kernel(K, KST, KEND, KMIN, KMAX, OK, H, S, D, P, sinks, sk_b, sk_h, sk_s, sk_d, s_ks, s_ke, so_b,
+                         so_h, so_p, PAGE: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program: ``BLOCK_PG`` pages of one ``(b, h)``; min / max over each page's valid keys, one key row per page at
+    a time (``PAGE`` steps). The ``h == 0`` programs write ``OK``."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    pg = tl.program_id(1).to(tl.int64) * BLOCK_PG + tl.arange(0, BLOCK_PG)
+    d = tl.arange(0, BLOCK_D)
+    din = d < D
+    ks = tl.load(KST + b * s_ks)
+    ke = tl.minimum(tl.load(KEND + b * s_ke), S)
+    kmin = tl.full([BLOCK_PG, BLOCK_D], float("inf"), tl.float32)
+    kmax = tl.full([BLOCK_PG, BLOCK_D], float("-inf"), tl.float32)
+    found = tl.zeros([BLOCK_PG], tl.int32)
+    k_bh = K + b * sk_b + h * sk_h
+    for o in range(PAGE):
+        pos = pg * PAGE + o
+        idx = ks + pos
+        ok = (pg < P) & (pos >= sinks) & (idx < ke)
+        k = tl.load(k_bh + idx[:, None] * sk_s + d[None, :] * sk_d, mask=ok[:, None] & din[None, :], other=0.0)
+        k = k.to(tl.float32)
+        kmin = tl.where(ok[:, None], tl.minimum(kmin, k, propagate_nan=tl.PropagateNan.ALL), kmin)
+        kmax = tl.where(ok[:, None], tl.maximum(kmax, k, propagate_nan=tl.PropagateNan.ALL), kmax)
+        found = found | ok.to(tl.int32)
+    out = b * so_b + h * so_h + pg[:, None] * so_p + d[None, :]
+    live = (pg < P)[:, None] & din[None, :]
+    tl.store(KMIN + out, kmin, mask=live)
+    tl.store(KMAX + out, kmax, mask=live)
+    if h == 0:
+        tl.store(OK + b * P + pg, found.to(tl.int8), mask=pg < P)
+
+
+@triton.jit
+def _page_layout_kernel(PAGES, LO, HI, BOK, NK, KST, IDX, CNT, H, C, NPG, W, top_k, sp_r, sg_b, sg_c, s_nk, s_ks, si_r,
+                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A program: one row ``(b, h, c)``. A block with at most ``top_k`` candidates takes all of them; else the keys
+    of its listed pages inside its candidate range, packed in order (a scan of the per-slot flags)."""
+    row = tl.program_id(0).to(tl.int64)
+    b, _, c = _row_bhc(row, H, C)
+    lo = tl.load(LO + b * sg_b + c * sg_c)
+    hi = tl.load(HI + b * sg_b + c * sg_c)
+    live = tl.load(BOK + b * sg_b + c * sg_c).to(tl.int64)
+    nk = tl.load(NK + b * s_nk)
+    kst = tl.load(KST + b * s_ks)
+    n_cand = tl.maximum(tl.minimum(hi, nk - 1) - lo + 1, 0) * live
+    out = IDX + row * si_r
+    if n_cand <= top_k:
+        for w0 in range(0, W, BLOCK_W):
+            s = w0 + tl.arange(0, BLOCK_W)
+            tl.store(out + s, tl.where(s < n_cand, lo + s + kst, -1).to(tl.int32), mask=s < W)
+        tl.store(CNT + row, n_cand.to(tl.int32))
+    else:
+        n = tl.arange(0, BLOCK_N)
+        j = n // PAGE
+        pg = tl.load(PAGES + row * sp_r + j, mask=j < NPG, other=-1).to(tl.int64)
+        pos = pg * PAGE + n % PAGE
+        ok = (pg >= 0) & (pos >= lo) & (pos <= hi) & (pos < nk)
+        oki = ok.to(tl.int32)
+        dest = tl.cumsum(oki, 0) - oki
+        count = tl.sum(oki, 0)
+        tl.store(out + dest, (pos + kst).to(tl.int32), mask=ok & (dest < W))
+        for w0 in range(0, W, BLOCK_W):
+            s = w0 + tl.arange(0, BLOCK_W)
+            tl.store(out + s, tl.full([BLOCK_W], -1, tl.int32), mask=(s >= count) & (s < W))
+        tl.store(CNT + row, count)
+
+
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """Every output buffer of the launchers (uninitialised; the tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _bytes_of(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as uint8 for a kernel: its own bytes (no copy), or a conversion while ``torch.compile`` traces
+    (Inductor cannot lower a bool bitcast)."""
+    return mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
+
+
+def _launch(op, impl, *args):
+    """``op(*args)``, a launcher's ``torch.library`` custom op (what ``torch.compile`` and fake tensors see: one opaque
+    call with a fake), or in an eager call on real tensors its implementation ``impl(*args)`` directly: the op's
+    dispatch costs more host time than a small launch (about a tenth of a millisecond), which adds up over the
+    selection's launches in every layer of a forward."""
+    if torch.compiler.is_compiling() or any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        return op(*args)
+    return impl(*args)
 
 
 def _flag_arg(flag: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -599,9 +698,8 @@ def _flag_arg(flag: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor
     return fallback if flag is None else flag.reshape(-1).to(torch.uint8).contiguous()
 
 
-@torch.library.custom_op(add_op_namespace_prefix("select_topk"), mutates_args=())
-def _select_topk(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor | None, lengths: torch.Tensor | None,
-                 k: int, block: int) -> torch.Tensor:
+def _select_topk_impl(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor | None, lengths: torch.Tensor | None,
+                      k: int, block: int) -> torch.Tensor:
     R, n = x.shape
     out = _empty((R, k), torch.int32, x.device)
     if R > 0 and k > 0:
@@ -611,6 +709,10 @@ def _select_topk(x: torch.Tensor, mask: torch.Tensor | None, flag: torch.Tensor 
                            HAS_LEN=lengths is not None, ONE_CHUNK=block >= n, BLOCK=block,
                            BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=16 if block > 4096 else 8)
     return out
+
+
+_select_topk = torch.library.custom_op(add_op_namespace_prefix("select_topk"),
+                                       mutates_args=())(_select_topk_impl)
 
 
 @_select_topk.register_fake
@@ -654,7 +756,7 @@ def topk_rows(x: torch.Tensor, k: int, mask: torch.Tensor | None = None, flag: t
     m2 = _row_mask(mask, x.shape, "topk_rows").reshape(-1, n) if mask is not None else None
     f2 = _row_flag(flag, lead, "topk_rows")
     n2 = _row_lengths(lengths, lead, "topk_rows")
-    return _select_topk(x2, m2, f2, n2, k, block).view(*lead, k)
+    return _launch(_select_topk, _select_topk_impl, x2, m2, f2, n2, k, block).view(*lead, k)
 
 
 def _row_mask(mask: torch.Tensor, shape, who: str) -> torch.Tensor:
@@ -673,6 +775,8 @@ def _row_lengths(lengths: torch.Tensor | None, lead, who: str) -> torch.Tensor |
             or lengths.is_complex():
         raise ValueError(f"{who}: `lengths` must be an integer tensor, got {getattr(lengths, 'dtype', type(lengths).__name__)}")
     try:
+        if lengths.dtype == torch.int32:  # (already in the kernel's type: no conversion)
+            return lengths.expand(lead).reshape(-1).contiguous()
         return lengths.expand(lead).reshape(-1).clamp(0, 2**31 - 1).to(torch.int32).contiguous()
     except RuntimeError:
         raise ValueError(f"{who}: `lengths` shape {tuple(lengths.shape)} does not broadcast to the rows {tuple(lead)}") from None
@@ -689,9 +793,8 @@ def _row_flag(flag: torch.Tensor | None, lead, who: str) -> torch.Tensor | None:
         raise ValueError(f"{who}: `flag` shape {tuple(flag.shape)} does not broadcast to the rows {tuple(lead)}") from None
 
 
-@torch.library.custom_op(add_op_namespace_prefix("page_bound_scores"), mutates_args=())
-def _page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor, last: torch.Tensor,
-                       flag: torch.Tensor | None, block_p: int) -> torch.Tensor:
+def _page_bound_scores_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor, last: torch.Tensor,
+                            flag: torch.Tensor | None, block_p: int) -> torch.Tensor:
     B, H, C, G, D = q.shape
     P = kmin.shape[2]
     out = _empty((B, H, C, P), torch.float32, q.device)
@@ -706,6 +809,10 @@ def _page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, 
             ok.stride(0), last.stride(0), P, HAS_FLAG=flag is not None, BLOCK_C=PAGE_BOUND_ROWS, BLOCK_P=block_p,
             BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=PAGE_BOUND_WARPS)
     return out
+
+
+_page_bound_scores = torch.library.custom_op(add_op_namespace_prefix("page_bound_scores"),
+                                             mutates_args=())(_page_bound_scores_impl)
 
 
 @_page_bound_scores.register_fake
@@ -743,14 +850,15 @@ def page_bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, o
         raise ValueError(f"page_bound_scores: `block_p` must be a power of two in [16, 1024], got {block_p!r}")
     if kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:  # the state's buffers (or slices of them) pass as they are
         kmin, kmax = kmin.contiguous(), kmax.contiguous()
-    okc = ok[:, 0].to(torch.uint8).contiguous()
-    return _page_bound_scores(q.to(torch.float32).contiguous(), kmin, kmax, okc, last.contiguous(),
-                              _row_flag(flag, (B, H, C), "page_bound_scores"), block_p)
+    okc = _bytes_of(ok[:, 0].contiguous())
+    if q.dtype != torch.float32 or q.stride(-1) != 1:  # (the kernel reads any strides with a contiguous last dim)
+        q = q.to(torch.float32).contiguous()
+    return _launch(_page_bound_scores, _page_bound_scores_impl, q, kmin, kmax, okc, last.contiguous(),
+                   _row_flag(flag, (B, H, C), "page_bound_scores"), block_p)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("index_scores"), mutates_args=())
-def _index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch.Tensor, flag: torch.Tensor | None,
-                  groups: int, block_s: int) -> torch.Tensor:
+def _index_scores_impl(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch.Tensor, flag: torch.Tensor | None,
+                       groups: int, block_s: int) -> torch.Tensor:
     B, T, Hi, dI = q.shape
     S = ik.shape[1]
     out = _empty((B, T, groups, S), torch.float32, q.device)
@@ -761,6 +869,10 @@ def _index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torc
             cand.stride(0), cand.stride(1), S, HAS_FLAG=flag is not None, BLOCK_S=block_s,
             BLOCK_D=triton.next_power_of_2(dI), num_warps=4)
     return out
+
+
+_index_scores = torch.library.custom_op(add_op_namespace_prefix("index_scores"),
+                                        mutates_args=())(_index_scores_impl)
 
 
 @_index_scores.register_fake
@@ -795,14 +907,13 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch
     if isinstance(block_s, bool) or not isinstance(block_s, int) or not 16 <= block_s <= 1024 or block_s & (block_s - 1):
         raise ValueError(f"index_scores: `block_s` must be a power of two in [16, 1024], got {block_s!r}")
     ik = ik if ik.stride(-1) == 1 else ik.contiguous()
-    return _index_scores(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), ik,
-                         cand.to(torch.uint8).contiguous(), _row_flag(flag, (B, T, groups), "index_scores"), groups,
-                         block_s)
+    return _launch(_index_scores, _index_scores_impl, q.to(torch.float32).contiguous(),
+                   w.to(torch.float32).contiguous(), ik, cand.to(torch.uint8).contiguous(),
+                   _row_flag(flag, (B, T, groups), "index_scores"), groups, block_s)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("refine_scores"), mutates_args=())
-def _refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
-                   sok: torch.Tensor, flag: torch.Tensor | None, block_n: int) -> torch.Tensor:
+def _refine_scores_impl(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
+                        sok: torch.Tensor, flag: torch.Tensor | None, block_n: int) -> torch.Tensor:
     B, H, C, G, D = q.shape
     W, WS = idx.shape[-1], sidx.shape[-1]
     block_g, block_d = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
@@ -820,6 +931,10 @@ def _refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: to
         _refine_prob_kernel[(R, NS)](q, key, idx, ok, f, pm, pl, out, H, C, G, D, W, NS, D ** -0.5, *qs, W,
                                      BLOCK_S=max(2, triton.next_power_of_2(NS)), **common)
     return out
+
+
+_refine_scores = torch.library.custom_op(add_op_namespace_prefix("refine_scores"),
+                                         mutates_args=())(_refine_scores_impl)
 
 
 @_refine_scores.register_fake
@@ -867,14 +982,13 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
     key = key if key.stride(-1) == 1 else key.contiguous()
     if block_n is None:  # the (G, block_n, D) product of a tile: about 8K floats (64 registers a thread at 8 warps)
         block_n = max(16, min(64, 8192 // (triton.next_power_of_2(q.shape[3]) * max(16, triton.next_power_of_2(q.shape[4])))))
-    return _refine_scores(q.to(torch.float32).contiguous(), key, *lists, _row_flag(flag, (B, H, C), "refine_scores"),
-                          block_n)
+    return _launch(_refine_scores, _refine_scores_impl, q.to(torch.float32).contiguous(), key, *lists,
+                   _row_flag(flag, (B, H, C), "refine_scores"), block_n)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("refine_page_scores"), mutates_args=())
-def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, block_start: torch.Tensor,
-                        n_keys: torch.Tensor, k_start: torch.Tensor, flag: torch.Tensor | None, page: int, sinks: int,
-                        window: int) -> torch.Tensor:
+def _refine_page_scores_impl(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, block_start: torch.Tensor,
+                             n_keys: torch.Tensor, k_start: torch.Tensor, flag: torch.Tensor | None, page: int, sinks: int,
+                             window: int) -> torch.Tensor:
     B, H, C, G, D = q.shape
     NPG = pages.shape[-1]
     out = _empty((B, H, C, NPG * page), torch.float32, q.device)
@@ -897,6 +1011,10 @@ def _refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor,
         _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args, **common)
         _refine_pages_prob_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, out, *args, **common)
     return out
+
+
+_refine_page_scores = torch.library.custom_op(add_op_namespace_prefix("refine_page_scores"),
+                                              mutates_args=())(_refine_page_scores_impl)
 
 
 @_refine_page_scores.register_fake
@@ -948,7 +1066,121 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
             raise ValueError(f"refine_page_scores: `{name}` must be an int >= 0, got {v!r}")
     key = key if key.stride(-1) == 1 else key.contiguous()
     low = key.dtype != torch.float32 and q.dtype == key.dtype
-    return _refine_page_scores(q.contiguous() if low else q.to(torch.float32).contiguous(),
-                               key, pages.to(torch.int32).contiguous(),
-                               block_start.contiguous(), n_keys.contiguous(), k_start.contiguous(),
-                               _row_flag(flag, (B, H, C), "refine_page_scores"), page, sinks, window)
+    return _launch(_refine_page_scores, _refine_page_scores_impl,
+                   q.contiguous() if low else q.to(torch.float32).contiguous(), key, pages.to(torch.int32).contiguous(),
+                   block_start.contiguous(), n_keys.contiguous(), k_start.contiguous(),
+                   _row_flag(flag, (B, H, C), "refine_page_scores"), page, sinks, window)
+
+
+def _page_summaries_impl(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, page: int, sinks: int,
+                         n_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, S, D = key.shape
+    kmin = _empty((B, H, n_pages, D), torch.float32, key.device)
+    kmax = _empty((B, H, n_pages, D), torch.float32, key.device)
+    ok = _empty((B, n_pages), torch.int8, key.device)
+    if B * H * n_pages > 0:
+        _page_summary_kernel[(B * H, triton.cdiv(n_pages, PAGE_SUMMARY_PAGES))](
+            key, k_start, k_end, kmin, kmax, ok, H, S, D, n_pages, sinks, key.stride(0), key.stride(1), key.stride(2),
+            key.stride(3), k_start.stride(0), k_end.stride(0), kmin.stride(0), kmin.stride(1), kmin.stride(2), PAGE=page,
+            BLOCK_PG=PAGE_SUMMARY_PAGES, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    return kmin, kmax, ok
+
+
+_page_summaries = torch.library.custom_op(add_op_namespace_prefix("page_summaries"),
+                                          mutates_args=())(_page_summaries_impl)
+
+
+@_page_summaries.register_fake
+def _(key, k_start, k_end, page, sinks, n_pages):
+    B, H, _, D = key.shape
+    return (key.new_empty((B, H, n_pages, D), dtype=torch.float32),
+            key.new_empty((B, H, n_pages, D), dtype=torch.float32), key.new_empty((B, n_pages), dtype=torch.int8))
+
+
+def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, page: int, sinks: int,
+                   n_pages: int):
+    """``page_selection.page_summaries`` in one launch (module docstring): ``kmin, kmax (B, H, n_pages, D)`` float32
+    and ``ok (B, 1, n_pages)`` bool.
+
+    Args:
+        key: ``(B, H, S, D)`` float16/bfloat16/float32, any strides (read where it lies).
+        k_start, k_end: ``(B,)`` or ``(1,)`` int64, each row's valid key range (tensor indices).
+        page: keys per page (>= 1); sinks: positions below it are in no page's summary; n_pages: pages summarised.
+    """
+    if not isinstance(key, torch.Tensor) or key.dim() != 4 or key.dtype not in (torch.float16, torch.bfloat16,
+                                                                                  torch.float32):
+        raise ValueError(f"page_summaries: `key` must be a (B, H, S, D) float16/bfloat16/float32 tensor, got "
+                         f"{getattr(key, 'dtype', type(key).__name__)} {tuple(getattr(key, 'shape', ()))}")
+    B = key.shape[0]
+    for name, t in (("k_start", k_start), ("k_end", k_end)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] not in (1, B):
+            raise ValueError(f"page_summaries: `{name}` must be an int64 tensor of shape ({B},) or (1,), got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    for name, v, low in (("page", page, 1), ("sinks", sinks, 0), ("n_pages", n_pages, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"page_summaries: `{name}` must be an int >= {low}, got {v!r}")
+    kmin, kmax, ok = _launch(_page_summaries, _page_summaries_impl, key, k_start.expand(B), k_end.expand(B), page,
+                             sinks, n_pages)
+    ok = ok != 0 if torch.compiler.is_compiling() else ok.view(torch.bool)  # (no bool bitcast in Inductor)
+    return kmin, kmax, ok[:, None]
+
+
+def _page_layout_impl(pages: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_ok: torch.Tensor, n_keys: torch.Tensor,
+                      k_start: torch.Tensor, page: int, top_k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, C, n = pages.shape
+    indices = _empty((B, H, C, width), torch.int32, pages.device)
+    counts = _empty((B, H, C), torch.int32, pages.device)
+    if B * H * C > 0:
+        _page_layout_kernel[(B * H * C,)](
+            pages, lo, hi, block_ok, n_keys, k_start, indices, counts, H, C, n, width, top_k, pages.stride(2),
+            lo.stride(0), lo.stride(1), n_keys.stride(0), k_start.stride(0), indices.stride(2), PAGE=page,
+            BLOCK_N=triton.next_power_of_2(max(1, n)) * page, BLOCK_W=min(1024, triton.next_power_of_2(max(1, width))))
+    return indices, counts
+
+
+_page_layout = torch.library.custom_op(add_op_namespace_prefix("page_layout"),
+                                       mutates_args=())(_page_layout_impl)
+
+
+@_page_layout.register_fake
+def _(pages, lo, hi, block_ok, n_keys, k_start, page, top_k, width):
+    B, H, C, _ = pages.shape
+    return pages.new_empty((B, H, C, width), dtype=torch.int32), pages.new_empty((B, H, C), dtype=torch.int32)
+
+
+def page_layout(pages: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tensor, block_ok: torch.Tensor,
+                n_keys: torch.Tensor, k_start: torch.Tensor, top_k: int, width: int):
+    """The token layout of chosen pages (module docstring): ``indices (B, H, C, width)`` int32 key tensor indices
+    (ascending, ``-1`` past the count) and ``counts (B, H, C)`` int32.
+
+    Args:
+        pages: ``(B, H, C, n)`` integer page ids per block, ascending, ``-1`` after (``topk_rows``' output).
+        page: keys per page (a power of two). lo, hi: ``(B, C)`` int64 each block's candidate positions (inclusive).
+        block_ok: ``(B, C)`` bool, the block is in the call. n_keys, k_start: ``(B,)`` or ``(1,)`` int64.
+        top_k: a block with at most this many candidates takes all of them. width: the layout's ``K`` (at least
+            every block's count).
+    """
+    if not isinstance(pages, torch.Tensor) or pages.dim() != 4 or pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_layout: `pages` must be a (B, H, C, n) int32/int64 tensor, got "
+                         f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
+    B, H, C, _ = pages.shape
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1 or page & (page - 1):
+        raise ValueError(f"page_layout: `page` must be a power of two, got {page!r}")
+    for name, t in (("lo", lo), ("hi", hi), ("block_ok", block_ok)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, C):
+            raise ValueError(f"page_layout: `{name}` must have shape ({B}, {C}), got {tuple(getattr(t, 'shape', ()))}")
+    if lo.dtype != torch.int64 or hi.dtype != torch.int64 or block_ok.dtype != torch.bool:
+        raise ValueError(f"page_layout: `lo`/`hi` must be int64 and `block_ok` bool, got {lo.dtype}/{hi.dtype}/"
+                         f"{block_ok.dtype}")
+    for name, t in (("n_keys", n_keys), ("k_start", k_start)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] not in (1, B):
+            raise ValueError(f"page_layout: `{name}` must be an int64 tensor of shape ({B},) or (1,)")
+    for name, v in (("top_k", top_k), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"page_layout: `{name}` must be an int >= 0, got {v!r}")
+    if pages.stride(-1) != 1 or pages.stride(1) != C * pages.stride(2) or pages.stride(0) != H * pages.stride(1):
+        pages = pages.contiguous()
+    if lo.stride() != hi.stride() or lo.stride() != block_ok.stride():
+        lo, hi, block_ok = lo.contiguous(), hi.contiguous(), block_ok.contiguous()
+    return _launch(_page_layout, _page_layout_impl, pages, lo, hi, _bytes_of(block_ok), n_keys.expand(B),
+                   k_start.expand(B), page, top_k, width)

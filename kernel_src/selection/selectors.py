@@ -54,6 +54,7 @@ from torch import nn
 
 from ..warn import warn_once
 from ..layouts.geometry import RowGeometry, after_last_true, host_rows
+from ..layouts.host_memo import host_memo
 from ..layouts.patterns import Pattern, SparseK
 from .scorers import LightningIndexer, SparseKScorer
 from . import block_ring
@@ -144,10 +145,21 @@ class BlockCandidates:
 
 
 def block_candidates(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int | None = None):
-    """``selection_blocks`` with the candidates as a ``BlockCandidates`` (no mask over every block)."""
-    bq = pattern.query_block
+    """``selection_blocks`` with the candidates as a ``BlockCandidates`` (no mask over every block). With host-known
+    offsets the tensors are shared by every layer of a forward (``layouts.host_memo``)."""
+    host = geometry.host_offsets()
     if nb is None:
-        nb = _host_extent(pattern, geometry.host_offsets(), q_len, kv_len)[0]
+        nb = _host_extent(pattern, host, q_len, kv_len)[0]
+    if host is None or not all(isinstance(x, int) for x in (batch, q_len, kv_len, nb)):
+        return _block_candidates(pattern, geometry, batch, q_len, kv_len, nb)
+    key = ("block_candidates", type(pattern), pattern.query_block, pattern.sinks, pattern.window,
+           tuple(tuple(x) for x in host), batch, q_len, kv_len, nb)
+    return host_memo(key, geometry.q_start.device,
+                     lambda: _block_candidates(pattern, geometry, batch, q_len, kv_len, nb))
+
+
+def _block_candidates(pattern: Pattern, geometry: RowGeometry, batch: int, q_len: int, kv_len: int, nb: int):
+    bq = pattern.query_block
     qpos = geometry.q_positions(q_len).expand(batch, q_len)
     first = torch.div(qpos[:, 0].clamp_min(0), bq, rounding_mode="floor")
     last = torch.div(qpos[:, -1].clamp_min(0), bq, rounding_mode="floor")

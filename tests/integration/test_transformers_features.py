@@ -554,3 +554,27 @@ def test_mask_function_refuses_a_bidirectional_overlay():
     assert key_mask(2, 6, 6, 0, 0, mask_function=causal_mask_function) is None
     text_only = torch.full((2, 6), -1)
     assert key_mask(2, 6, 6, 0, 0, mask_function=or_masks(causal_mask_function, blockwise_overlay(text_only))) is None
+
+
+def test_a_forward_builds_the_selection_geometry_once_for_all_layers(monkeypatch):
+    """Every layer of a prefill shares the call's query blocks and candidate ranges (built once, not per layer); the
+    logits equal those of a forward that builds them in every layer."""
+    from sparse_k.layouts import host_memo as hm
+    from sparse_k.selection import selectors
+
+    model = tiny_model("llama", layers=3)
+    hf_sparse_attention.configure(model, "sparse_k", shipped_selectors=False, sinks=2, window=8, top_k=8, query_block=4)
+    model.set_attn_implementation("sparse_k")
+    ids = torch.randint(0, VOCAB, (1, 45))
+    calls = []
+    build = selectors._block_candidates
+    monkeypatch.setattr(selectors, "_block_candidates", lambda *a: calls.append(1) or build(*a))
+    monkeypatch.setattr(hm, "_MEMO", type(hm._MEMO)())
+    with torch.no_grad():
+        shared = model(ids, use_cache=False).logits
+    assert len(calls) == 1
+    monkeypatch.setattr(hm, "_keepable", lambda device: False)
+    with torch.no_grad():
+        rebuilt = model(ids, use_cache=False).logits
+    assert len(calls) == 4
+    torch.testing.assert_close(shared, rebuilt, rtol=0, atol=0)

@@ -75,3 +75,27 @@ def test_host_starts_and_missing():
     assert block_ring.host_missing(memo, [20, 25], qb, usable=True)  # block 3 was never started
     block_ring.host_store(memo, None, 1, qb, fresh=False)  # a call with device-only offsets: the mirror is dropped
     assert block_ring.host_missing(memo, [20, 17], qb, usable=True)
+
+
+def test_store_from_host_writes_what_store_writes():
+    """Calls whose rows share their start: ``store_from_host`` (slices chosen on the host) leaves the ring exactly as
+    ``store`` (per-slot index arithmetic on the device) does, through prefills, decode steps, drafts cut back into
+    older blocks, ring wraps and restarts."""
+    torch.manual_seed(0)
+    for qb in (1, 4, 16):
+        B, E = 2, 3
+        seq = torch.randn(B, 400, E)
+        by_device, by_host = {}, {}
+        calls = [(0, 37), (37, 1), (38, 1), (39, 9), (44, 3), (47, 70), (30, 2), (0, 5), (5, 1), (6, 130)]
+        for p, Sq in calls:
+            _call(by_device, [p] * B, Sq, qb, seq[:, p:p + Sq])
+            first = p // qb
+            NB = (p + Sq - 1) // qb - first + 1
+            qi = ((first + torch.arange(NB)) * qb - p).clamp(0, Sq - 1)
+            block_ring.prepare(by_host, B, qb, {"q": ((E,), seq.dtype)}, torch.device("cpu"))
+            block_ring.store_from_host(by_host, p, Sq, qb, {"q": seq[:, p:p + Sq][:, qi]})
+            for name in ("blocks", "block", "q"):
+                written = by_device[name] if name != "q" else torch.where(by_device["blocks"][..., None] >= 0,
+                                                                          by_device["q"], 0.0)
+                mine = by_host[name] if name != "q" else torch.where(by_host["blocks"][..., None] >= 0, by_host["q"], 0.0)
+                assert torch.equal(written, mine), (qb, p, Sq, name)

@@ -572,3 +572,31 @@ def test_pattern_refine_is_the_two_stage_selection(name, monkeypatch):
     for bad in (-1, 1.5, True):
         with pytest.raises((ValueError, TypeError), match="refine"):
             sparse_k.get_pattern(name, refine=bad)
+
+
+@pytest.mark.parametrize("qb", [1, 8, 64])
+def test_block_queries_from_host_offsets_equal_the_device_path(qb):
+    """``block_queries`` with host-known offsets shared by every row (strided slice of the queries, ring written by
+    slices) gives the block queries and leaves the memo exactly as the device path does, over a generation's calls
+    (prefill, decode steps, a draft cut back into an earlier block, a new prompt)."""
+    from sparse_k.layouts.geometry import row_geometry
+    from sparse_k.selection import page_selection
+    from sparse_k.selection.selectors import block_candidates
+    from sparse_k.layouts.patterns import get_pattern
+
+    pattern = get_pattern("sparse_k", sinks=2, window=8, top_k=16, query_block=qb)
+    B, Hq, Hkv, D = 2, 6, 2, 8
+    seq = torch.randn(B, Hq, 300, D)
+    by_device, by_host = {}, {}
+    for p, Sq in [(0, 70), (70, 1), (71, 1), (72, 9), (75, 3), (60, 40), (0, 3), (3, 140)]:
+        geo = row_geometry(B, Sq, p + Sq, device="cpu")
+        first, block_start, block_ok, _, _ = block_candidates(pattern, geo, B, Sq, p + Sq)
+        q = seq[:, :, p:p + Sq]
+        q_pos0 = geo.q_positions(Sq).expand(B, Sq)[:, 0]
+        args = (q_pos0, block_start, None, qb, by_device, first, block_ok, Hq // Hkv)
+        want = page_selection.block_queries(q, *args)
+        got = page_selection.block_queries(q, q_pos0, block_start, geo.host_offsets(), qb, by_host, first, block_ok,
+                                           Hq // Hkv)
+        assert torch.equal(got, want), (p, Sq)
+        for name in ("blocks", "block", "q"):
+            assert torch.equal(by_host[name], by_device[name]), (p, Sq, name)

@@ -38,7 +38,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 37  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 44  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -164,6 +164,89 @@ def _within_float32_error(got, want32, want64, where):
     ref_err = (want32.double() - want64)[fin].abs().max()
     floor = 1e-6 * want64[fin].abs().max().clamp_min(1.0)
     assert err <= 2 * ref_err + floor, (where, float(err), float(ref_err))
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("page, dtype, strided", [(16, torch.float32, False), (4, torch.float16, True),
+                                                  (8, torch.bfloat16, True), (3, torch.float32, True)])
+def test_page_summaries_kernel_equals_the_torch_summaries(page, dtype, strided, monkeypatch):
+    """Exact (a min and a max): rows with their own valid ranges (left padding, a short row), sinks, a last partial
+    page, pages past the keys, odd D; half-precision keys and a strided view (Transformers' transposed layout)."""
+    g = torch.Generator().manual_seed(11)
+    B, H, S, D = 2, 3, 83, 24
+    key = torch.randn(B, S, H, D, generator=g).to(dtype)
+    key = key.transpose(1, 2) if strided else key.transpose(1, 2).contiguous()
+    n_pages = -(-S // page) + 2
+    key = key.to(DEV)
+    for k_start, k_end in ((torch.tensor([0, 5]), torch.tensor([83, 61])), (torch.tensor([3]), torch.tensor([83, 61])),
+                           (torch.tensor([0, 5]), torch.tensor([70]))):  # per row, or one for every row
+        k_start, k_end = k_start.to(DEV), k_end.to(DEV)
+        got = st.page_summaries(key, k_start, k_end, page, 2, n_pages)
+        with monkeypatch.context() as m:
+            m.setattr(page_selection, "TRITON_SELECTION", False)
+            want = page_summaries(key, k_start.expand(B), k_end.expand(B), page, 2, n_pages)
+        for name, a, b in zip(("kmin", "kmax", "ok"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a, b), (name, k_start, k_end)
+
+
+def _page_lists(B, H, C, n, P, seed):
+    """Ascending page ids per block (some rows shorter: -1 after), ``(B, H, C, n)`` int32."""
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.stack([torch.randperm(P, generator=g)[:n] for _ in range(B * H * C)]).view(B, H, C, n)
+    pages = pages.sort(-1).values
+    short = torch.rand(B, H, C, 1, generator=g) < 0.3
+    pages = torch.where(short & (torch.arange(n) >= n // 2), torch.full_like(pages, P + 1), pages).sort(-1).values
+    return torch.where(pages > P, -1, pages).to(torch.int32)
+
+
+@KERNEL_TEST
+@pytest.mark.parametrize("page, n, top_k, width", [(16, 4, 64, 64), (4, 5, 20, 24), (8, 3, 24, 29)])
+def test_page_layout_equals_expand_pages(page, n, top_k, width):
+    """``page_layout`` equals ``expand_pages`` + ``_finish_chunk`` exactly: blocks that take all their candidates
+    (at most ``top_k`` of them), blocks outside the call, pages cut by the sinks, the candidate range's end and the row's keys, a
+    row with its own ``k_start``, short page lists."""
+    from sparse_k.selection.page_selection import _finish_chunk, expand_pages
+
+    B, H, C, P = 2, 3, 7, 12
+    pages = _page_lists(B, H, C, n, P, seed=page)
+    hi = torch.tensor([[3, 30, 60, 95, 120, 150, 190], [190, 100, 70, 45, 22, 10, 0]])
+    lo = torch.full_like(hi, 2)
+    hi[0, 1] = lo[0, 1] + top_k - 1  # exactly top_k candidates: all of them
+    block_ok = torch.tensor([[True] * 7, [True, True, True, False, True, True, True]])
+    n_keys = torch.tensor([180, 150])
+    for k_start in (torch.tensor([0, 9]), torch.tensor([4])):  # per row; one for every row (a geometry without a mask)
+        dev = [t.to(DEV) for t in (pages, lo, hi, block_ok, n_keys, k_start)]
+        idx, cnt = st.page_layout(dev[0], page, *dev[1:4], dev[4], dev[5], top_k, width)
+        want_pos, want_cnt = expand_pages(pages.long(), pages >= 0, page, lo, hi, n_keys, width)
+        want_idx = torch.empty(B, H, C, width, dtype=torch.int32)
+        want_counts = torch.empty(B, H, C, dtype=torch.int32)
+        _finish_chunk(want_idx, want_counts, want_pos, want_cnt, lo, hi, block_ok, n_keys, k_start.expand(B), top_k)
+        assert torch.equal(cnt.cpu(), want_counts)
+        assert torch.equal(idx.cpu(), want_idx), k_start
+        assert (want_counts <= top_k).all() and (want_counts > 0).any() and (want_counts == 0).any()
+
+
+def test_page_summaries_and_page_layout_reject_bad_arguments():
+    key = torch.zeros(1, 2, 8, 4)
+    r = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="`key` must be"):
+        st.page_summaries(key.double(), r, r, 4, 0, 2)
+    with pytest.raises(ValueError, match="`k_end` must be"):
+        st.page_summaries(key, r, r.int(), 4, 0, 2)
+    with pytest.raises(ValueError, match="`page` must be an int >= 1"):
+        st.page_summaries(key, r, r, 0, 0, 2)
+    pages = torch.zeros(1, 2, 3, 4, dtype=torch.int32)
+    lo = torch.zeros(1, 3, dtype=torch.long)
+    ok = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="`page` must be a power of two"):
+        st.page_layout(pages, 6, lo, lo, ok, r, r, 8, 8)
+    with pytest.raises(ValueError, match="`hi` must have shape"):
+        st.page_layout(pages, 4, lo, lo[:, :2], ok, r, r, 8, 8)
+    with pytest.raises(ValueError, match="`block_ok` bool"):
+        st.page_layout(pages, 4, lo, lo, ok.long(), r, r, 8, 8)
+    with pytest.raises(ValueError, match="`width` must be an int >= 0"):
+        st.page_layout(pages, 4, lo, lo, ok, r, r, 8, -1)
 
 
 @KERNEL_TEST
@@ -390,7 +473,15 @@ index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8"
          **{n: "i32" for n in ("T", "G", "HG", "S", "DI")}, "scale": "fp32",
          **{n: "i32" for n in ("sq_b", "sq_t", "sq_h", "sw_b", "sw_t", "sk_b", "sk_s", "sc_b", "sc_t", "so_r")},
          "HAS_FLAG": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
-for fn, sig, const, warps in ((st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "HAS_LEN": False,
+summary = {"K": "*bf16", "KST": "*i64", "KEND": "*i64", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*i8",
+           **{n: "i32" for n in ("H", "S", "D", "P", "sinks", "sk_b", "sk_h", "sk_s", "sk_d", "s_ks", "s_ke", "so_b",
+                                 "so_h", "so_p")}, "PAGE": "constexpr", "BLOCK_PG": "constexpr", "BLOCK_D": "constexpr"}
+layout = {"PAGES": "*i32", "LO": "*i64", "HI": "*i64", "BOK": "*u8", "NK": "*i64", "KST": "*i64", "IDX": "*i32",
+          "CNT": "*i32", **{n: "i32" for n in ("H", "C", "NPG", "W", "top_k", "sp_r", "sg_b", "sg_c", "s_nk", "s_ks", "si_r")},
+          "PAGE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"}
+for fn, sig, const, warps in ((st._page_summary_kernel, summary, {"PAGE": 16, "BLOCK_PG": 16, "BLOCK_D": 64}, 4),
+                              (st._page_layout_kernel, layout, {"PAGE": 16, "BLOCK_N": 2048, "BLOCK_W": 1024}, 4),
+                              (st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "HAS_LEN": False,
                                                        "ONE_CHUNK": False, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "HAS_LEN": True,
                                                        "ONE_CHUNK": False, "BLOCK": 1024, "BLOCK_K": 128}, 8),
