@@ -42,8 +42,8 @@ without a matching memo it uses the call's first query and warns once (as the DS
 place (``sparse_k.selection.step_state``), so a compiled decode step (CUDA graphs) never keeps one of its outputs.
 
 Kernels: where ``row_kernels`` gives the Triton module (``select_triton``: float32 summaries on CUDA, or on the CPU
-under ``TRITON_INTERPRET=1``), the page summaries, the page scores, the page top-k and (without refinement, pages of a
-power of two) the chosen pages' layout of ``quest_layout`` run there, for every call (so
+under ``TRITON_INTERPRET=1``), the page summaries, the page scores, the page top-k and (pages of a power of two) the
+chosen keys' layout of ``quest_layout`` run there, for every call (so
 a decode step equals a recompute bit for bit), and skip the rows whose ``flag`` is off (a decode step inside a query
 block: ``selection_state``); so do the refinement's scores and its top-k (``most_probable``; the scores of the
 training-free pages per tile of blocks, ``select_triton.refine_page_scores``, when the page size is a power of two,
@@ -412,23 +412,17 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     return most_probable(prob, pos, ok, top_k, width, rows)
 
 
-def _refine_pages(kern, qb, key, k_start, pages, page, n_keys, width, top_k, block_start, sinks, window, flag):
-    """``_refine`` through the kernels for pages from ``_kernel_pages`` (``pages (B, Hkv, NB, n)`` ascending, -1 after;
-    ``page`` a power of two): the scores come per tile of blocks from ``refine_page_scores`` in page-slot order (-inf
-    at a slot that holds no candidate key), whose positions ascend like ``expand_pages``' packed ones, so the
-    ``top_k`` slots above -inf (``topk_rows``) are the keys ``most_probable`` chooses; only those slots become
-    positions (no ``(NB, n * page)`` position or mask tensor)."""
+def _refined_slots(kern, qb, key, k_start, pages, page, n_keys, top_k, block_start, sinks, window, flag):
+    """``_refine`` through the kernels for pages from ``_kernel_page_ids`` (``pages (B, Hkv, NB, n)`` ascending, -1
+    after; ``page`` a power of two): the scores come per tile of blocks from ``refine_page_scores`` in page-slot order
+    (-inf at a slot that holds no candidate key), whose positions ascend like ``expand_pages``' packed ones, so the
+    ``top_k`` slots above -inf (``topk_rows``) are the keys ``most_probable`` chooses: ``(B, Hkv, NB, k)`` int32 slots,
+    ascending, -1 after (``select_triton.page_layout`` turns them into key indices)."""
     rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
     prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
-    k = min(top_k, prob.shape[-1])
     listed = (pages >= 0).sum(-1) * page  # the slots past a block's listed pages are -inf: not read
-    at = kern.topk_rows(prob, k, flag=rows, lengths=listed).long()  # (B, Hkv, NB, k) slots, ascending, -1 after
-    if rows is not None:
-        at = torch.where(rows[..., None], at, -1)
-    slot = at.clamp_min(0)
-    pos = pages.gather(-1, slot // page).long() * page + slot % page
-    chosen = torch.nn.functional.pad(torch.where(at >= 0, pos, -1), (0, max(0, width - k)), value=-1)[..., :width]
-    return chosen, (at >= 0).sum(-1).clamp_max(width)
+    at = kern.topk_rows(prob, min(top_k, prob.shape[-1]), flag=rows, lengths=listed)
+    return at if rows is None else torch.where(rows[..., None], at, -1)
 
 
 def obs_page_scores(qo: torch.Tensor, qo_ok: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, ok: torch.Tensor,
@@ -689,9 +683,9 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         step = max(1, min(step, limit // max(1, B * Hkv * n_pre * page * (REFINE_LIST_ENTRIES if kern else D))))
         if O:
             step = max(1, min(step, limit // max(1, B * Hkv * per_q * (n_pre * page + pattern.sinks + pattern.window))))
-    if kern is not None and not n_pre and page & (page - 1) == 0:  # pages to layout in one kernel
-        return _kernel_page_layout(kern, pattern, qb, kmin, kmax, ok, last, lengths, lo, hi, block_ok, n_keys,
-                                   geometry.k_start, page, width, step, first, flag)
+    if kern is not None and page & (page - 1) == 0:  # pages (and their refinement) to the layout in kernels
+        return _kernel_page_layout(kern, pattern, qb, key, query.dtype, kmin, kmax, ok, last, lengths, lo, hi,
+                                   block_start, block_ok, n_keys, k_start, page, width, step, n_pre, first, flag)
     p_idx = torch.arange(n_pages, device=key.device)
     indices = torch.empty((B, Hkv, NB, width), dtype=torch.int32, device=key.device)
     counts = torch.empty((B, Hkv, NB), dtype=torch.int32, device=key.device)
@@ -701,11 +695,7 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
         if kern is not None:
             pages, chosen = _kernel_pages(kern, qb[:, :, c0:c1], kmin, kmax, ok, last[:, c0:c1],
                                           lengths[:, :, c0:c1], n_pre or pattern.top_k // page, flag)
-            if n_pre and page & (page - 1) == 0:
-                qk = qb[:, :, c0:c1].to(query.dtype) if query.dtype == key.dtype else qb[:, :, c0:c1]  # exact: qb holds queries
-                pos_c, cnt_c = _refine_pages(kern, qk, key, k_start, pages, page, n_keys, width, pattern.top_k, bs,
-                                             pattern.sinks, pattern.window, flag)
-            elif n_pre:
+            if n_pre:
                 pos_c, cnt_c = _refine(qb[:, :, c0:c1], key, k_start, pages, chosen, page, lo[:, c0:c1], hi[:, c0:c1],
                                        n_keys, width, pattern.top_k, bs, pattern.sinks, pattern.window, flag)
             else:
@@ -740,22 +730,26 @@ def quest_layout(pattern, query, key, geometry, host, first, block_start, block_
     return TokenLayout(indices=indices, counts=counts, query_block=pattern.query_block, first_block=first, weights=None)
 
 
-def _kernel_page_layout(kern, pattern, qb, kmin, kmax, ok, last, lengths, lo, hi, block_ok, n_keys, k_start, page: int,
-                        width: int, step: int, first, flag):
-    """``quest_layout`` without refinement through the kernels: page bounds, page top-k, and the chosen pages'
-    keys packed into the layout (``select_triton.page_layout``), chunk by chunk of ``step`` blocks (one chunk: the
-    kernel's outputs are the layout)."""
+def _kernel_page_layout(kern, pattern, qb, key, query_dtype, kmin, kmax, ok, last, lengths, lo, hi, block_start,
+                        block_ok, n_keys, k_start, page: int, width: int, step: int, n_pre: int, first, flag):
+    """``quest_layout`` through the kernels (pages of a power of two): page bounds, page top-k, with ``n_pre`` the
+    refinement's slots (``_refined_slots``), and the chosen keys packed into the layout (``select_triton.page_layout``),
+    chunk by chunk of ``step`` blocks (one chunk: the kernel's outputs are the layout)."""
     from ..layouts.token_layout import TokenLayout
 
     B, H, NB = qb.shape[:3]
-    n_sel = pattern.top_k // page
     indices = counts = None
     for c0 in range(0, NB, step):  # host-known sizes: no device read
         c1 = min(NB, c0 + step)
-        pages = _kernel_page_ids(kern, qb[:, :, c0:c1], kmin, kmax, ok, last[:, c0:c1], lengths[:, :, c0:c1], n_sel,
-                                 flag)
+        pages = _kernel_page_ids(kern, qb[:, :, c0:c1], kmin, kmax, ok, last[:, c0:c1], lengths[:, :, c0:c1],
+                                 n_pre or pattern.top_k // page, flag)
+        slots = None
+        if n_pre:
+            qk = qb[:, :, c0:c1].to(query_dtype) if query_dtype == key.dtype else qb[:, :, c0:c1]  # exact: queries
+            slots = _refined_slots(kern, qk, key, k_start, pages, page, n_keys, pattern.top_k, block_start[:, c0:c1],
+                                   pattern.sinks, pattern.window, flag)
         idx, cnt = kern.page_layout(pages, page, lo[:, c0:c1], hi[:, c0:c1], block_ok[:, c0:c1], n_keys, k_start,
-                                    pattern.top_k, width)
+                                    pattern.top_k, width, slots=slots)
         if c1 - c0 == NB:
             indices, counts = idx, cnt
             break

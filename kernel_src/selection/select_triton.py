@@ -56,7 +56,7 @@ same kernels every time and they cost nothing inside a block. No host read.
 * ``page_layout(pages (B, H, C, n), page, lo, hi, block_ok (B, C), n_keys, k_start, top_k, width) -> indices (B, H, C,
   width), counts (B, H, C)`` int32: the token layout of the chosen pages (``page_selection.expand_pages`` and
   ``_finish_chunk``: a block with at most ``top_k`` candidates takes all of them, else the keys of its pages inside
-  its candidate range, packed in order). One program a row. Exact.
+  its candidate range, packed in order; with ``slots``, the refinement's chosen page slots). One program a row. Exact.
 
 Each launcher is a ``torch.library`` custom op (``sparse_k::select_topk``, ``sparse_k::page_bound_scores``,
 ``sparse_k::index_scores``, ``sparse_k::refine_scores``, ``sparse_k::refine_page_scores``, ``sparse_k::page_summaries``,
@@ -638,10 +638,12 @@ def _page_summary_kernel(K, KST, KEND, KMIN, KMAX, OK, H, S, D, P, sinks, sk_b, 
 
 
 @triton.jit
-def _page_layout_kernel(PAGES, LO, HI, BOK, NK, KST, IDX, CNT, H, C, NPG, W, top_k, sp_r, sg_b, sg_c, s_nk, s_ks, si_r,
-                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+def _page_layout_kernel(PAGES, SLOTS, LO, HI, BOK, NK, KST, IDX, CNT, H, C, NPG, K, W, top_k, sp_r, ss_r, sg_b, sg_c,
+                        s_nk, s_ks, si_r, HAS_SLOTS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
     """A program: one row ``(b, h, c)``. A block with at most ``top_k`` candidates takes all of them; else the keys
-    of its listed pages inside its candidate range, packed in order (a scan of the per-slot flags)."""
+    of its listed pages inside its candidate range, packed in order (a scan of the per-slot flags), or with ``SLOTS``
+    the keys at the row's chosen page slots (ascending, -1 after: already packed)."""
     row = tl.program_id(0).to(tl.int64)
     b, _, c = _row_bhc(row, H, C)
     lo = tl.load(LO + b * sg_b + c * sg_c)
@@ -658,14 +660,22 @@ def _page_layout_kernel(PAGES, LO, HI, BOK, NK, KST, IDX, CNT, H, C, NPG, W, top
         tl.store(CNT + row, n_cand.to(tl.int32))
     else:
         n = tl.arange(0, BLOCK_N)
-        j = n // PAGE
-        pg = tl.load(PAGES + row * sp_r + j, mask=j < NPG, other=-1).to(tl.int64)
-        pos = pg * PAGE + n % PAGE
-        ok = (pg >= 0) & (pos >= lo) & (pos <= hi) & (pos < nk)
-        oki = ok.to(tl.int32)
-        dest = tl.cumsum(oki, 0) - oki
-        count = tl.sum(oki, 0)
-        tl.store(out + dest, (pos + kst).to(tl.int32), mask=ok & (dest < W))
+        if HAS_SLOTS:
+            slot = tl.load(SLOTS + row * ss_r + n, mask=n < K, other=-1).to(tl.int64)
+            ok = slot >= 0
+            pg = tl.load(PAGES + row * sp_r + slot // PAGE, mask=ok, other=0).to(tl.int64)
+            pos = pg * PAGE + slot % PAGE
+            count = tl.minimum(tl.sum(ok.to(tl.int32), 0), W)
+            tl.store(out + n, (pos + kst).to(tl.int32), mask=ok & (n < W))
+        else:
+            j = n // PAGE
+            pg = tl.load(PAGES + row * sp_r + j, mask=j < NPG, other=-1).to(tl.int64)
+            pos = pg * PAGE + n % PAGE
+            ok = (pg >= 0) & (pos >= lo) & (pos <= hi) & (pos < nk)
+            oki = ok.to(tl.int32)
+            dest = tl.cumsum(oki, 0) - oki
+            count = tl.sum(oki, 0)
+            tl.store(out + dest, (pos + kst).to(tl.int32), mask=ok & (dest < W))
         for w0 in range(0, W, BLOCK_W):
             s = w0 + tl.arange(0, BLOCK_W)
             tl.store(out + s, tl.full([BLOCK_W], -1, tl.int32), mask=(s >= count) & (s < W))
@@ -1125,16 +1135,20 @@ def page_summaries(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     return kmin, kmax, ok[:, None]
 
 
-def _page_layout_impl(pages: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_ok: torch.Tensor, n_keys: torch.Tensor,
-                      k_start: torch.Tensor, page: int, top_k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _page_layout_impl(pages: torch.Tensor, slots: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+                      block_ok: torch.Tensor, n_keys: torch.Tensor, k_start: torch.Tensor, page: int, top_k: int,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, C, n = pages.shape
     indices = _empty((B, H, C, width), torch.int32, pages.device)
     counts = _empty((B, H, C), torch.int32, pages.device)
     if B * H * C > 0:
+        K = 0 if slots is None else slots.shape[-1]
+        span = triton.next_power_of_2(max(1, K)) if slots is not None else triton.next_power_of_2(max(1, n)) * page
         _page_layout_kernel[(B * H * C,)](
-            pages, lo, hi, block_ok, n_keys, k_start, indices, counts, H, C, n, width, top_k, pages.stride(2),
-            lo.stride(0), lo.stride(1), n_keys.stride(0), k_start.stride(0), indices.stride(2), PAGE=page,
-            BLOCK_N=triton.next_power_of_2(max(1, n)) * page, BLOCK_W=min(1024, triton.next_power_of_2(max(1, width))))
+            pages, pages if slots is None else slots, lo, hi, block_ok, n_keys, k_start, indices, counts, H, C, n, K,
+            width, top_k, pages.stride(2), 0 if slots is None else slots.stride(2), lo.stride(0), lo.stride(1),
+            n_keys.stride(0), k_start.stride(0), indices.stride(2), HAS_SLOTS=slots is not None, PAGE=page,
+            BLOCK_N=span, BLOCK_W=min(1024, triton.next_power_of_2(max(1, width))))
     return indices, counts
 
 
@@ -1143,13 +1157,22 @@ _page_layout = torch.library.custom_op(add_op_namespace_prefix("page_layout"),
 
 
 @_page_layout.register_fake
-def _(pages, lo, hi, block_ok, n_keys, k_start, page, top_k, width):
+def _(pages, slots, lo, hi, block_ok, n_keys, k_start, page, top_k, width):
     B, H, C, _ = pages.shape
     return pages.new_empty((B, H, C, width), dtype=torch.int32), pages.new_empty((B, H, C), dtype=torch.int32)
 
 
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, C, n)`` with contiguous rows laid out as ``(b * H + h) * C + c`` (one stride), else a copy."""
+    B, H, C, _ = t.shape
+    if t.stride(-1) != 1 or t.stride(1) != C * t.stride(2) or t.stride(0) != H * t.stride(1):
+        return t.contiguous()
+    return t
+
+
 def page_layout(pages: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tensor, block_ok: torch.Tensor,
-                n_keys: torch.Tensor, k_start: torch.Tensor, top_k: int, width: int):
+                n_keys: torch.Tensor, k_start: torch.Tensor, top_k: int, width: int, *,
+                slots: torch.Tensor | None = None):
     """The token layout of chosen pages (module docstring): ``indices (B, H, C, width)`` int32 key tensor indices
     (ascending, ``-1`` past the count) and ``counts (B, H, C)`` int32.
 
@@ -1159,6 +1182,10 @@ def page_layout(pages: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tens
         block_ok: ``(B, C)`` bool, the block is in the call. n_keys, k_start: ``(B,)`` or ``(1,)`` int64.
         top_k: a block with at most this many candidates takes all of them. width: the layout's ``K`` (at least
             every block's count).
+        slots: optional ``(B, H, C, k)`` integer: the chosen slots of the pages' keys (slot ``j * page + o``: key
+            ``o`` of the row's ``j``-th page; ascending, ``-1`` after, every one a candidate: the refinement's
+            ``topk_rows`` of ``refine_page_scores``); without it every key of the pages inside ``[lo, hi]`` and below
+            ``n_keys``.
     """
     if not isinstance(pages, torch.Tensor) or pages.dim() != 4 or pages.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"page_layout: `pages` must be a (B, H, C, n) int32/int64 tensor, got "
@@ -1178,9 +1205,14 @@ def page_layout(pages: torch.Tensor, page: int, lo: torch.Tensor, hi: torch.Tens
     for name, v in (("top_k", top_k), ("width", width)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"page_layout: `{name}` must be an int >= 0, got {v!r}")
-    if pages.stride(-1) != 1 or pages.stride(1) != C * pages.stride(2) or pages.stride(0) != H * pages.stride(1):
-        pages = pages.contiguous()
+    if slots is not None:
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 4 or tuple(slots.shape[:3]) != (B, H, C) \
+                or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"page_layout: `slots` must be a ({B}, {H}, {C}, k) int32/int64 tensor, got "
+                             f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+        slots = _rows_contiguous(slots)
+    pages = _rows_contiguous(pages)
     if lo.stride() != hi.stride() or lo.stride() != block_ok.stride():
         lo, hi, block_ok = lo.contiguous(), hi.contiguous(), block_ok.contiguous()
-    return _launch(_page_layout, _page_layout_impl, pages, lo, hi, _bytes_of(block_ok), n_keys.expand(B),
+    return _launch(_page_layout, _page_layout_impl, pages, slots, lo, hi, _bytes_of(block_ok), n_keys.expand(B),
                    k_start.expand(B), page, top_k, width)

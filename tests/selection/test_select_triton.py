@@ -38,7 +38,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 44  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 46  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -227,6 +227,40 @@ def test_page_layout_equals_expand_pages(page, n, top_k, width):
         assert (want_counts <= top_k).all() and (want_counts > 0).any() and (want_counts == 0).any()
 
 
+@KERNEL_TEST
+@pytest.mark.parametrize("page, n, k, width", [(16, 6, 40, 40), (4, 5, 7, 12)])
+def test_page_layout_of_refined_slots(page, n, k, width):
+    """With ``slots`` (the refinement's chosen page slots, ascending, -1 after) ``page_layout`` gives the keys at those
+    slots, as the PyTorch form does (gather the slot's page, then ``_finish_chunk``); blocks with few candidates take
+    all of them."""
+    from sparse_k.selection.page_selection import _finish_chunk
+
+    B, H, C, P = 2, 3, 5, 14
+    pages = _page_lists(B, H, C, n, P, seed=page + 1)
+    g = torch.Generator().manual_seed(page)
+    listed = (pages >= 0).sum(-1, keepdim=True) * page
+    keys = torch.where(torch.arange(n * page) < listed, torch.rand(B, H, C, n * page, generator=g), -1.0)
+    top = keys.topk(k, -1).indices.sort(-1).values
+    slots = torch.where(keys.gather(-1, top) >= 0, top, n * page).sort(-1).values
+    slots = torch.where(slots < n * page, slots, -1).to(torch.int32)
+    hi = torch.tensor([[300, 9, 250, 200, 150], [120, 300, 280, 30, 260]])
+    lo = torch.full_like(hi, 2)
+    hi[0, 1] = lo[0, 1] + k - 2  # k - 1 candidates: all of them
+    block_ok = torch.ones(B, C, dtype=torch.bool)
+    n_keys, k_start = torch.tensor([290, 250]), torch.tensor([0, 6])
+    dev = [t.to(DEV) for t in (pages, slots, lo, hi, block_ok, n_keys, k_start)]
+    idx, cnt = st.page_layout(dev[0], page, *dev[2:5], dev[5], dev[6], k, width, slots=dev[1])
+    at = slots.long()
+    pos = pages.long().gather(-1, at.clamp_min(0) // page) * page + at.clamp_min(0) % page
+    pos = torch.nn.functional.pad(torch.where(at >= 0, pos, -1), (0, max(0, width - k)), value=-1)[..., :width]
+    want_idx = torch.empty(B, H, C, width, dtype=torch.int32)
+    want_counts = torch.empty(B, H, C, dtype=torch.int32)
+    _finish_chunk(want_idx, want_counts, pos, (at >= 0).sum(-1).clamp_max(width), lo, hi, block_ok, n_keys, k_start, k)
+    assert torch.equal(cnt.cpu(), want_counts)
+    assert torch.equal(idx.cpu(), want_idx)
+    assert (want_counts < k).any() and (want_counts == min(k, width)).any()
+
+
 def test_page_summaries_and_page_layout_reject_bad_arguments():
     key = torch.zeros(1, 2, 8, 4)
     r = torch.zeros(1, dtype=torch.long)
@@ -247,6 +281,8 @@ def test_page_summaries_and_page_layout_reject_bad_arguments():
         st.page_layout(pages, 4, lo, lo, ok.long(), r, r, 8, 8)
     with pytest.raises(ValueError, match="`width` must be an int >= 0"):
         st.page_layout(pages, 4, lo, lo, ok, r, r, 8, -1)
+    with pytest.raises(ValueError, match="`slots` must be a"):
+        st.page_layout(pages, 4, lo, lo, ok, r, r, 8, 8, slots=pages[:, :1])
 
 
 @KERNEL_TEST
@@ -476,11 +512,16 @@ index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8"
 summary = {"K": "*bf16", "KST": "*i64", "KEND": "*i64", "KMIN": "*fp32", "KMAX": "*fp32", "OK": "*i8",
            **{n: "i32" for n in ("H", "S", "D", "P", "sinks", "sk_b", "sk_h", "sk_s", "sk_d", "s_ks", "s_ke", "so_b",
                                  "so_h", "so_p")}, "PAGE": "constexpr", "BLOCK_PG": "constexpr", "BLOCK_D": "constexpr"}
-layout = {"PAGES": "*i32", "LO": "*i64", "HI": "*i64", "BOK": "*u8", "NK": "*i64", "KST": "*i64", "IDX": "*i32",
-          "CNT": "*i32", **{n: "i32" for n in ("H", "C", "NPG", "W", "top_k", "sp_r", "sg_b", "sg_c", "s_nk", "s_ks", "si_r")},
-          "PAGE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"}
+layout = {"PAGES": "*i32", "SLOTS": "*i32", "LO": "*i64", "HI": "*i64", "BOK": "*u8", "NK": "*i64", "KST": "*i64",
+          "IDX": "*i32", "CNT": "*i32",
+          **{n: "i32" for n in ("H", "C", "NPG", "K", "W", "top_k", "sp_r", "ss_r", "sg_b", "sg_c", "s_nk", "s_ks",
+                                "si_r")},
+          "HAS_SLOTS": "constexpr", "PAGE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"}
 for fn, sig, const, warps in ((st._page_summary_kernel, summary, {"PAGE": 16, "BLOCK_PG": 16, "BLOCK_D": 64}, 4),
-                              (st._page_layout_kernel, layout, {"PAGE": 16, "BLOCK_N": 2048, "BLOCK_W": 1024}, 4),
+                              (st._page_layout_kernel, layout, {"HAS_SLOTS": False, "PAGE": 16, "BLOCK_N": 2048,
+                                                                "BLOCK_W": 1024}, 4),
+                              (st._page_layout_kernel, layout, {"HAS_SLOTS": True, "PAGE": 16, "BLOCK_N": 2048,
+                                                                "BLOCK_W": 1024}, 4),
                               (st._topk_kernel, topk, {"HAS_MASK": True, "HAS_FLAG": True, "HAS_LEN": False,
                                                        "ONE_CHUNK": False, "BLOCK": 1024, "BLOCK_K": 1024}, 8),
                               (st._topk_kernel, topk, {"HAS_MASK": False, "HAS_FLAG": False, "HAS_LEN": True,
