@@ -24,11 +24,18 @@ def test_same_key_same_tensors_and_separate_inference_mode(monkeypatch):
     assert b is not a and b.is_inference() and not a.is_inference()  # an inference tensor cannot be saved for backward
 
 
-def test_keeps_the_last_keys_and_nothing_while_tracing(monkeypatch):
+def test_keeps_the_last_keys_within_its_bytes_and_nothing_while_tracing(monkeypatch):
     monkeypatch.setattr(hm, "_MEMO", type(hm._MEMO)())
     for i in range(hm.MEMO_SIZE + 5):
         hm.host_memo(("k", i), "cpu", lambda: torch.zeros(1))
     assert len(hm._MEMO) == hm.MEMO_SIZE
+    monkeypatch.setattr(hm, "MEMO_BYTES", 100)
+    hm.host_memo(("big",), "cpu", lambda: torch.zeros(26))  # 104 bytes: not kept
+    assert all(key[0] != ("big",) for key in hm._MEMO)
+    for i in range(3):
+        hm.host_memo(("mid", i), "cpu", lambda: (torch.zeros(10), [torch.zeros(2, dtype=torch.float64)]))  # 56 bytes
+    kept = [key[0] for key in hm._MEMO]
+    assert kept == [("mid", 2)], kept  # the older ones dropped to stay within the bytes
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     first = hm.host_memo(("traced",), "cpu", lambda: torch.zeros(1))
     assert hm.host_memo(("traced",), "cpu", lambda: torch.zeros(1)) is not first
