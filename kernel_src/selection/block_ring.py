@@ -24,8 +24,7 @@ from ..layouts.geometry import host_rows
 from .step_state import state_buffers
 
 __all__ = ["MAX_BLOCKS", "SPAN", "host_has", "host_missing", "host_starts", "host_store", "lookup", "prepare",
-           "ring_blocks", "ring_spec", "store",
-           "store_from_host"]
+           "ring_blocks", "ring_spec", "store", "store_from_host"]
 
 #: Tokens the ring covers at least (a rejected draft up to this long continues exactly).
 SPAN = 128
