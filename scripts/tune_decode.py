@@ -23,6 +23,9 @@
   for sm_90a here (``triton.compile`` for a ``GPUTarget``, Triton's ``cuobjdump``), former and new defaults.
 * ``--part token``: token-layout prefill (query_block 128, top-2048 + window 1024, B=1, S=``--seqlen``)
   over tiles / warps / stages / GQA packing, beside our sliding-window 3072 forward (effective TF/s).
+* ``--part token_blocks``: token-layout prefill with short selection blocks (``--token-query-blocks``, per-query
+  selection at 1; sinks 4 + window 256 + top-256 by default), per head shape (``--token-shapes`` Hq:Hkv:D), the
+  plan's query tile against the other row counts.
 
 Example: ``python scripts/tune_decode.py --part decode,token --json results/tune_decode.json``;
 ``python scripts/tune_decode.py --part static --json results/tune_static.json`` (about 2 minutes on an H100).
@@ -462,6 +465,62 @@ def part_token(args, rows):
         print(json.dumps(row), flush=True)
 
 
+def _spread_selection(Hkv: int, S: int, p, dev):
+    """``bk.token_selection`` for ``Hkv`` KV heads (B=1): every block's ``top_k`` keys spread evenly over its
+    candidates, so neighbouring blocks' lists share most key tiles (as a real model's neighbouring queries do;
+    docs/selection.md, session 32)."""
+    sel = bk.token_selection(1, S, S, p, dev)
+    return sparse_k.TokenLayout(sel.indices[:, :1].expand(1, Hkv, *sel.indices.shape[2:]),
+                                sel.counts[:, :1].expand(1, Hkv, sel.counts.shape[2]), sel.query_block, sel.first_block)
+
+
+def part_token_blocks(args, rows):
+    """Token-layout prefill with short selection blocks (per-query selection): for each head shape and query block,
+    the tile the plan picks (``plan.selection_prefill_config``) and every other power-of-two row count a head, each
+    checked against the PyTorch path on two slices of queries, then timed."""
+    from sparse_k.attention import dispatch
+    from sparse_k.attention.plan import selection_prefill_config
+
+    dev, dtype, S = args.device, args.dtype, args.seqlen
+    for shape in args.token_shapes:
+        hq, hkv, D = (int(x) for x in shape.split(":"))
+        if args.dry_run:
+            D = args.head_dim
+        g = torch.Generator(device=dev).manual_seed(S + hq)
+        q, k, v = (torch.randn(1, h, S, D, device=dev, dtype=dtype, generator=g) for h in (hq, hkv, hkv))
+        geo = row_geometry(1, S, S, None, device=dev)
+        for qb in args.token_query_blocks:
+            p = get_pattern("sparse_k", sinks=args.token_sinks, window=args.token_window, top_k=args.token_top_k,
+                            query_block=qb)
+            sel = _spread_selection(hkv, S, p, dev)
+            n = min(S, args.token_check_queries)
+            refs = [(q0, sparse_k.sparse_attention(q[:, :, q0: q0 + n], k, v, p, backend="torch", selection=sel,
+                                                    q_start=q0)) for q0 in sorted({0, S - n})]
+            plan_rows, pack, bn = selection_prefill_config(hq // hkv, "cuda", D, qb)
+            cands = sorted({plan_rows, *(r for r in (16, 32, 64, 128) if 16 <= r * pack <= 128)})
+            for rph in cands:
+                row = dict(part="token_blocks", S=S, heads=shape, D=D, query_block=qb, rows=rph, pack=pack, bn=bn,
+                           plan=rph == plan_rows)
+                try:
+                    lay = build_block_layout(p, S, S, geo, block_q=rph, block_k=bn, num_kv_heads=hkv)
+
+                    def fn(lay=lay):
+                        return dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel)
+
+                    out = fn()[0]
+                    row["err"] = max(bk.rel_err(out[:, :, q0: q0 + n], r) for q0, r in refs)
+                    del out
+                    if row["err"] < bk.TOL:
+                        row["ms"] = round(bk.bench(fn), 3)
+                    else:
+                        row["error"] = "check failed: void"
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", type=lambda s: s.split(","), default=["decode", "token"])
@@ -480,6 +539,14 @@ def main(argv=None):
     ap.add_argument("--static-query-block", type=int, default=128)
     ap.add_argument("--static-cuda", action="store_true",
                     help="also time the Hopper CUDA decode kernel on the written prefix (plain geometry; builds its extension)")
+    ap.add_argument("--token-shapes", type=lambda s: s.split(","), default=["9:3:64", "32:8:128"],
+                    help="--part token_blocks: Hq:Hkv:D head shapes")
+    ap.add_argument("--token-query-blocks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64],
+                    help="--part token_blocks: selection blocks (queries sharing one key list)")
+    ap.add_argument("--token-sinks", type=int, default=4)
+    ap.add_argument("--token-window", type=int, default=256)
+    ap.add_argument("--token-top-k", type=int, default=256)
+    ap.add_argument("--token-check-queries", type=int, default=256, help="queries per checked slice")
     ap.add_argument("--sass-dir", default=os.path.join("results", "sass"), help="--part sass: where the cubins go")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, fp16, no timing (tests this script)")
@@ -496,6 +563,7 @@ def main(argv=None):
                        or r[0] in ("new default", "new default, 8 splits")]
         args.static_batches, args.static_lens, args.static_layers = [2], [203], 2
         args.static_window, args.static_top_k, args.static_query_block = 32, 40, 16
+        args.seqlen, args.token_window, args.token_top_k, args.token_check_queries = 160, 24, 32, 48
     elif not torch.cuda.is_available() and set(args.part) - {"sass"}:
         print("tune_decode.py needs a CUDA GPU (but --part sass)", file=sys.stderr)
         return 2
@@ -508,7 +576,8 @@ def main(argv=None):
     rows = []
     for part in args.part:
         try:
-            {"decode": part_decode, "token": part_token, "static": part_static, "sass": part_sass}[part](args, rows)
+            {"decode": part_decode, "token": part_token, "token_blocks": part_token_blocks, "static": part_static,
+             "sass": part_sass}[part](args, rows)
         except Exception:  # noqa: BLE001 — keep the other part
             traceback.print_exc()
         torch.cuda.empty_cache()
@@ -522,6 +591,12 @@ def main(argv=None):
         for r in rows:
             if r.get("part") == "static":
                 print("| " + " | ".join(bk._fmt(r.get(k_)) for k_ in skeys) + " |")
+    tkeys = ("heads", "D", "query_block", "rows", "pack", "plan", "ms", "err", "error")
+    if any(r.get("part") == "token_blocks" for r in rows):
+        print("| " + " | ".join(tkeys) + " |")
+        for r in rows:
+            if r.get("part") == "token_blocks":
+                print("| " + " | ".join(bk._fmt(r.get(k_)) for k_ in tkeys) + " |")
     keys = ("part", "pattern", "what", "bm", "bn", "warps", "stages", "fused", "pf", "lean", "pack", "fast", "splits", "graph_us",
             "graph10_us", "eager_us", "gbps",
             "ms", "tflops", "ratio_vs_sw3072", "err", "error")
@@ -529,6 +604,8 @@ def main(argv=None):
     for r in rows:
         if r.get("part") == "decode" and r.get("what") is None and r.get("graph_us") is not None:
             continue  # the per-split rows are in the JSON; print the summary rows below
+        if r.get("part") in ("token_blocks", "static", "sass"):
+            continue  # their own tables above
         print("| " + " | ".join(bk._fmt(r.get(k_)) for k_ in keys) + " |")
     summary = {}
     for r in rows:

@@ -72,7 +72,7 @@ __all__ = [
     "CUDA_ENV", "KERNELS", "Capability", "Launch", "Plan", "Tiles", "bigbird_cuda", "bigbird_tiles", "capability",
     "cuda_enabled",
     "TOKEN_DECODE_BLOCK_N", "decode_config", "mark_build_failed", "plan_backend", "plan_backward", "plan_decode", "plan_forward", "plan_tiles",
-    "record", "recording", "selection_prefill_config", "split_count", "structured_launch", "tile_config",
+    "SMALL_BLOCK_MAX", "record", "recording", "selection_prefill_config", "split_count", "structured_launch", "tile_config",
 ]
 
 #: Environment switch: "1" (default) lets the CUDA kernels take the calls they compute, "0" never.
@@ -421,10 +421,11 @@ class Tiles:
 
 
 def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_grad: bool, selection: bool,
-               bigbird_block: int | None = None, bigbird_cuda: bool = False) -> Tiles:
+               bigbird_block: int | None = None, bigbird_cuda: bool = False, query_block: int | None = None) -> Tiles:
     """The tiles of a call (module docstring): ``group = Hq // Hkv``, ``need_grad`` whether autograd will
-    ask for a backward, ``selection`` whether a token layout is fused, ``bigbird_block`` bigbird's block
-    (None for other patterns), ``bigbird_cuda`` whether the CUDA listed forward takes it (``bigbird_cuda``)."""
+    ask for a backward, ``selection`` whether a token layout is fused (``query_block``: its selection block, None
+    when unknown), ``bigbird_block`` bigbird's block (None for other patterns), ``bigbird_cuda`` whether the CUDA
+    listed forward takes it (``bigbird_cuda``)."""
     if bigbird_block is not None:
         bq, bk = bigbird_tiles(bigbird_block, head_dim, device_type, need_grad, q_len, cuda=bigbird_cuda)
         why = "the CUDA listed forward's 128x128 tiles" if (bq, bk) == (128, 128) and bigbird_cuda else \
@@ -435,8 +436,9 @@ def plan_tiles(*, q_len: int, group: int, head_dim: int, device_type: str, need_
         return Tiles(rows, bn, pack, True,
                      f"decode step ({q_len} queries, no gradient): {pack} heads packed, keys split")
     if selection and not need_grad:
-        rows, pack, bn = selection_prefill_config(group, device_type, head_dim)
-        return Tiles(rows, bn, pack, False, f"token-layout prefill without gradient: {pack} heads packed")
+        rows, pack, bn = selection_prefill_config(group, device_type, head_dim, query_block)
+        return Tiles(rows, bn, pack, False, f"token-layout prefill without gradient: {pack} heads packed, {rows} rows "
+                                            f"a head (query blocks of {query_block})")
     bm, bn = tile_config(head_dim, device_type, need_grad)
     return Tiles(bm, bn, 1, False, "prefill with gradients" if need_grad else "prefill")
 
@@ -482,21 +484,43 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int, selec
     return rows, pack, block_n
 
 
-def selection_prefill_config(group: int, device_type: str, head_dim: int) -> tuple[int, int, int]:
+def selection_prefill_config(group: int, device_type: str, head_dim: int, query_block: int | None = None
+                             ) -> tuple[int, int, int]:
     """``(rows per head, heads packed, BLOCK_N)`` of an inference prefill with a token layout.
 
     ``BLOCK_M = rows * pack = 128``: the query heads of a KV group share every gathered K/V tile
     (GQA packing) and 64-key tiles pipeline 3 stages deep, so the index loads of the gathered tiles
     run ahead too (faster on the H100 than one head per program with 128-key tiles and 2 stages;
     ``scripts/tune_decode.py --part token``; docs/history.md). Used at D = 128 and 64, where they were measured
-    (docs/benchmarks.md, "the token-layout forward at D = 64"); other head dims keep the prefill tiles."""
+    (docs/benchmarks.md, "the token-layout forward at D = 64"); other head dims keep the prefill tiles.
+
+    A tile walks the key list of every selection block its rows touch with all its rows (the other blocks' rows
+    masked): with selection blocks (``query_block``) shorter than ``SMALL_BLOCK_MAX`` queries, ``BLOCK_M`` is four
+    blocks' rows (``4 * query_block * pack``) rounded up to a power of two, within [16, 64] (per-query selection,
+    ``query_block`` 1, a group of 3: 16 rows, 2.5x faster than 128 on the H100; ``scripts/tune_decode.py --part
+    token_blocks``, docs/selection.md)."""
     if device_type != "cuda" or head_dim not in (64, 128):
         bm, bn = tile_config(head_dim, device_type, False)
         return bm, 1, bn
     pack = 1
     while group % (pack * 2) == 0 and pack * 2 <= 4:
         pack *= 2
+    if query_block is not None and query_block < SMALL_BLOCK_MAX:
+        return min(64, max(16, _pow2_at_least(4 * query_block * pack))) // pack, pack, 64
     return 128 // pack, pack, 64
+
+
+#: Selection blocks shorter than this many queries get query tiles of at most 64 rows, about four blocks tall
+#: (``selection_prefill_config``); at 64 and above the 128-row tiles stay (docs/selection.md: at ``query_block`` 64
+#: the 64-row tile was as fast or faster in the one shape timed, a window of 256).
+SMALL_BLOCK_MAX = 64
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 def bigbird_tiles(block: int, head_dim: int, device_type: str, need_grad: bool, q_len: int,

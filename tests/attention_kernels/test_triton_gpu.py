@@ -185,14 +185,15 @@ def test_structured_forward_and_backward_bf16(pattern, S):
 
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("fast", [False, True])
-def test_token_layout_inference_packed_bf16(fast, D):
-    """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages);
-    with left padding, sinks and window, against the float64 reference, with and without the far-tile
-    shortcut (``sel_fast``)."""
+@pytest.mark.parametrize("QB,Hq,bm", [(64, 8, 128), (1, 8, 16), (1, 6, 16), (3, 12, 32), (16, 6, 64)])
+def test_token_layout_inference_packed_bf16(QB, Hq, bm, fast, D):
+    """Inference prefill with a token layout: the backend packs the GQA group (128x64 tiles, 3 stages; selection
+    blocks shorter than ``SMALL_BLOCK_MAX`` queries: tiles of 16-64 rows, e.g. per-query selection); with left
+    padding, sinks and window, against the float64 reference, with and without the far-tile shortcut (``sel_fast``)."""
     from sparse_k.attention import dispatch
     from sparse_k.attention.plan import selection_prefill_config
 
-    B, Hq, Hkv, S, QB, K = 2, 8, 2, 1100, 64, 160
+    B, Hkv, S, K = 2, 2, 1100, 160
     q, k, v = _inputs(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=9)
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     mask[1, :37] = False
@@ -210,8 +211,8 @@ def test_token_layout_inference_packed_bf16(fast, D):
     if not fast:
         out = sparse_k.sparse_attention(q, k, v, p, backend="triton", selection=sel, attention_mask=mask)
         assert rel(out[valid], ref[valid]) < TOL[torch.bfloat16]
-    rows, pack, bn = selection_prefill_config(Hq // Hkv, "cuda", D)
-    assert (rows, pack, bn) == (32, 4, 64)
+    rows, pack, bn = selection_prefill_config(Hq // Hkv, "cuda", D, QB)
+    assert (rows * pack, bn) == (bm, 64)
     lay = sparse_k.build_block_layout(p, S, S, geo, block_q=rows, block_k=bn, num_kv_heads=Hkv)
     out = torch.full_like(q, float("nan"))
     dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel, key_mask=mask, out=out,

@@ -618,6 +618,26 @@ def test_selection_prefill_config():
     assert selection_prefill_config(4, "cpu", 128)[1] == 1
 
 
+@pytest.mark.parametrize("group,query_block,want", [
+    (3, 1, (16, 1, 64)), (3, 2, (16, 1, 64)), (3, 4, (16, 1, 64)), (3, 8, (32, 1, 64)), (3, 17, (64, 1, 64)),
+    (3, 63, (64, 1, 64)), (3, 64, (128, 1, 64)), (3, 128, (128, 1, 64)), (3, None, (128, 1, 64)), (4, 1, (4, 4, 64)),
+    (4, 4, (16, 4, 64)), (4, 5, (16, 4, 64)), (4, 32, (16, 4, 64)), (2, 1, (8, 2, 64)), (2, 16, (32, 2, 64)),
+    (8, 1, (4, 4, 64)), (1, 48, (64, 1, 64)),
+])
+def test_selection_prefill_config_short_blocks(group, query_block, want):
+    """Selection blocks shorter than ``SMALL_BLOCK_MAX`` queries: ``BLOCK_M`` (rows times the heads packed as before)
+    is four blocks' rows rounded up to a power of two, within [16, 64], so a per-query layout's tile walks 16 key
+    lists, not 128; longer blocks (and an unknown one) keep the 128-row tiles; the CPU keeps its tiles."""
+    from sparse_k.attention.plan import SMALL_BLOCK_MAX, selection_prefill_config, tile_config
+
+    assert SMALL_BLOCK_MAX == 64
+    for d in (128, 64):
+        assert selection_prefill_config(group, "cuda", d, query_block) == want
+    assert selection_prefill_config(group, "cpu", 128, query_block) == (*tile_config(128, "cpu", False)[:1], 1,
+                                                                         tile_config(128, "cpu", False)[1])
+    assert selection_prefill_config(group, "cuda", 96, query_block)[0] == tile_config(96, "cuda", False)[0]
+
+
 @_SUBPROCESS_ONLY
 def test_bwd_preprocess_delta_and_lse2():
     """``delta = rowsum(dO * O)`` in float32 and ``lse2 = lse * log2(e)`` (+inf where lse = -inf) from

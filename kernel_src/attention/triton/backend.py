@@ -110,9 +110,11 @@ def _tiles(call: AttentionCall):
         bigbird = False
     on_cuda = bigbird and q.device.type == "cuda" and bigbird_cuda(
         call.pattern.block, call.pattern.causal, q, call.k, call.v, call.geometry, need_grad)
+    query_block = getattr(call.selection, "query_block", None)
     tiles = plan_tiles(q_len=q.shape[2], group=q.shape[1] // call.k.shape[1], head_dim=q.shape[3],
                        device_type=q.device.type, need_grad=need_grad, selection=call.selection is not None,
-                       bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda)
+                       bigbird_block=call.pattern.block if bigbird else None, bigbird_cuda=on_cuda,
+                       query_block=query_block if isinstance(query_block, int) else None)
     if bigbird_decode:
         return dataclasses.replace(tiles, block_k=decode_block_k(call.pattern, tiles.block_k))
     if (bigbird and decode_pattern_code(call.pattern, call.layer_idx) is not None
