@@ -7,10 +7,12 @@ after each run and prints a summary with the acceptance check of the training-fr
 unseen-format retrieval >= ``--retrieval-bar`` of dense's count, and perplexity <= ``--ppl-bar``
 above dense in every perplexity window (the spread considered: the worst window counts).
 
-A cell is ``CONTEXT:SINKS:WINDOW:TOP_K``; a setting is ``qb=N,page=N,heads=sum|max|rank[,refine=F][,obs=N][,dense=A-B]``
-(``refine``: ``page_selection.REFINE``, the two-stage selection; ``obs``: ``page_selection.OBS``, the observation
-window; both default 0 and take integers >= 0; ``qb`` and ``page`` take integers >= 1, a page larger than a cell's
-``top_k`` runs at ``top_k``; ``dense=A-B``: layers A to B, ``0 <= A <= B``).
+A cell is ``CONTEXT:SINKS:WINDOW:TOP_K``; a setting is
+``qb=N,page=N,heads=sum|max|rank[,refine=F][,norm=full|static][,obs=N][,dense=A-B]``
+(``refine``: ``page_selection.REFINE``, the two-stage selection; ``norm``: ``page_selection.REFINE_NORMALISER``, its
+softmax normaliser, default full; ``obs``: ``page_selection.OBS``, the observation window; ``refine`` and ``obs``
+default 0 and take integers >= 0; ``qb`` and ``page`` take integers >= 1, a page larger than a cell's ``top_k`` runs
+at ``top_k``; ``dense=A-B``: layers A to B, ``0 <= A <= B``).
 Arguments after ``--`` go to every ``evaluate_selectors`` run (its flags). Command line:
 ``scripts/sweep_training_free.py``. Example::
 
@@ -54,11 +56,12 @@ def _setting_int(name: str, value: str, low: int, text: str) -> int:
 
 
 def _setting(text: str) -> dict:
-    out = {"qb": 64, "page": 16, "heads": "sum", "refine": 0, "obs": 0, "dense": []}
+    out = {"qb": 64, "page": 16, "heads": "sum", "refine": 0, "norm": "full", "obs": 0, "dense": []}
     for part in text.split(","):
         name, sep, value = part.partition("=")
         if not sep or name not in out:
-            raise argparse.ArgumentTypeError(f"setting fields are qb=, page=, heads=, refine=, obs=, dense=A-B; got {part!r} in {text!r}")
+            raise argparse.ArgumentTypeError(f"setting fields are qb=, page=, heads=, refine=, norm=, obs=, dense=A-B; "
+                                             f"got {part!r} in {text!r}")
         if name == "dense":
             lo, _, hi = value.partition("-")
             first = _setting_int("dense", lo, 0, text)
@@ -68,6 +71,10 @@ def _setting(text: str) -> dict:
             if value not in ("sum", "max", "rank"):
                 raise argparse.ArgumentTypeError(f"heads= takes sum, max or rank, got {value!r}")
             out["heads"] = value
+        elif name == "norm":
+            if value not in ("full", "static"):
+                raise argparse.ArgumentTypeError(f"norm= takes full or static, got {value!r} in {text!r}")
+            out["norm"] = value
         else:
             out[name] = _setting_int(name, value, _SETTING_MIN[name], text)
     out["name"] = text
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
 
     evaluate.load_model = lambda model=None, *, attn_implementation="sdpa", dtype="auto", device="auto": \
         cached(model, attn_implementation, dtype, device)
-    defaults = ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS
+    defaults = ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.REFINE_NORMALISER, ps.OBS
     t0 = time.perf_counter()
     runs, skipped = [], []
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/sweep_training_free.py", *argv])
@@ -138,8 +145,8 @@ def main(argv=None) -> int:
                 if args.max_minutes is not None and time.perf_counter() - t0 > 60 * args.max_minutes:
                     skipped.append({"cell": cell, "setting": setting["name"]})
                     continue
-                ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS = \
-                    setting["page"], setting["heads"], setting["refine"], setting["obs"]
+                ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.REFINE_NORMALISER, ps.OBS = \
+                    setting["page"], setting["heads"], setting["refine"], setting["norm"], setting["obs"]
                 run_argv = [*rest, "--context", str(cell["context"]), "--sinks", str(cell["sinks"]),
                             "--window", str(cell["window"]), "--top-k", str(cell["top_k"]),
                             "--query-block", str(setting["qb"]), "--training-free", "sparse_k", "--no-streaming"]
@@ -152,7 +159,7 @@ def main(argv=None) -> int:
                     with open(out) as fh:
                         res = json.load(fh)
                 runs.append({"cell": cell, "setting": setting, "page": ps.DEFAULT_PAGE, "head_reduce": ps.HEAD_REDUCE,
-                             "refine": ps.REFINE, "obs": ps.OBS,
+                             "refine": ps.REFINE, "norm": ps.REFINE_NORMALISER, "obs": ps.OBS,
                              "evaluate_selectors_args": run_argv, "rows": res["rows"], "table": res["table"],
                              "seconds": time.perf_counter() - start})
                 lines = summary(runs, args.retrieval_bar, args.ppl_bar)
@@ -161,7 +168,7 @@ def main(argv=None) -> int:
                               fh, indent=2, default=str)
                 print(f"[sweep] {setting['name']} at {cell}: {runs[-1]['seconds']:.0f} s", flush=True)
     finally:  # the module settings and load_model go back even when a run fails
-        ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.OBS = defaults
+        ps.DEFAULT_PAGE, ps.HEAD_REDUCE, ps.REFINE, ps.REFINE_NORMALISER, ps.OBS = defaults
         evaluate.load_model = real_load
     lines = summary(runs, args.retrieval_bar, args.ppl_bar)
     with open(args.output, "w") as fh:

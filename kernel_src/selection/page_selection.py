@@ -87,6 +87,11 @@ REFINE = 0
 #: queries' attention probabilities (each over its causal sinks, its causal part of the block's window and the
 #: preselected keys). Decode state: the last ``n`` queries (a ring) and the current block's ``n`` observation queries.
 OBS = 0
+#: The training-free refinement's softmax normaliser (``refine_probabilities``, ``select_triton.refine_page_scores``):
+#: "full" (default) over the block's static keys (sinks and window) and every preselected key; "static" over the static
+#: keys alone, so the kernels skip their first pass over the preselected keys (the ranking differs only through the
+#: weight of each query head in the sum; docs/selection.md). Trained SparseK pools keep "full".
+REFINE_NORMALISER = "full"
 #: Refinement (``refine_probabilities``): the block queries' logits come from one matmul with every key, read at the
 #: preselected keys, when the key tensor holds at most this many times the keys a block reads (preselected and
 #: static) and the matmul's temporaries are no larger than the gathered keys; otherwise the keys are gathered.
@@ -319,25 +324,30 @@ def _logits_at(qb, key, idx, ok):
 
 
 def refine_probabilities(qb: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, static_idx: torch.Tensor,
-                         static_ok: torch.Tensor, flag: torch.Tensor | None = None) -> torch.Tensor:
+                         static_ok: torch.Tensor, flag: torch.Tensor | None = None, *,
+                         static_norm: bool = False) -> torch.Tensor:
     """The refinement score of preselected keys: ``(B, Hkv, NB, W)``, each key's share of the softmax of the block
     query ``qb (B, Hkv, NB, G, D)`` over its static keys (tensor indices ``static_idx (B, 1|Hkv, NB, Ws)``, valid where
     ``static_ok``) and the preselected keys (``idx (B, 1|Hkv, NB, W)``, valid where ``ok``), per query head, summed over
     the KV head's ``G`` query heads (a head that attends to its sinks and window gives the preselected keys little
-    weight); 0 where ``ok`` is False. Float32 queries where ``row_kernels`` gives the kernels: Triton
-    (``select_triton.refine_scores``: no gathered key vectors, a block's keys split over programs), which leaves the
-    rows off ``flag (B, Hkv, NB)`` unwritten (None: every row); else PyTorch, gathered or by one matmul (every row)."""
+    weight); 0 where ``ok`` is False. ``static_norm``: normalised over the static keys alone (``REFINE_NORMALISER``;
+    a head's probabilities then exceed 1 where the preselected keys outweigh them). Float32 queries where
+    ``row_kernels`` gives the kernels: Triton (``select_triton.refine_scores``: no gathered key vectors, a block's keys
+    split over programs), which leaves the rows off ``flag (B, Hkv, NB)`` unwritten (None: every row); else PyTorch,
+    gathered or by one matmul (every row)."""
     B, H, NB, G, D = qb.shape
     S, W, Ws = key.shape[2], idx.shape[-1], static_idx.shape[-1]
     kern = row_kernels(qb)
     if kern is not None:  # a score for a discrete choice: no gradient
-        return kern.refine_scores(qb.detach(), key.detach(), idx, ok, static_idx, static_ok, flag)
+        return kern.refine_scores(qb.detach(), key.detach(), idx, ok, static_idx, static_ok, flag,
+                                  static_norm=static_norm)
     if _dense_refine(G, D, S, W + Ws):
-        logits, lse = _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok)
+        logits, lse = _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok, static_norm)
     else:
         logits = _logits_at(qb, key, idx, ok)
-        lse_static = torch.logsumexp(_logits_at(qb, key, static_idx, static_ok), -1)  # (B, Hkv, NB, G)
-        lse = torch.logaddexp(lse_static, torch.logsumexp(logits, -1))
+        lse = torch.logsumexp(_logits_at(qb, key, static_idx, static_ok), -1)  # (B, Hkv, NB, G)
+        if not static_norm:
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, -1))
     return torch.exp(logits - lse[..., None]).nan_to_num(0.0).sum(3)
 
 
@@ -347,16 +357,17 @@ def _dense_refine(G: int, D: int, S: int, reads: int) -> bool:
     return S <= DENSE_REFINE_FACTOR * reads and 3 * G * S <= D * reads
 
 
-def _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok):
+def _dense_refine_logits(qb, key, idx, ok, static_idx, static_ok, static_norm: bool = False):
     """``refine_probabilities``' logits at the preselected keys ``(B, H, NB, G, W)`` (-inf where not ``ok``) and the
-    log-normaliser over the preselected and static keys ``(B, H, NB, G)``, from one matmul of the block queries with
-    every key (no gather of key vectors; the keys a block reads are marked in a ``(B, H, NB, S)`` count)."""
+    log-normaliser over the preselected and static keys (``static_norm``: the static keys) ``(B, H, NB, G)``, from one
+    matmul of the block queries with every key (no gather of key vectors; the keys the normaliser reads are marked in a
+    ``(B, H, NB, S)`` count)."""
     B, H, NB, G, D = qb.shape
     S = key.shape[2]
     kf = _compute(key)
     logits = torch.einsum("bhngd,bhsd->bhngs", qb.to(kf.dtype), kf) * D ** -0.5  # (B, H, NB, G, S)
     read = torch.zeros(B, H, NB, S, dtype=torch.int32, device=key.device)
-    for i, m in ((idx, ok), (static_idx, static_ok)):
+    for i, m in ((static_idx, static_ok),) if static_norm else ((idx, ok), (static_idx, static_ok)):
         n = i.shape[-1]
         read.scatter_add_(-1, i.expand(B, H, NB, n).clamp(0, S - 1), m.expand(B, H, NB, n).to(torch.int32))
     lse = torch.logsumexp(logits.masked_fill((read == 0)[:, :, :, None], float("-inf")), -1)
@@ -408,8 +419,17 @@ def _refine(qb, key, k_start, pages, chosen, page, lo, hi, n_keys, width, top_k,
     spos, sok = static_positions(block_start, hi, n_keys, sinks, window)
     ks = k_start.view(-1, 1, 1, 1)
     rows = None if flag is None else flag[:, None, None].expand(pos.shape[:3])
-    prob = refine_probabilities(qb, key, pos.clamp_min(0) + ks, ok, spos[:, None].clamp_min(0) + ks, sok[:, None], rows)
+    prob = refine_probabilities(qb, key, pos.clamp_min(0) + ks, ok, spos[:, None].clamp_min(0) + ks, sok[:, None], rows,
+                                static_norm=_static_norm(sinks, window))
     return most_probable(prob, pos, ok, top_k, width, rows)
+
+
+def _static_norm(sinks: int, window: int) -> bool:
+    """Whether the training-free refinement normalises over the static keys alone (``REFINE_NORMALISER``): "static"
+    with static keys to normalise over (``sinks + window > 0``)."""
+    if REFINE_NORMALISER not in ("full", "static"):
+        raise ValueError(f"page_selection.REFINE_NORMALISER must be 'full' or 'static', got {REFINE_NORMALISER!r}")
+    return REFINE_NORMALISER == "static" and sinks + window > 0
 
 
 def _refined_slots(kern, qb, key, k_start, pages, page, n_keys, top_k, block_start, sinks, window, flag):
@@ -419,7 +439,8 @@ def _refined_slots(kern, qb, key, k_start, pages, page, n_keys, top_k, block_sta
     ``top_k`` slots above -inf (``topk_rows``) are the keys ``most_probable`` chooses: ``(B, Hkv, NB, k)`` int32 slots,
     ascending, -1 after (``select_triton.page_layout`` turns them into key indices)."""
     rows = None if flag is None else flag[:, None, None].expand(pages.shape[:3])
-    prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows)
+    prob = kern.refine_page_scores(qb, key, pages, page, block_start, n_keys, k_start, sinks, window, rows,
+                                   static_norm=_static_norm(sinks, window))
     listed = (pages >= 0).sum(-1) * page  # the slots past a block's listed pages are -inf: not read
     at = kern.topk_rows(prob, min(top_k, prob.shape[-1]), flag=rows, lengths=listed)
     return at if rows is None else torch.where(rows[..., None], at, -1)

@@ -46,9 +46,10 @@ same kernels every time and they cost nothing inside a block. No host read.
   its ascending page list; from one such tile it jumps to the next), scoring each against all the tile's queries
   with one ``tl.dot`` (the keys are read once per tile of blocks instead of once per block); a first kernel keeps
   the running max and sum, a second merges the splits in order and writes the probabilities (-inf at a slot that
-  holds no candidate key, so ``topk_rows`` needs no mask). Products in the keys' half precision when the queries
-  have it (exact), else TF32x3 (about float32); sums in float32; a block's arithmetic does not depend on the other
-  blocks of its tile, so decode equals recompute.
+  holds no candidate key, so ``topk_rows`` needs no mask). Both take ``static_norm``: the normaliser over the static
+  keys alone (``page_selection.REFINE_NORMALISER``), when the first kernel walks the sinks and window only. Products
+  in the keys' half precision when the queries have it (exact), else TF32x3 (about float32); sums in float32; a
+  block's arithmetic does not depend on the other blocks of its tile, so decode equals recompute.
 
 * ``page_summaries(key (B, H, S, D), k_start, k_end, page, sinks, n_pages) -> kmin, kmax (B, H, n_pages, D), ok
   (B, 1, n_pages)``: ``page_selection.page_summaries`` (the channel-wise min / max of each page's valid keys) in one
@@ -74,6 +75,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
 from .._ops import add_op_namespace_prefix
+from ..layouts.patterns import _check_bool
 
 __all__ = ["index_scores", "page_bound_scores", "page_layout", "page_summaries", "refine_page_scores", "refine_scores",
            "topk_rows"]
@@ -345,9 +347,10 @@ def _refine_split(Q, K, IDX, OK, H, C, G, D, W, sq_b, sq_h, sq_c, sq_g, sk_b, sk
 def _refine_partial_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, PM, PL, H, C, G, D, W, WS, NS, scale,
                            sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s, si_b, si_h, si_c, ss_b, ss_h, ss_c,
                            HAS_FLAG: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, STATIC_NORM: tl.constexpr):
     """Split ``s`` of a row: the running max and sum of ``exp(logit)`` per query head over the preselected keys
-    ``[s * SPLIT, (s + 1) * SPLIT)`` (split 0: and the static keys), into ``PM, PL (R, NS, BLOCK_G)``."""
+    ``[s * SPLIT, (s + 1) * SPLIT)`` (split 0: and the static keys; ``STATIC_NORM``: the static keys alone), into
+    ``PM, PL (R, NS, BLOCK_G)``."""
     row, b, h, c, q, d, din, K_row, I_row, OK_row, lo, hi = _refine_split(
         Q, K, IDX, OK, H, C, G, D, W, sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, si_b, si_h, si_c, SPLIT, BLOCK_G, BLOCK_D)
     if HAS_FLAG:  # a row the caller keeps: nothing to compute (its queries were read for nothing)
@@ -360,9 +363,10 @@ def _refine_partial_kernel(Q, K, IDX, OK, SIDX, SOK, FLAG, PM, PL, H, C, G, D, W
         for start in range(0, WS, BLOCK_N):
             logits, _ = _refine_logits(q, K_row, SIDX + statics, SOK + statics, start, WS, sk_s, d, din, scale, BLOCK_N)
             m, l = _online_lse(m, l, logits)
-    for start in range(lo, hi, BLOCK_N):
-        logits, _ = _refine_logits(q, K_row, I_row, OK_row, start, hi, sk_s, d, din, scale, BLOCK_N)
-        m, l = _online_lse(m, l, logits)
+    if not STATIC_NORM:
+        for start in range(lo, hi, BLOCK_N):
+            logits, _ = _refine_logits(q, K_row, I_row, OK_row, start, hi, sk_s, d, din, scale, BLOCK_N)
+            m, l = _online_lse(m, l, logits)
     part = (row * NS + tl.program_id(1)) * BLOCK_G + tl.arange(0, BLOCK_G)
     tl.store(PM + part, m)
     tl.store(PL + part, l)
@@ -410,11 +414,12 @@ def _load_rows(ptr, row_ok, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, window, lo,
                HAS_FLAG: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
-               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, POOL: tl.constexpr = True):
     """What a program ``(tile, split)`` of ``refine_page_scores`` reads, per MMA row ``c * BLOCK_G + g`` (block ``c``
     of the tile, query head ``g``): ``b, h``, the rows' block rows ``(b * H + h) * C + c``, whether the block is
     computed (in the call, flag on), its last candidate ``hi``, its last key read ``top`` (-1 when not computed), the
-    index into its ascending page list of its first page at or past the split's start ``lo`` (``ptr``), the key count
+    index into its ascending page list of its first page at or past the split's start ``lo`` (``ptr``; without
+    ``POOL``, ``NPG``: past every listed page, so a walk sees the static keys alone), the key count
     of ``b``, whether the row is a real query head, and the block queries ``(BLOCK_C * BLOCK_G, BLOCK_D)`` (zero past
     ``C`` and ``G``)."""
     BM: tl.constexpr = BLOCK_C * BLOCK_G
@@ -423,7 +428,10 @@ def _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c, sq_g, win
     bs = tl.load(BS + b * C + cc, mask=cc < C, other=0)
     nk = tl.load(NK + b)
     top = tl.where(live, tl.minimum(bs, nk - 1), -1)
-    ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BM, BLOCK_L)
+    if POOL:
+        ptr = _pages_below(PAGES, rows, live, lo // PAGE, NPG, BM, BLOCK_L)
+    else:
+        ptr = tl.zeros([BM], tl.int32) + NPG
     d = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + b * sq_b + h * sq_h + cc[:, None] * sq_c + mg[:, None] * sq_g + d[None, :], (cc < C) & (mg < G),
                    d, D, BLOCK_D)
@@ -511,13 +519,15 @@ def _refine_pages_partial_kernel(Q, K, PAGES, BS, NK, KST, FLAG, PM, PL, H, C, G
                                  sq_b, sq_h, sq_c, sq_g, sk_b, sk_h, sk_s,
                                  HAS_FLAG: tl.constexpr, F32: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                                  BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr):
+                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NP: tl.constexpr,
+                                 STATIC_NORM: tl.constexpr):
     """Split ``s`` (key positions ``[s * SPLIT, (s + 1) * SPLIT)``) of a tile of ``BLOCK_C`` blocks: each query head's
-    running max and sum of ``exp(logit)`` over the block's static and pool keys there, into ``PM, PL (R, NS, BLOCK_G)``."""
+    running max and sum of ``exp(logit)`` over the block's static and pool keys there (``STATIC_NORM``: its static
+    keys alone), into ``PM, PL (R, NS, BLOCK_G)``."""
     lo = tl.program_id(1) * SPLIT
     b, h, rows, live, hi, top, ptr, nk, _, q, d = _page_tile(Q, PAGES, BS, NK, FLAG, H, C, G, NPG, sq_b, sq_h, sq_c,
                                                              sq_g, window, lo, HAS_FLAG, PAGE, BLOCK_C, BLOCK_G, D,
-                                                             BLOCK_D, BLOCK_L)
+                                                             BLOCK_D, BLOCK_L, not STATIC_NORM)
     ks = tl.load(KST + b)
     K_bh = K + b * sk_b + h * sk_h
     end = tl.minimum(lo + SPLIT, tl.max(top, 0) + 1)  # a block before its sinks end has no pool to score
@@ -923,7 +933,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, cand: torch
 
 
 def _refine_scores_impl(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
-                        sok: torch.Tensor, flag: torch.Tensor | None, block_n: int) -> torch.Tensor:
+                        sok: torch.Tensor, flag: torch.Tensor | None, block_n: int, static_norm: bool) -> torch.Tensor:
     B, H, C, G, D = q.shape
     W, WS = idx.shape[-1], sidx.shape[-1]
     block_g, block_d = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
@@ -937,7 +947,8 @@ def _refine_scores_impl(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, o
         qs = (q.stride(0), q.stride(1), q.stride(2), q.stride(3), key.stride(0), key.stride(1), key.stride(2),
               idx.stride(0), idx.stride(1), idx.stride(2))
         _refine_partial_kernel[(R, NS)](q, key, idx, ok, sidx, sok, f, pm, pl, H, C, G, D, W, WS, NS, D ** -0.5, *qs,
-                                        sidx.stride(0), sidx.stride(1), sidx.stride(2), **common)
+                                        sidx.stride(0), sidx.stride(1), sidx.stride(2), STATIC_NORM=static_norm,
+                                        **common)
         _refine_prob_kernel[(R, NS)](q, key, idx, ok, f, pm, pl, out, H, C, G, D, W, NS, D ** -0.5, *qs, W,
                                      BLOCK_S=max(2, triton.next_power_of_2(NS)), **common)
     return out
@@ -948,13 +959,14 @@ _refine_scores = torch.library.custom_op(add_op_namespace_prefix("refine_scores"
 
 
 @_refine_scores.register_fake
-def _(q, key, idx, ok, sidx, sok, flag, block_n):
+def _(q, key, idx, ok, sidx, sok, flag, block_n, static_norm):
     B, H, C = q.shape[:3]
     return q.new_empty((B, H, C, idx.shape[-1]), dtype=torch.float32)
 
 
 def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, sidx: torch.Tensor,
-                  sok: torch.Tensor, flag: torch.Tensor | None = None, *, block_n: int | None = None) -> torch.Tensor:
+                  sok: torch.Tensor, flag: torch.Tensor | None = None, *, block_n: int | None = None,
+                  static_norm: bool = False) -> torch.Tensor:
     """The refinement score of preselected keys (module docstring; ``page_selection.refine_probabilities``).
 
     Args:
@@ -964,9 +976,12 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
         sidx, sok: ``(B, 1|H, C, Ws)`` the same for each block's static keys (sinks and window).
         flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
         block_n: keys per tile (power of two, 16 to 256; default: a ``(G, block_n, D)`` product of about 8K floats).
+        static_norm: each query head's softmax normalised over the static keys alone (no pass over the preselected
+            keys for the normaliser).
     Returns:
         ``(B, H, C, W)`` float32, 0 where ``ok`` is False.
     """
+    _check_bool("refine_scores", "static_norm", static_norm)
     if q.dim() != 5 or key.dim() != 4 or key.shape[:2] != q.shape[:2] or key.shape[3] != q.shape[4]:
         raise ValueError(f"refine_scores: q (B, H, C, G, D) and key (B, H, S, D) do not match: {tuple(q.shape)}, "
                          f"{tuple(key.shape)}")
@@ -993,12 +1008,12 @@ def refine_scores(q: torch.Tensor, key: torch.Tensor, idx: torch.Tensor, ok: tor
     if block_n is None:  # the (G, block_n, D) product of a tile: about 8K floats (64 registers a thread at 8 warps)
         block_n = max(16, min(64, 8192 // (triton.next_power_of_2(q.shape[3]) * max(16, triton.next_power_of_2(q.shape[4])))))
     return _launch(_refine_scores, _refine_scores_impl, q.to(torch.float32).contiguous(), key, *lists,
-                   _row_flag(flag, (B, H, C), "refine_scores"), block_n)
+                   _row_flag(flag, (B, H, C), "refine_scores"), block_n, static_norm)
 
 
 def _refine_page_scores_impl(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, block_start: torch.Tensor,
                              n_keys: torch.Tensor, k_start: torch.Tensor, flag: torch.Tensor | None, page: int, sinks: int,
-                             window: int) -> torch.Tensor:
+                             window: int, static_norm: bool) -> torch.Tensor:
     B, H, C, G, D = q.shape
     NPG = pages.shape[-1]
     out = _empty((B, H, C, NPG * page), torch.float32, q.device)
@@ -1018,7 +1033,8 @@ def _refine_page_scores_impl(q: torch.Tensor, key: torch.Tensor, pages: torch.Te
         common = dict(HAS_FLAG=flag is not None, F32=q.dtype == torch.float32, PAGE=page, SPLIT=PAGE_REFINE_SPLIT,
                       BLOCK_C=block_c, BLOCK_G=block_g, BLOCK_N=block_n, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
                       BLOCK_L=min(128, max(16, triton.next_power_of_2(NPG))), NP=block_n // page, num_warps=4)
-        _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args, **common)
+        _refine_pages_partial_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, *args,
+                                           STATIC_NORM=static_norm, **common)
         _refine_pages_prob_kernel[grid](q, key, pages, block_start, n_keys, k_start, f, pm, pl, out, *args, **common)
     return out
 
@@ -1028,14 +1044,14 @@ _refine_page_scores = torch.library.custom_op(add_op_namespace_prefix("refine_pa
 
 
 @_refine_page_scores.register_fake
-def _(q, key, pages, block_start, n_keys, k_start, flag, page, sinks, window):
+def _(q, key, pages, block_start, n_keys, k_start, flag, page, sinks, window, static_norm):
     B, H, C = q.shape[:3]
     return q.new_empty((B, H, C, pages.shape[-1] * page), dtype=torch.float32)
 
 
 def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, page: int, block_start: torch.Tensor,
                        n_keys: torch.Tensor, k_start: torch.Tensor, sinks: int, window: int,
-                       flag: torch.Tensor | None = None) -> torch.Tensor:
+                       flag: torch.Tensor | None = None, *, static_norm: bool = False) -> torch.Tensor:
     """The refinement score of the keys of preselected pages, computed per tile of blocks on the tensor cores (module
     docstring): ``refine_scores`` for the training-free selection's pools, in page-slot order.
 
@@ -1051,11 +1067,14 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
         sinks, window: the static keys (positions ``< sinks``, and ``(block_start - window, block_start]``); the
             candidates are ``[sinks, block_start - window]``.
         flag: optional ``(B, H, C)`` bool (broadcastable); rows where it is False are left unwritten.
+        static_norm: each query head's softmax normalised over the static keys alone (the first pass then walks the
+            sinks and window, not the pool).
     Returns:
         ``(B, H, C, n * page)`` float32: at slot ``j * page + o`` the summed probability of key ``pages[..., j] * page +
         o`` when it is a candidate below ``n_keys`` (as ``refine_scores`` of ``page_selection.expand_pages``' keys with
         ``static_positions``' keys), else -inf (no key: ``topk_rows`` without a mask passes over it).
     """
+    _check_bool("refine_page_scores", "static_norm", static_norm)
     if q.dim() != 5 or key.dim() != 4 or key.shape[:2] != q.shape[:2] or key.shape[3] != q.shape[4]:
         raise ValueError(f"refine_page_scores: q (B, H, C, G, D) and key (B, H, S, D) do not match: {tuple(q.shape)}, "
                          f"{tuple(key.shape)}")
@@ -1079,7 +1098,7 @@ def refine_page_scores(q: torch.Tensor, key: torch.Tensor, pages: torch.Tensor, 
     return _launch(_refine_page_scores, _refine_page_scores_impl,
                    q.contiguous() if low else q.to(torch.float32).contiguous(), key, pages.to(torch.int32).contiguous(),
                    block_start.contiguous(), n_keys.contiguous(), k_start.contiguous(),
-                   _row_flag(flag, (B, H, C), "refine_page_scores"), page, sinks, window)
+                   _row_flag(flag, (B, H, C), "refine_page_scores"), page, sinks, window, static_norm)
 
 
 def _page_summaries_impl(key: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, page: int, sinks: int,

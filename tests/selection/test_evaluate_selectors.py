@@ -93,6 +93,7 @@ def test_sweep_settings_and_acceptance_check():
     assert (s["qb"], s["page"], s["heads"], s["refine"], s["dense"]) == (16, 8, "rank", 0, [0, 1])
     assert mod._setting("qb=1,refine=4")["refine"] == 4
     assert mod._setting("qb=16,obs=64,refine=4")["obs"] == 64 and s["obs"] == 0
+    assert mod._setting("qb=1,refine=8,norm=static")["norm"] == "static" and s["norm"] == "full"
     assert mod._cell("8192:4:508:512") == {"context": 8192, "sinks": 4, "window": 508, "top_k": 512}
     for bad in ("qb=16,pages=8", "heads=mean", "qb"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -100,7 +101,8 @@ def test_sweep_settings_and_acceptance_check():
     for bad, message in [("page=0", "page= takes an integer >= 1, got '0' in 'page=0'"),
                          ("qb=0,page=16", "qb= takes an integer >= 1, got '0'"), ("page=x", "page= takes an integer >= 1"),
                          ("refine=-1", "refine= takes an integer >= 0"), ("obs=-4", "obs= takes an integer >= 0"),
-                         ("dense=-1", "dense= takes an integer >= 0"), ("dense=3-1", "dense= takes an integer >= 3")]:
+                         ("dense=-1", "dense= takes an integer >= 0"), ("dense=3-1", "dense= takes an integer >= 3"),
+                         ("norm=pool", "norm= takes full or static, got 'pool'")]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
             mod._setting(bad)
     assert mod._setting("page=1,dense=2")["page"] == 1 and mod._setting("dense=2")["dense"] == [2]

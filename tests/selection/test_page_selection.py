@@ -412,14 +412,16 @@ def test_decode_reuse_never_crosses_a_new_prompt():
                 assert idx == want[key], f"generation {seed}, step {t1}, {key}"
 
 
-@pytest.mark.parametrize("refine", [2, 100])
-def test_refine_matches_definition(refine, refine_logits, monkeypatch):
+@pytest.mark.parametrize("refine,normaliser", [(2, "full"), (100, "full"), (2, "static")])
+def test_refine_matches_definition(refine, normaliser, refine_logits, monkeypatch):
     """``REFINE = F``: the ``F * top_k // page`` best pages (the Quest bound), then the ``top_k`` keys among them
     with the largest attention probability of the block's first query (softmax over its sinks, window and the
-    preselected keys, per query head, summed over the KV head's query heads); left padding included."""
+    preselected keys, per query head, summed over the KV head's query heads; ``REFINE_NORMALISER = "static"``: each
+    head's exponentials over the sum over its sinks and window alone); left padding included."""
     import sparse_k.selection.page_selection as ps
 
     monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "REFINE_NORMALISER", normaliser)
     monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
     monkeypatch.setattr(ps, "CHUNK_ELEMENTS", 3000)  # several chunks of blocks
     pattern = sparse_k.SparseK(sinks=3, window=12, top_k=8, query_block=8)
@@ -455,7 +457,9 @@ def test_refine_matches_definition(refine, refine_logits, monkeypatch):
         keys = [p for pg in sorted(pre) for p in range(pg * page, (pg + 1) * page) if p >= pattern.sinks]
         static = list(range(pattern.sinks)) + list(range(hi + 1, b0 + 1))  # the block query's sinks and window
         kk = k[b, h, [p + ks[b] for p in keys + static]]
-        prob = sum(torch.softmax(kk @ q[b, h * G + g, b0 + ks[b]] / D ** 0.5, 0) for g in range(G))[: len(keys)]
+        logits = [kk @ q[b, h * G + g, b0 + ks[b]] / D ** 0.5 for g in range(G)]
+        norm = [torch.logsumexp(x[len(keys):] if normaliser == "static" else x, 0) for x in logits]
+        prob = sum(torch.exp(x - n) for x, n in zip(logits, norm))[: len(keys)]
         order = torch.sort(prob, descending=True, stable=True).indices[: pattern.top_k]
         assert idx == sorted(keys[i] + ks[b] for i in order.tolist()), (b, h, blk)
         if refine == 1:
@@ -522,13 +526,15 @@ def test_observation_window_matches_definition(obs, refine, qb, monkeypatch):
     assert checked > 10
 
 
-@pytest.mark.parametrize("qb,refine,obs", [(1, 8, 0), (2, 6, 0), (1, 0, 3)])
-def test_per_query_selection_decode_equals_recompute(qb, refine, obs, refine_logits, monkeypatch):
-    """Query blocks of 1-2 (every query, or every pair, selects its own keys) with ``REFINE``: a prefill then one
-    token per call through the memo gives the recompute's selection; padded row 1."""
+@pytest.mark.parametrize("qb,refine,obs,normaliser", [(1, 8, 0, "full"), (2, 6, 0, "full"), (1, 0, 3, "full"),
+                                                      (1, 8, 0, "static")])
+def test_per_query_selection_decode_equals_recompute(qb, refine, obs, normaliser, refine_logits, monkeypatch):
+    """Query blocks of 1-2 (every query, or every pair, selects its own keys) with ``REFINE`` (either normaliser): a
+    prefill then one token per call through the memo gives the recompute's selection; padded row 1."""
     import sparse_k.selection.page_selection as ps
 
     monkeypatch.setattr(ps, "REFINE", refine)
+    monkeypatch.setattr(ps, "REFINE_NORMALISER", normaliser)
     monkeypatch.setattr(ps, "OBS", obs)
     monkeypatch.setattr(ps, "DEFAULT_PAGE", 4)
     pattern = sparse_k.SparseK(sinks=2, window=9, top_k=8, query_block=qb)
@@ -600,3 +606,14 @@ def test_block_queries_from_host_offsets_equal_the_device_path(qb):
         assert torch.equal(got, want), (p, Sq)
         for name in ("blocks", "block", "q"):
             assert torch.equal(by_host[name], by_device[name]), (p, Sq, name)
+
+
+def test_refine_normaliser_is_checked(monkeypatch):
+    """An unknown ``REFINE_NORMALISER`` is a ValueError naming it and the allowed values (not a silent default)."""
+    import sparse_k.selection.page_selection as ps
+
+    monkeypatch.setattr(ps, "REFINE", 2)
+    monkeypatch.setattr(ps, "REFINE_NORMALISER", "pool")
+    q, k, v = _inputs(1, 2, 1, 80, 6, seed=3)
+    with pytest.raises(ValueError, match=r"REFINE_NORMALISER must be 'full' or 'static', got 'pool'"):
+        _quiet_build(sparse_k.SparseK(sinks=2, window=8, top_k=8, query_block=4), q, k, v, sparse_k.row_geometry(1, 80, 80))

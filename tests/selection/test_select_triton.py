@@ -38,7 +38,7 @@ from sparse_k.selection.selectors import build_selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
-_N_KERNEL_TESTS = 46  # tests below marked KERNEL_TEST, parametrisations included
+_N_KERNEL_TESTS = 49  # tests below marked KERNEL_TEST, parametrisations included
 DEV = "cuda" if ON_GPU else "cpu"
 SENTINEL = -7
 
@@ -348,29 +348,34 @@ def _refine_inputs(B, H, C, G, D, S, W, Ws, seed):
 
 
 @KERNEL_TEST
-@pytest.mark.parametrize("split", [512, 16])  # one program per row; a row's keys split over 3 programs
-def test_refine_scores_match_the_refinement_and_skip_flagged_rows(split, monkeypatch):
+@pytest.mark.parametrize("split,static_norm", [(512, False), (16, False), (16, True)])  # one program per row, or 3
+def test_refine_scores_match_the_refinement_and_skip_flagged_rows(split, static_norm, monkeypatch):
+    """``refine_scores`` equals ``refine_probabilities`` (either normaliser: the static keys and the preselected ones,
+    or the static keys alone) on float32, strided and bfloat16 keys; rows off the flag stay unwritten."""
     monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
     monkeypatch.setattr(st, "REFINE_SPLIT", split)
     B, H, C, G, D, S, W, Ws = 2, 2, 3, 3, 24, 101, 37, 9
     q, key, idx, ok, sidx, sok = _refine_inputs(B, H, C, G, D, S, W, Ws, seed=int(torch.randint(0, 10**6, ())))
-    want64 = refine_probabilities(q.double(), key.double(), idx, ok, sidx, sok)
-    want32 = refine_probabilities(q, key, idx, ok, sidx, sok)
+    norm = dict(static_norm=static_norm)
+    want64 = refine_probabilities(q.double(), key.double(), idx, ok, sidx, sok, **norm)
+    want32 = refine_probabilities(q, key, idx, ok, sidx, sok, **norm)
     args = [t.to(DEV) for t in (q, key, idx, ok, sidx, sok)]
-    got = st.refine_scores(*args, block_n=16).cpu()
+    got = st.refine_scores(*args, block_n=16, **norm).cpu()
     assert bool((got[0, 0, 0] == 0).all()) and bool((got[~ok] == 0).all())
     _within_float32_error(got, want32, want64, "float32 keys")
     strided = args[1].transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) tensor
-    _within_float32_error(st.refine_scores(args[0], strided, *args[2:]).cpu(), want32, want64, "strided keys")
+    _within_float32_error(st.refine_scores(args[0], strided, *args[2:], **norm).cpu(), want32, want64, "strided keys")
     k16 = key.to(torch.bfloat16)
-    want16 = refine_probabilities(q.double(), k16.double(), idx, ok, sidx, sok)
-    _within_float32_error(st.refine_scores(args[0], k16.to(DEV), *args[2:]).cpu(),
-                          refine_probabilities(q, k16.float(), idx, ok, sidx, sok), want16, "bfloat16 keys")
+    want16 = refine_probabilities(q.double(), k16.double(), idx, ok, sidx, sok, **norm)
+    _within_float32_error(st.refine_scores(args[0], k16.to(DEV), *args[2:], **norm).cpu(),
+                          refine_probabilities(q, k16.float(), idx, ok, sidx, sok, **norm), want16, "bfloat16 keys")
     flag = torch.tensor([[True, False, True], [False, True, True]], device=DEV)[:, None].expand(B, H, C)
-    got = st.refine_scores(*args, flag=flag).cpu()
+    got = st.refine_scores(*args, flag=flag, **norm).cpu()
     f = flag.cpu()
     assert bool((got[~f] == SENTINEL).all())
     _within_float32_error(got[f], want32[f], want64[f], "flagged rows")
+    if static_norm:  # the two normalisers differ (the test would not see a kernel that ignores the flag)
+        assert not torch.allclose(want64, refine_probabilities(q.double(), key.double(), idx, ok, sidx, sok))
 
 
 def _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, n_sel, seed):
@@ -388,7 +393,7 @@ def _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, n_sel, seed):
     return q, key, torch.where(pages >= P, -1, pages), bs, n_keys, k_start
 
 
-def _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, dtype):
+def _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, dtype, static_norm=False):
     """``refine_probabilities`` of ``expand_pages``' packed keys in ``dtype``, and the slot of each packed key."""
     hi = bs - window
     W = pages.shape[-1] * page
@@ -396,7 +401,7 @@ def _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, wind
     spos, sok = page_selection.static_positions(bs, hi, n_keys, sinks, window)
     ks = k_start.view(-1, 1, 1, 1)
     want = refine_probabilities(q.to(dtype), key.to(dtype), pos.clamp_min(0) + ks, pos >= 0, spos[:, None].clamp_min(0) + ks,
-                                sok[:, None])
+                                sok[:, None], static_norm=static_norm)
     slot_pos = (pages.clamp_min(0)[..., None] * page + torch.arange(page)).flatten(-2)
     slot_ok = (pages >= 0).repeat_interleave(page, -1) & (slot_pos >= sinks) & (slot_pos <= hi[:, None, :, None]) \
         & (slot_pos < n_keys[:, None, None, None])
@@ -411,22 +416,31 @@ def _packed(got, slot_ok):
 
 
 @KERNEL_TEST
-@pytest.mark.parametrize("split, page, G, D", [(4096, 16, 3, 24), (64, 16, 4, 32), (64, 8, 1, 24), (128, 64, 2, 16)])
-def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, D, monkeypatch):
+@pytest.mark.parametrize("split, page, G, D, static_norm", [(4096, 16, 3, 24, False), (64, 16, 4, 32, False),
+                                                            (64, 8, 1, 24, False), (128, 64, 2, 16, False),
+                                                            (64, 16, 3, 24, True)])
+def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, page, G, D, static_norm, monkeypatch):
     """Page-slot scores equal ``refine_probabilities`` of the packed keys (GQA, odd sizes, keys split over programs,
     left padding, blocks before the sinks end, blocks with fewer pages; head dimensions below and at the kernel's
-    power of two), -inf at every other slot; float16 products; a strided key view; rows off the flag stay unwritten."""
+    power of two; either normaliser), -inf at every other slot; float16 products; a strided key view; rows off the
+    flag stay unwritten."""
     monkeypatch.setattr(page_selection, "TRITON_SELECTION", False)  # the references: PyTorch
     monkeypatch.setattr(st, "PAGE_REFINE_SPLIT", split)
     B, H, C, S, sinks, window = 2, 2, 37, 203, 5, 20
     q, key, pages, bs, n_keys, k_start = _page_refine_inputs(B, H, C, G, D, S, page, sinks, window, 5,
                                                              seed=int(torch.randint(0, 10**6, ())))
     bs[0, :2] = torch.tensor([1, 3])  # blocks before the sinks end (no pool)
-    want64, slot_ok = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float64)
-    want32, _ = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float32)
+    want64, slot_ok = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float64,
+                                             static_norm)
+    want32, _ = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float32,
+                                       static_norm)
     assert bool((pages < 0).any()) and bool(slot_ok.any())
+    if static_norm:  # the two normalisers differ here
+        full, _ = _page_refine_reference(q, key, pages, page, bs, n_keys, k_start, sinks, window, torch.float64)
+        assert not torch.allclose(_packed(want64, slot_ok), _packed(full, slot_ok))
     run = lambda qq, kk, flag=None: st.refine_page_scores(qq.to(DEV), kk.to(DEV), pages.to(DEV), page, bs.to(DEV),  # noqa: E731
-                                                         n_keys.to(DEV), k_start.to(DEV), sinks, window, flag).cpu()
+                                                         n_keys.to(DEV), k_start.to(DEV), sinks, window, flag,
+                                                         static_norm=static_norm).cpu()
     got = run(q, key)
     assert bool((got[~slot_ok] == float("-inf")).all())
     _within_float32_error(_packed(got, slot_ok), want32, want64, "float32")
@@ -434,9 +448,9 @@ def test_refine_page_scores_match_the_refinement_and_skip_flagged_rows(split, pa
     _within_float32_error(_packed(run(q, strided), slot_ok), want32, want64, "strided keys")
     q16, k16 = q.half(), key.half()
     w16, _ = _page_refine_reference(q16.double(), k16.double(), pages, page, bs, n_keys, k_start, sinks, window,
-                                    torch.float64)
+                                    torch.float64, static_norm)
     w16_32, _ = _page_refine_reference(q16.float(), k16.float(), pages, page, bs, n_keys, k_start, sinks, window,
-                                       torch.float32)
+                                       torch.float32, static_norm)
     _within_float32_error(_packed(run(q16, k16), slot_ok), w16_32, w16, "float16 products")
     flag = (torch.arange(C) % 3 != 1).view(1, 1, C).expand(B, H, C).clone()
     flag[1, 0] = False
@@ -459,6 +473,8 @@ def test_refine_page_scores_rejects_bad_arguments():
         st.refine_page_scores(q, key, pages, **{**ok, "window": -1})
     with pytest.raises(ValueError, match="`key`"):
         st.refine_page_scores(q, key.double(), pages, **ok)
+    with pytest.raises(TypeError, match="`static_norm` must be a bool"):
+        st.refine_page_scores(q, key, pages, **ok, static_norm=1)
 
 
 @KERNEL_TEST
@@ -468,6 +484,8 @@ def test_refine_scores_rejects_bad_arguments():
         st.refine_scores(q, key, idx.float(), ok, sidx, sok)
     with pytest.raises(ValueError, match="`sok`"):
         st.refine_scores(q, key, idx, ok, sidx, sok.int())
+    with pytest.raises(TypeError, match="`static_norm` must be a bool"):
+        st.refine_scores(q, key, idx, ok, sidx, sok, static_norm="yes")
     with pytest.raises(ValueError, match="`key`"):
         st.refine_scores(q, key.double(), idx, ok, sidx, sok)
     with pytest.raises(ValueError, match="do not match"):
@@ -492,7 +510,7 @@ strides = ("sq_b", "sq_h", "sq_c", "sq_g", "sk_b", "sk_h", "sk_s", "si_b", "si_h
 refine_part = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "SIDX": "*i32", "SOK": "*u8", "FLAG": "*u8",
                "PM": "*fp32", "PL": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "WS", "NS")}, "scale": "fp32",
                **{n: "i32" for n in (*strides, "ss_b", "ss_h", "ss_c")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
-               "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+               "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "STATIC_NORM": "constexpr"}
 refine_prob = {"Q": "*fp32", "K": "*bf16", "IDX": "*i32", "OK": "*u8", "FLAG": "*u8", "PM": "*fp32", "PL": "*fp32",
                "OUT": "*fp32", **{n: "i32" for n in ("H", "C", "G", "D", "W", "NS")}, "scale": "fp32",
                **{n: "i32" for n in (*strides, "so_r")}, "HAS_FLAG": "constexpr", "SPLIT": "constexpr",
@@ -503,6 +521,7 @@ page_refine = {"Q": "*bf16", "K": "*bf16", "PAGES": "*i32", "BS": "*i64", "NK": 
                **{n: "constexpr" for n in ("HAS_FLAG", "F32", "PAGE", "SPLIT", "BLOCK_C", "BLOCK_G", "BLOCK_N", "D",
                                            "BLOCK_D", "BLOCK_L", "NP")}}
 page_refine_out = dict([*list(page_refine.items())[:9], ("OUT", "*fp32"), *list(page_refine.items())[9:]])  # OUT after PL
+page_refine_part = {**page_refine, "STATIC_NORM": "constexpr"}
 page_const = {"HAS_FLAG": True, "PAGE": 16, "SPLIT": 4096, "BLOCK_C": 16, "BLOCK_G": 4, "BLOCK_N": 64, "D": 128,
               "BLOCK_D": 128, "BLOCK_L": 128, "NP": 4}
 index = {"Q": "*fp32", "W": "*fp32", "IK": "*fp32", "CAND": "*u8", "FLAG": "*u8", "OUT": "*fp32",
@@ -534,10 +553,17 @@ for fn, sig, const, warps in ((st._page_summary_kernel, summary, {"PAGE": 16, "B
                                                               "BLOCK_D": 128}, 8),
                               (st._index_score_kernel, index, {"HAS_FLAG": True, "BLOCK_S": 128, "BLOCK_D": 64}, 4),
                               (st._refine_partial_kernel, refine_part, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_G": 4,
-                                                                        "BLOCK_N": 16, "BLOCK_D": 128}, 8),
+                                                                        "BLOCK_N": 16, "BLOCK_D": 128,
+                                                                        "STATIC_NORM": False}, 8),
+                              (st._refine_partial_kernel, refine_part, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_G": 4,
+                                                                        "BLOCK_N": 16, "BLOCK_D": 128,
+                                                                        "STATIC_NORM": True}, 8),
                               (st._refine_prob_kernel, refine_prob, {"HAS_FLAG": True, "SPLIT": 512, "BLOCK_S": 4,
                                                                      "BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}, 8),
-                              (st._refine_pages_partial_kernel, page_refine, {**page_const, "F32": False}, 4),
+                              (st._refine_pages_partial_kernel, page_refine_part,
+                               {**page_const, "F32": False, "STATIC_NORM": False}, 4),
+                              (st._refine_pages_partial_kernel, page_refine_part,
+                               {**page_const, "F32": False, "STATIC_NORM": True}, 4),
                               (st._refine_pages_prob_kernel, page_refine_out, {**page_const, "F32": False}, 4),
                               (st._refine_pages_prob_kernel, {**page_refine_out, "Q": "*fp32"}, {**page_const, "F32": True},
                                4)):
@@ -564,12 +590,13 @@ def test_kernels_compile_for_sm90(tmp_path):
 B, HQ, HKV, D = 2, 4, 2, 16
 SLOTS, PROMPT, PAD = 83, 13, 3  # row 1 is left-padded by PAD slots
 KINDS = ["dsa", "dsa_per_kv_head", "pages", "pages_refine"]  # decode steps keep a selection inside a block
-PER_QUERY_KINDS = ["pages_refine_qb1", "sparse_k_refine"]  # every query its own block
+PER_QUERY_KINDS = ["pages_refine_qb1", "pages_refine_qb1_static", "sparse_k_refine"]  # every query its own block
+# ("_static": page_selection.REFINE_NORMALISER = "static")
 
 
 def _pattern(kind):
     if kind.startswith("pages"):
-        refine, qb = {"pages": (0, 4), "pages_refine": (2, 4), "pages_refine_qb1": (3, 1)}[kind]
+        refine, qb = {"pages": (0, 4), "pages_refine": (2, 4), "pages_refine_qb1": (3, 1)}[kind.removesuffix("_static")]
         return sparse_k.SparseK(sinks=2, window=5, top_k=8, query_block=qb, refine=refine)
     if kind == "sparse_k_refine":
         return sparse_k.SparseK(sinks=2, window=5, top_k=6, query_block=1, refine=3)
@@ -620,6 +647,8 @@ def _same(got, want, where):
 @pytest.mark.parametrize("kind", KINDS + PER_QUERY_KINDS)
 def test_selection_through_the_kernels_equals_the_torch_path(kind, monkeypatch):
     monkeypatch.setattr(st, "REFINE_SPLIT", 8)  # the refinements' rows split over programs
+    if kind.endswith("_static"):
+        monkeypatch.setattr(page_selection, "REFINE_NORMALISER", "static")
     selector, cache = _selector(kind), Cache(1)
     q, geo = cache.call(SLOTS - 2)
     with torch.no_grad():
