@@ -23,6 +23,7 @@ Integer parameters take Python or numpy integers (stored as Python ints, so ``to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from dataclasses import InitVar, dataclass
 from typing import ClassVar
@@ -637,7 +638,12 @@ class _Learned(Pattern):
         _check_span(self.name, "refine * top_k (the first stage's pool)", self.refine * self.top_k)
 
     def static_part(self) -> Streaming:
-        """The sinks + window rule that stays a block layout beside the selection."""
+        """The sinks + window rule that stays a block layout beside the selection (built once per pattern: every
+        layer's call asks for it)."""
+        return self._static
+
+    @functools.cached_property
+    def _static(self) -> Streaming:
         return Streaming(sinks=self.sinks, window=self.window)
 
     def candidate_range(self, block_start: torch.Tensor):
