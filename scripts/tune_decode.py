@@ -429,40 +429,54 @@ def part_token(args, rows):
     geo = row_geometry(1, S, S, None, device=dev)
     scale = D ** -0.5
     sel = bk.token_selection(1, S, S, p_tok, dev)
-    refs = [(q0, sparse_k.sparse_attention(q[:, :, q0 : q0 + 256], k, v, p_tok, backend="torch", selection=sel, q_start=q0))
-            for q0 in (0, S - 256)]
+    n = min(S, 256)  # queries per checked slice (the dry run's S is shorter)
+    refs = [(q0, sparse_k.sparse_attention(q[:, :, q0 : q0 + n], k, v, p_tok, backend="torch", selection=sel, q_start=q0))
+            for q0 in sorted({0, S - n})]
     lay_sw = build_block_layout(p_sw, S, S, geo, block_q=128, block_k=128, num_kv_heads=HKV)
     sw_ms = bk.bench(lambda: dispatch.attention_forward(q, k, v, lay_sw, scale=scale))
     sw_tf = 4.0 * bk.allowed_pairs(lay_sw, S) * HQ * D / sw_ms / 1e9
     rows.append(dict(part="token", S=S, what="sw3072 (default forward)", ms=round(sw_ms, 3), tflops=round(sw_tf, 1)))
     print(json.dumps(rows[-1]), flush=True)
-    pairs = None
+    pairs = []
     for bm, bn, warps, stages, pack, fast, pf, lean in TOKEN_VARIANTS:
         row = dict(part="token", S=S, bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast, pf=pf, lean=lean)
-        try:
+
+        def make(bm=bm, bn=bn, warps=warps, stages=stages, pack=pack, fast=fast, pf=pf, lean=lean):
             lay = build_block_layout(p_tok, S, S, geo, block_q=bm // pack, block_k=bn, num_kv_heads=HKV)
-            if pairs is None:
-                pairs = (bk.allowed_pairs(lay, S) + bk.selected_pairs(sel, S, S)) * HQ
+            if not pairs:
+                pairs.append((bk.allowed_pairs(lay, S) + bk.selected_pairs(sel, S, S)) * HQ)
+            return lambda: dispatch.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
+                                                      num_stages=stages, selection=sel, sel_fast=fast,
+                                                      sel_prefetch=pf, sel_lean=lean)
 
-            def fn(lay=lay, pack=pack, warps=warps, stages=stages, fast=fast, pf=pf, lean=lean):
-                return dispatch.attention_forward(q, k, v, lay, scale=scale, pack=pack, num_warps=warps,
-                                                  num_stages=stages, selection=sel, sel_fast=fast, sel_prefetch=pf,
-                                                  sel_lean=lean)
+        def rates(row):
+            row["tflops"] = round(4.0 * pairs[0] * D / row["ms"] / 1e9, 1)
+            row["ratio_vs_sw3072"] = round(row["tflops"] / sw_tf, 3)
 
-            out = fn()[0]
-            row["err"] = max(bk.rel_err(out[:, :, q0 : q0 + 256], r) for q0, r in refs)
-            del out
-            if row["err"] < bk.TOL:
-                row["ms"] = round(bk.bench(fn), 3)
-                row["tflops"] = round(4.0 * pairs * D / row["ms"] / 1e9, 1)
-                row["ratio_vs_sw3072"] = round(row["tflops"] / sw_tf, 3)
-            else:
-                row["error"] = "check failed: void"
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        _checked_row(rows, row, make, refs, n, rates)
+
+
+def _checked_row(rows, row, make, refs, n: int, rates=None) -> None:
+    """One timing row: ``make()`` builds the call, whose output's largest relative error against ``refs`` (pairs
+    ``(q0, the PyTorch path's output for queries [q0, q0 + n))``) goes to ``row["err"]``; within ``bk.TOL`` it is
+    timed (``row["ms"]``, then ``rates(row)``), else the row is void; an exception is recorded in ``row["error"]``.
+    The row is appended to ``rows`` and printed."""
+    try:
+        fn = make()
+        out = fn()[0]
+        row["err"] = max(bk.rel_err(out[:, :, q0: q0 + n], r) for q0, r in refs)
+        del out
+        if row["err"] < bk.TOL:
+            row["ms"] = round(bk.bench(fn), 3)
+            if rates is not None:
+                rates(row)
+        else:
+            row["error"] = "check failed: void"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def _spread_selection(Hkv: int, S: int, p, dev):
@@ -501,24 +515,12 @@ def part_token_blocks(args, rows):
             for rph in cands:
                 row = dict(part="token_blocks", S=S, heads=shape, D=D, query_block=qb, rows=rph, pack=pack, bn=bn,
                            plan=rph == plan_rows)
-                try:
+
+                def make(rph=rph, p=p, sel=sel, pack=pack, bn=bn):
                     lay = build_block_layout(p, S, S, geo, block_q=rph, block_k=bn, num_kv_heads=hkv)
+                    return lambda: dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel)
 
-                    def fn(lay=lay):
-                        return dispatch.attention_forward(q, k, v, lay, scale=D ** -0.5, pack=pack, selection=sel)
-
-                    out = fn()[0]
-                    row["err"] = max(bk.rel_err(out[:, :, q0: q0 + n], r) for q0, r in refs)
-                    del out
-                    if row["err"] < bk.TOL:
-                        row["ms"] = round(bk.bench(fn), 3)
-                    else:
-                        row["error"] = "check failed: void"
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                _checked_row(rows, row, make, refs, n)
 
 
 def main(argv=None):

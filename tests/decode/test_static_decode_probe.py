@@ -1,7 +1,8 @@
 """``scripts/tune_decode.py --part static`` (the timing probe of a learned layer's StaticCache decode launch) in its
 CPU dry run: every launch row (the former and current key tiles, fewer splits, the static part alone, the adapter's
 whole call) runs under the interpreter on a slot-masked cache with the query's geometry on the device, with and
-without SparseK weights, and matches the PyTorch path."""
+without SparseK weights, and matches the PyTorch path; the token-layout prefill parts (``--part token``,
+``--part token_blocks``) likewise."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ def test_sass_part_reports_registers_and_spills(tmp_path):
     if "error" in row:
         pytest.skip(f"no sm_90 compile here: {row['error']}")
     assert 0 < row["registers"] <= 255 and row["spill_stack"] >= 0 and row["sass_instructions"] > 1000, row
+
+
+def test_token_parts_dry_run_rows_are_checked(tmp_path):
+    """``--part token`` (the token-layout prefill variants) and ``--part token_blocks`` (short selection blocks, every
+    query tile height) in the CPU dry run: every row runs under the interpreter and matches the PyTorch path, the
+    plan's tile among them."""
+    out = tmp_path / "token.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--part", "token,token_blocks", "--token-shapes",
+                           "9:3:64", "--token-query-blocks", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    token = [r for r in rows if r["part"] == "token" and "bm" in r]
+    blocks = [r for r in rows if r["part"] == "token_blocks"]
+    assert len(token) == 2 and {r["rows"] for r in blocks} == {16, 32, 64, 128}, rows
+    assert sum(r["plan"] for r in blocks) == 1
+    for r in token + blocks:
+        assert r["err"] < 1e-2, r  # fp16 operands against the PyTorch path (design §10)
+    assert "| heads | D | query_block | rows |" in proc.stdout
