@@ -482,7 +482,7 @@ def _checked_row(rows, row, make, refs, n: int, rates=None) -> None:
 def _spread_selection(Hkv: int, S: int, p, dev):
     """``bk.token_selection`` for ``Hkv`` KV heads (B=1): every block's ``top_k`` keys spread evenly over its
     candidates, so neighbouring blocks' lists share most key tiles (as a real model's neighbouring queries do;
-    docs/selection.md, session 32)."""
+    docs/selection.md)."""
     sel = bk.token_selection(1, S, S, p, dev)
     return sparse_k.TokenLayout(sel.indices[:, :1].expand(1, Hkv, *sel.indices.shape[2:]),
                                 sel.counts[:, :1].expand(1, Hkv, sel.counts.shape[2]), sel.query_block, sel.first_block)
