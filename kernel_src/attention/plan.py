@@ -512,7 +512,7 @@ def selection_prefill_config(group: int, device_type: str, head_dim: int, query_
 
 #: Selection blocks shorter than this many queries get query tiles of at most 64 rows, about four blocks tall
 #: (``selection_prefill_config``); at 64 and above the 128-row tiles stay (docs/selection.md: at ``query_block`` 64
-#: the 64-row tile was as fast or faster in the one shape timed, a window of 256).
+#: the 64-row tile was as fast or faster in the two head shapes timed, with a window of 256 only).
 SMALL_BLOCK_MAX = 64
 
 
