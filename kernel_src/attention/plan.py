@@ -465,9 +465,7 @@ def decode_config(q_len: int, group: int, device_type: str, head_dim: int, selec
                   ) -> tuple[int, int, int]:
     """``(rows per head, heads packed, BLOCK_N)`` of the decode kernel (``BLOCK_M = rows * pack``);
     ``selection``: a token layout is fused (its gathered keys run ``TOKEN_DECODE_BLOCK_N``-key tiles)."""
-    rows = 1
-    while rows < q_len:
-        rows *= 2
+    rows = _pow2_at_least(q_len)
     min_m = 16
     max_m = 128 if head_dim <= 128 else 64
     # Pack the largest power of two of heads that divides the group, so BLOCK_M = rows * pack stays a

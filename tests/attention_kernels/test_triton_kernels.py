@@ -633,8 +633,8 @@ def test_selection_prefill_config_short_blocks(group, query_block, want):
     assert SMALL_BLOCK_MAX == 64
     for d in (128, 64):
         assert selection_prefill_config(group, "cuda", d, query_block) == want
-    assert selection_prefill_config(group, "cpu", 128, query_block) == (*tile_config(128, "cpu", False)[:1], 1,
-                                                                         tile_config(128, "cpu", False)[1])
+    cpu_m, cpu_n = tile_config(128, "cpu", False)
+    assert selection_prefill_config(group, "cpu", 128, query_block) == (cpu_m, 1, cpu_n)
     assert selection_prefill_config(group, "cuda", 96, query_block)[0] == tile_config(96, "cuda", False)[0]
 
 
